@@ -1,0 +1,3 @@
+from gpuhook.entry import main
+
+main()

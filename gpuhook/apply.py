@@ -1,0 +1,419 @@
+"""The only layer that changes anything: turn a Plan into system calls.
+
+Order, and why:
+
+1. cgroup: allow the devices (host side). runc has applied its own rules before prestart
+   hooks run, so we add ours on top and remember what we added.
+2. In a forked worker that joins the container's mount namespace (the container's /dev
+   tmpfs and its /proc exist only there, docs/reference section 1): device nodes, bind
+   mounts (read-only, nosuid, nodev), soname symlinks, the /proc/driver/nvidia mask, and the
+   HOST's ldconfig against the rootfs. Every container path is resolved inside the rootfs
+   (gpuhook.safepath) and mounted through /proc/self/fd, so what was checked is what gets
+   mounted.
+
+Any failure undoes what was done, newest first: mounts, then created files, symlinks and
+directories, then our cgroup rules, and the error names the step. The worker reports each
+step as it starts, so a deadline names the step that was cut off.
+"""
+
+import json
+import os
+import signal
+import stat
+import time
+
+from gpuhook import linux, safepath
+from gpuhook.cgroup import hierarchy
+from gpuhook.errors import ApplyError, DeadlineError, HostError
+from gpuhook.plan import ProcMask
+
+_MS = {"ro": linux.MS_RDONLY, "nosuid": linux.MS_NOSUID, "nodev": linux.MS_NODEV, "noexec": linux.MS_NOEXEC}
+# The worker's own deadline is this much shorter than the hook's, so it can clean up itself.
+CLEANUP_MARGIN = 1.0
+
+
+class Outcome:
+    def __init__(self, cgroup_mode: str, rules_added: list, notes: list, steps: int):
+        self.cgroup_mode = cgroup_mode
+        self.rules_added = rules_added
+        self.notes = notes
+        self.steps = steps
+
+
+def _flags(options) -> int:
+    flags = 0
+    for option in options:
+        flags |= _MS[option]
+    return flags
+
+
+def open_container_mntns(pid: int) -> int:
+    """fd of the container's mount namespace; refuses the hook's own namespace."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise HostError(f"container process {pid} is gone") from None
+    except OSError as err:
+        raise HostError(f"cannot open the mount namespace of process {pid}: {err.strerror}") from err
+    if os.fstat(fd).st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+        os.close(fd)
+        raise HostError(f"process {pid} shares the hook's mount namespace: it is not a container being created")
+    return fd
+
+
+def read_proc_files(mask: ProcMask) -> dict:
+    """Contents for the masked /proc/driver/nvidia, read on the host side."""
+    files = {}
+    for name in ("params", "version", "registry"):
+        try:
+            with open(f"{mask.source_dir}/{name}", "rb") as f:
+                data = f.read(1 << 20)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise HostError(f"cannot read {mask.source_dir}/{name}: {err.strerror}") from err
+        if name == "params":
+            data = _no_device_files(data)
+        files[name] = data.decode("utf-8", "surrogateescape")
+    return files
+
+
+def _no_device_files(params: bytes) -> bytes:
+    lines = [b"ModifyDeviceFiles: 0" if line.startswith(b"ModifyDeviceFiles:") else line
+             for line in params.splitlines()]
+    if not any(line.startswith(b"ModifyDeviceFiles:") for line in lines):
+        lines.append(b"ModifyDeviceFiles: 0")
+    return b"\n".join(lines) + b"\n"
+
+
+def apply(plan, deadline: float) -> Outcome:
+    """Carry out `plan` on the running container; raises ApplyError/DeadlineError after undoing."""
+    if plan.empty:
+        return Outcome("", [], [], 0)
+    if plan.pid <= 0:
+        raise ApplyError("state", "the state has no container pid; gpuhook runs as a prestart or createRuntime hook")
+    ns_fd = open_container_mntns(plan.pid)
+    try:
+        proc_files = read_proc_files(plan.proc_mask) if plan.proc_mask else {}
+        place = hierarchy.placement(plan.pid)
+        added = _grant(place, plan.rules)
+        try:
+            report = _run_worker(plan, ns_fd, proc_files, deadline)
+        except BaseException:
+            _revoke(place, added)
+            raise
+        return Outcome(place.mode, added, report.get("notes", []), report.get("steps", 0))
+    finally:
+        os.close(ns_fd)
+
+
+def _grant(place, rules) -> list:
+    if place.mode == hierarchy.V1:
+        from gpuhook.cgroup import v1
+
+        return v1.grant(place.directory, rules)
+    from gpuhook.cgroup import v2
+
+    return v2.grant(place.directory, rules)
+
+
+def _revoke(place, added) -> None:
+    if not added:
+        return
+    if place.mode == hierarchy.V1:
+        from gpuhook.cgroup import v1
+
+        v1.revoke(place.directory, added)
+    else:
+        from gpuhook.cgroup import v2
+
+        v2.revoke(place.directory, added)
+
+
+def _run_worker(plan, ns_fd: int, proc_files: dict, deadline: float) -> dict:
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_end)
+            code = _worker(plan, ns_fd, proc_files, deadline - CLEANUP_MARGIN, write_end)
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    return _collect(pid, read_end, deadline)
+
+
+def _collect(pid: int, read_end: int, deadline: float) -> dict:
+    import select
+
+    buf = b""
+    last_step = "starting"
+    final = None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _, _ = select.select([read_end], [], [], left)
+            if not ready:
+                continue
+            data = os.read(read_end, 65536)
+            if not data:
+                break
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                message = json.loads(line)
+                if "step" in message:
+                    last_step = message["step"]
+                else:
+                    final = message
+    finally:
+        os.close(read_end)
+    if final is None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        if time.monotonic() >= deadline:
+            raise DeadlineError(f"hook deadline passed during {last_step}")
+        raise ApplyError(last_step, "the namespace worker died")
+    os.waitpid(pid, 0)
+    if not final.get("ok"):
+        problems = final.get("cleanup") or []
+        hint = ("cleanup: " + "; ".join(problems)) if problems else None
+        raise ApplyError(final.get("step", last_step), final.get("error", "failed"), hint)
+    return final
+
+
+def _worker(plan, ns_fd: int, proc_files: dict, deadline: float, out: int) -> int:
+    """Runs in the forked child; returns its exit code. Never raises."""
+
+    def send(message: dict) -> None:
+        os.write(out, json.dumps(message).encode() + b"\n")
+
+    step = "enter mount namespace"
+    work = _Work(plan, deadline, send)
+    try:
+        linux.prctl_set_pdeathsig(signal.SIGKILL)
+        devnull = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):  # never hold the runtime's pipes
+            os.dup2(devnull, fd)
+        os.umask(0)
+        linux.setns(ns_fd, linux.CLONE_NEWNS)
+        os.chdir("/")
+        step = "open rootfs"
+        try:
+            work.root = os.open(plan.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as err:
+            raise OSError(err.errno, f"rootfs {plan.rootfs} is not a directory in the container's namespace")
+        for step, action in work.steps(proc_files):
+            send({"step": step})
+            if time.monotonic() > deadline:
+                raise TimeoutError("deadline passed")
+            action()
+        work.changes.forget()
+        send({"ok": True, "notes": work.notes, "steps": work.count})
+        return 0
+    except BaseException as err:  # noqa: BLE001 - the worker reports everything
+        problems = work.undo()
+        message = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        if isinstance(err, OSError) and err.filename:
+            message = f"{err.filename}: {message}"
+        try:
+            send({"ok": False, "step": step, "error": message or type(err).__name__, "cleanup": problems})
+        except OSError:
+            pass
+        return 1
+
+
+class _Work:
+    """The worker's steps over one container rootfs, and how to take them back."""
+
+    def __init__(self, plan, deadline, send):
+        self.plan = plan
+        self.deadline = deadline
+        self.send = send
+        self.root = -1
+        self.changes = safepath.Changes()
+        self.mounted: list[str] = []  # container paths we mounted on, in order
+        self.notes: list[str] = []
+        self.count = 0
+
+    def steps(self, proc_files):
+        plan = self.plan
+        for node in plan.nodes:
+            yield f"device node {node.path}", lambda n=node: self.node(n)
+        for mount in plan.mounts:
+            yield f"mount {mount.target}", lambda m=mount: self.bind(m)
+        for link in plan.symlinks:
+            yield f"symlink {link.path}", lambda s=link: self.symlink(s)
+        if plan.proc_mask is not None:
+            yield f"mask {ProcMask.target}", lambda: self.mask_proc(proc_files)
+        if plan.ldcache is not None:
+            yield "ldconfig", self.ldconfig
+
+    def node(self, node) -> None:
+        parent_path, name = safepath.split(node.path)
+        parent = safepath.make_dirs(self.root, parent_path, self.changes)
+        try:
+            want = os.makedev(node.major, node.minor)
+            try:
+                os.mknod(name, stat.S_IFCHR | node.mode, want, dir_fd=parent)
+            except FileExistsError:
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
+                    return  # already there (the hook ran before, or the spec made it)
+                raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}"
+                                  + (f" {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if stat.S_ISCHR(st.st_mode) else ""),
+                              node.path) from None
+            self.changes.add("file", parent, name)
+            os.chown(name, node.uid, node.gid, dir_fd=parent, follow_symlinks=False)
+            self.count += 1
+        finally:
+            os.close(parent)
+
+    def bind(self, mount) -> None:
+        flags = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            src = os.open(mount.source, flags | (os.O_DIRECTORY if mount.kind == "dir" else 0))
+        except OSError as err:
+            raise OSError(err.errno, f"host source {mount.source}: {err.strerror}") from None
+        try:
+            src_st = os.fstat(src)
+            if mount.kind == "dir":
+                target = safepath.ensure_dir(self.root, mount.target, self.changes)
+            else:
+                if mount.kind == "file" and not stat.S_ISREG(src_st.st_mode):
+                    raise OSError(22, f"host source {mount.source} is {safepath.kind_of(src_st.st_mode)}")
+                target = safepath.ensure_file(self.root, mount.target, self.changes)
+            try:
+                linux.mount(linux.fd_path(src), linux.fd_path(target), None, linux.MS_BIND)
+            finally:
+                os.close(target)
+            self.mounted.append(mount.target)
+            # Remount read-only through a fresh fd of what is now at the target, after
+            # checking that it is the mount we just made.
+            now = safepath.open_in_root(self.root, mount.target, os.O_PATH, follow_final=False)
+            try:
+                st = os.fstat(now)
+                if (st.st_dev, st.st_ino) != (src_st.st_dev, src_st.st_ino):
+                    raise OSError(16, "changed under us while mounting", mount.target)
+                linux.mount(None, linux.fd_path(now), None,
+                            linux.MS_BIND | linux.MS_REMOUNT | _flags(mount.options))
+            finally:
+                os.close(now)
+            self.count += 1
+        finally:
+            os.close(src)
+
+    def symlink(self, link) -> None:
+        parent_path, name = safepath.split(link.path)
+        parent = safepath.make_dirs(self.root, parent_path, self.changes)
+        try:
+            try:
+                os.symlink(link.target, name, dir_fd=parent)
+                self.changes.add("file", parent, name)
+            except FileExistsError:
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                if not stat.S_ISLNK(st.st_mode):
+                    raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}", link.path) from None
+                old = os.readlink(name, dir_fd=parent)
+                if old == link.target:
+                    return
+                # The image has its own link by that name (a stub or an older driver's):
+                # point it at the host driver, atomically, and remember the old target.
+                temp = f".{name}.gpuhook"
+                os.symlink(link.target, temp, dir_fd=parent)
+                os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+                self.changes.add_relink(parent, name, old)
+            self.count += 1
+        finally:
+            os.close(parent)
+
+    def mask_proc(self, files: dict) -> None:
+        try:
+            target = safepath.open_in_root(self.root, ProcMask.target, os.O_PATH | os.O_DIRECTORY)
+        except FileNotFoundError:
+            self.notes.append(f"container /proc has no driver/nvidia (no NVIDIA kernel module, e.g. a "
+                              f"simulated host): {ProcMask.target} not masked")
+            return
+        gpu_fds = []
+        try:
+            for bus in self.plan.proc_mask.gpu_buses:
+                gpu_fds.append((bus, safepath.open_in_root(
+                    self.root, f"{ProcMask.target}/gpus/{bus}", os.O_PATH | os.O_DIRECTORY)))
+            linux.mount("tmpfs", linux.fd_path(target), "tmpfs",
+                        linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC, "mode=0555,size=1m")
+            self.mounted.append(ProcMask.target)
+            top = safepath.open_in_root(self.root, ProcMask.target, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                for name, text in files.items():
+                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444, dir_fd=top)
+                    try:
+                        os.write(fd, text.encode("utf-8", "surrogateescape"))
+                    finally:
+                        os.close(fd)
+                if gpu_fds:
+                    os.mkdir("gpus", 0o555, dir_fd=top)
+                    for bus, fd in gpu_fds:
+                        os.mkdir(f"gpus/{bus}", 0o555, dir_fd=top)
+                        dest = safepath.open_in_root(self.root, f"{ProcMask.target}/gpus/{bus}",
+                                                     os.O_PATH | os.O_DIRECTORY, follow_final=False)
+                        try:
+                            linux.mount(linux.fd_path(fd), linux.fd_path(dest), None, linux.MS_BIND)
+                        finally:
+                            os.close(dest)
+                linux.mount(None, linux.fd_path(top), None,
+                            linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC,
+                            "mode=0555,size=1m")
+            finally:
+                os.close(top)
+            self.count += 1
+        finally:
+            os.close(target)
+            for _, fd in gpu_fds:
+                os.close(fd)
+
+    def ldconfig(self) -> None:
+        from gpuhook import child
+
+        ldc = self.plan.ldcache
+        etc = safepath.make_dirs(self.root, "/etc", self.changes)
+        os.close(etc)
+        try:
+            binary = os.open(ldc.ldconfig, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as err:
+            raise OSError(err.errno, f"host ldconfig {ldc.ldconfig}: {err.strerror}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(binary).st_mode):
+                raise OSError(22, f"host ldconfig {ldc.ldconfig} is not a regular file")
+            # -r chroots into the rootfs by fd (a path could be swapped); -X leaves the
+            # image's own links alone (we made ours).
+            argv = ["ldconfig", "-X", "-r", linux.fd_path(self.root), *ldc.directories]
+            timeout = max(0.1, self.deadline - time.monotonic())
+            result = child.run(argv, timeout, env={}, executable=binary, pass_fds=(self.root, binary))
+        finally:
+            os.close(binary)
+        if result.timed_out:
+            raise TimeoutError(f"host ldconfig did not finish within {timeout:.1f}s; killed")
+        if result.status != 0:
+            raise OSError(5, f"host ldconfig exited with {result.status}: {result.tail()}")
+        self.count += 1
+
+    def undo(self) -> list[str]:
+        problems = []
+        for target in reversed(self.mounted):
+            try:
+                fd = safepath.open_in_root(self.root, target, os.O_PATH, follow_final=False)
+                try:
+                    linux.umount2(linux.fd_path(fd), linux.MNT_DETACH)
+                finally:
+                    os.close(fd)
+            except OSError as err:
+                problems.append(f"cannot unmount {target}: {err.strerror}")
+        self.mounted.clear()
+        problems += self.changes.undo()
+        return problems

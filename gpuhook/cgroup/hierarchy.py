@@ -1,0 +1,106 @@
+"""Where a process's device policy lives: the v1 devices controller or the v2 unified tree.
+
+Read from /proc/<pid>/cgroup and the mount table (docs/reference section 5). On a hybrid host
+(v1 controllers plus a cgroup2 mount at /sys/fs/cgroup/unified) the devices controller is v1,
+so v1 wins whenever the process has a devices line and that hierarchy is mounted.
+"""
+
+from collections import namedtuple
+
+from gpuhook.errors import HostError
+
+V1 = "v1"
+V2 = "v2"
+
+
+class Placement(namedtuple("Placement", "mode directory cgroup_path")):
+    """`mode` is V1 or V2; `directory` is the cgroup's directory in the mounted hierarchy."""
+
+    __slots__ = ()
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal (\040 ...).
+    if "\\" not in field:
+        return field
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def cgroup_mounts(mountinfo_text: str) -> list[tuple[str, str, str, set]]:
+    """(fstype, root, mount point, super options) of every cgroup and cgroup2 mount."""
+    found = []
+    for line in mountinfo_text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        lf, rf = left.split(), right.split()
+        if len(lf) < 5 or len(rf) < 3 or rf[0] not in ("cgroup", "cgroup2"):
+            continue
+        found.append((rf[0], _unescape(lf[3]), _unescape(lf[4]), set(rf[2].split(","))))
+    return found
+
+
+def proc_cgroups(text: str) -> dict:
+    """Controller name (or "" for the unified line) -> cgroup path, from /proc/<pid>/cgroup."""
+    paths = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if not controllers:
+            paths[""] = path
+        for name in controllers.split(","):
+            if name:
+                paths[name] = path
+    return paths
+
+
+def _join(mount_point: str, mount_root: str, path: str) -> str:
+    if mount_root != "/" and (path == mount_root or path.startswith(mount_root + "/")):
+        path = path[len(mount_root):]
+    elif mount_root != "/":
+        # The process's cgroup is outside what this mount shows.
+        return ""
+    return mount_point.rstrip("/") + ("/" + path.strip("/") if path.strip("/") else "")
+
+
+def placement(pid: int, proc: str = "/proc", mountinfo: str | None = None) -> Placement:
+    """Find the cgroup that holds `pid`'s device policy."""
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            paths = proc_cgroups(f.read())
+    except FileNotFoundError:
+        raise HostError(f"process {pid} is gone (no {proc}/{pid}/cgroup)") from None
+    except OSError as err:
+        raise HostError(f"cannot read {proc}/{pid}/cgroup: {err.strerror}") from err
+    if mountinfo is None:
+        try:
+            with open(f"{proc}/self/mountinfo") as f:
+                mountinfo = f.read()
+        except OSError as err:
+            raise HostError(f"cannot read the mount table: {err.strerror}") from err
+    mounts = cgroup_mounts(mountinfo)
+    if "devices" in paths:
+        for fstype, root, point, options in mounts:
+            if fstype == "cgroup" and "devices" in options:
+                directory = _join(point, root, paths["devices"])
+                if directory:
+                    return Placement(V1, directory, paths["devices"])
+        raise HostError(f"process {pid} is in a v1 devices cgroup but no devices hierarchy is mounted here")
+    if "" in paths:
+        for fstype, root, point, _ in mounts:
+            if fstype == "cgroup2":
+                directory = _join(point, root, paths[""])
+                if directory:
+                    return Placement(V2, directory, paths[""])
+        raise HostError(f"process {pid} is in a cgroup v2 tree that is not mounted here")
+    raise HostError(f"process {pid} has no devices cgroup and no cgroup v2 membership")

@@ -1,0 +1,56 @@
+"""cgroup v1 device access: devices.list, devices.allow, devices.deny.
+
+runc applies its own rules before prestart hooks run (docs/reference section 5), so we only
+add what the container lacks, and remember exactly that, so a failed start can take back
+only our additions. The kernel parses one rule per write(2).
+"""
+
+import os
+
+from gpuhook.cgroup.devices import parse_v1_line
+from gpuhook.errors import ApplyError
+
+
+def current_rules(directory: str) -> list:
+    try:
+        with open(f"{directory}/devices.list") as f:
+            text = f.read()
+    except OSError as err:
+        raise ApplyError("cgroup", f"cannot read {directory}/devices.list: {err.strerror}") from err
+    return [parse_v1_line(line) for line in text.splitlines() if line.strip()]
+
+
+def _write(directory: str, name: str, rule) -> None:
+    path = f"{directory}/{name}"
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        os.write(fd, rule.v1_line().encode())
+    finally:
+        os.close(fd)
+
+
+def grant(directory: str, rules) -> list:
+    """Allow `rules` in the cgroup at `directory`; return the ones that were actually added."""
+    existing = current_rules(directory)
+    added = []
+    for rule in rules:
+        if any(have.covers(rule) for have in existing):
+            continue
+        try:
+            _write(directory, "devices.allow", rule)
+        except OSError as err:
+            revoke(directory, added)
+            raise ApplyError("cgroup", f"cannot allow {rule.v1_line()} in {directory}: {err.strerror}") from err
+        added.append(rule)
+    return added
+
+
+def revoke(directory: str, rules) -> list:
+    """Deny `rules` again (used to undo `grant`); returns problems, never raises."""
+    problems = []
+    for rule in rules:
+        try:
+            _write(directory, "devices.deny", rule)
+        except OSError as err:
+            problems.append(f"cannot deny {rule.v1_line()} in {directory}: {err.strerror}")
+    return problems

@@ -1,0 +1,129 @@
+"""Child processes the hook starts: explicit minimal environment, bounded time, no leftovers.
+
+CVE-2025-23266 ran an image's LD_PRELOAD as host root through a hook that passed its
+environment on; so nothing here inherits one. Every child gets `MINIMAL_ENV` (or an explicit
+env), a working directory outside any rootfs, /dev/null on stdin, its own process group
+(killed whole on timeout) and a parent-death signal, so nothing outlives the hook holding
+the runtime's pipes (docs/reference section 1: runc waits for those pipes).
+
+Plain fork/exec over subprocess: this is on the container-start path and subprocess costs
+an import of several milliseconds.
+"""
+
+import os
+import select
+import signal
+import time
+
+MINIMAL_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+
+class Result:
+    def __init__(self, status: int | None, output: bytes, timed_out: bool, seconds: float):
+        self.status = status  # exit code, or -signal; None if it had to be killed
+        self.output = output  # stdout and stderr together, capped
+        self.timed_out = timed_out
+        self.seconds = seconds
+
+    def tail(self, limit: int = 300) -> str:
+        text = self.output.decode("utf-8", "replace").strip()
+        return " ".join(text.splitlines()[-3:])[-limit:]
+
+
+def kill_group(pid: int) -> None:
+    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            target()
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def run(argv: list[str], timeout: float, env: dict | None = None, executable=None,
+        cwd: str = "/", pass_fds: tuple = (), output_cap: int = 64 << 10, before_exec=None) -> Result:
+    """Run argv with a minimal environment; kill its whole process group after `timeout`.
+
+    `executable` may be an open fd (fexecve): the binary is then the one that was checked,
+    whatever happens to its path. `before_exec` runs in the child just before exec.
+    """
+    start = time.monotonic()
+    env = MINIMAL_ENV if env is None else env
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        try:
+            os.setpgid(0, 0)
+            from gpuhook import linux
+
+            linux.prctl_set_pdeathsig(signal.SIGKILL)
+            devnull = os.open("/dev/null", os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.dup2(write_end, 1)
+            os.dup2(write_end, 2)
+            for fd in pass_fds:
+                os.set_inheritable(fd, True)
+            os.chdir(cwd)
+            if before_exec is not None:
+                before_exec()
+            os.execve(executable if executable is not None else argv[0], argv, env)
+        except BaseException as err:  # noqa: BLE001 - report anything, then die
+            try:
+                os.write(2, f"cannot run {argv[0]}: {err}\n".encode())
+            finally:
+                os._exit(127)
+    os.close(write_end)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        pidfd = -1  # kernels before 5.3: poll in short slices instead
+    chunks, size = [], 0
+    end = start + timeout
+    status = None
+    reading = True
+    try:
+        while status is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            watch = ([read_end] if reading else []) + ([pidfd] if pidfd >= 0 else [])
+            ready, _, _ = select.select(watch, [], [], left if pidfd >= 0 else min(left, 0.01))
+            if reading and read_end in ready:
+                data = os.read(read_end, 65536)
+                if not data:
+                    reading = False
+                elif size < output_cap:
+                    chunks.append(data[: output_cap - size])
+                    size += len(chunks[-1])
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(raw)
+        if status is not None and reading:
+            # The leader has exited: take what is already in the pipe, never wait for
+            # a descendant that still holds it.
+            os.set_blocking(read_end, False)
+            try:
+                while size < output_cap and (data := os.read(read_end, 65536)):
+                    chunks.append(data[: output_cap - size])
+                    size += len(chunks[-1])
+            except BlockingIOError:
+                pass
+    finally:
+        os.close(read_end)
+        if pidfd >= 0:
+            os.close(pidfd)
+    timed_out = status is None
+    if timed_out:
+        kill_group(pid)
+    else:
+        try:  # the leader exited; anything it left in its group goes too
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return Result(status, b"".join(chunks), timed_out, time.monotonic() - start)

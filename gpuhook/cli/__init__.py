@@ -1,0 +1,74 @@
+"""The gpuhook command line (click). Each command parses, makes one library call, renders.
+
+Commands are registered by name and imported only when run, so ``gpuhook --help`` and the
+hook's fast path never pay for the heavy ones. Errors are mapped in one place: a
+GpuhookError or a usage error becomes one ``gpuhook: ...`` line on stderr and its exit code.
+"""
+
+import importlib
+import sys
+
+import click
+
+from gpuhook import __version__
+from gpuhook.errors import GpuhookError
+
+# name -> (module, attribute, one-line help). Modules live in gpuhook.cli.
+COMMANDS = {
+    "prestart": ("hookcmd", "prestart", "Run the hook for a container being created (OCI state on stdin)."),
+    "createRuntime": ("hookcmd", "create_runtime", "Same as prestart, for the createRuntime stage."),
+    "poststop": ("hookcmd", "poststop", "Run the hook after a container stopped (OCI state on stdin)."),
+    "simulate": ("simcmd", "simulate", "Build a simulated NVIDIA GPU host in a directory."),
+    "list": ("hostcmd", "list_gpus", "List the host's GPUs as the hook sees them."),
+    "config": ("hostcmd", "show_config", "Show the effective configuration and where it came from."),
+    "demo": ("democmd", "demo", "Start a real runc container with simulated GPUs injected by gpuhook."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        entry = COMMANDS.get(name)
+        if entry is None:
+            return None
+        module = importlib.import_module(f"gpuhook.cli.{entry[0]}")
+        return getattr(module, entry[1])
+
+    def format_commands(self, ctx, formatter):
+        # Help text from the registry: listing commands imports none of them.
+        rows = [(name, entry[2]) for name, entry in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gpuhook")
+def cli():
+    """gpuhook: an OCI runtime hook that gives containers their GPUs, checked and clean.
+
+    Runtimes call `gpuhook prestart` with the container's OCI state on stdin. The other
+    commands are for people: dry runs, inventory, a simulated host and a demo.
+    """
+
+
+def fail(err: GpuhookError):
+    click.echo(f"gpuhook: {err.one_line()}", err=True)
+    sys.exit(err.exit_code)
+
+
+def main(args=None) -> None:
+    try:
+        cli.main(args=args, prog_name="gpuhook", standalone_mode=False)
+    except GpuhookError as err:
+        fail(err)
+    except click.exceptions.Abort:
+        click.echo("gpuhook: aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as err:
+        click.echo(f"gpuhook: {' '.join(err.format_message().split())}", err=True)
+        sys.exit(err.exit_code)
+    except click.exceptions.Exit as err:
+        sys.exit(err.exit_code)
+    sys.exit(0)

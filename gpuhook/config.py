@@ -1,0 +1,192 @@
+"""gpuhook's configuration: one TOML file, every key declared once in `KEYS`.
+
+Where it comes from, first match wins: ``--config FILE``, ``$GPUHOOK_CONFIG``,
+``/etc/gpuhook/config.toml``. A missing default file means all defaults; a file named
+explicitly must exist. Unknown keys and bad values are errors that name the key and the file,
+so a typo never silently turns a policy off.
+
+The table below is the documentation: README's key list and ``gpuhook config`` are checked
+against it by tests/test_config.py.
+"""
+
+from collections import namedtuple
+
+from gpuhook.errors import ConfigError
+
+DEFAULT_PATH = "/etc/gpuhook/config.toml"
+ENV_VAR = "GPUHOOK_CONFIG"
+
+
+class Key(namedtuple("Key", "section name kind default doc choices")):
+    """One configuration key. `kind` is bool, path, path-or-empty, seconds, int, str or choice."""
+
+    __slots__ = ()
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}" if self.section else self.name
+
+
+def _key(name, kind, default, doc, section="", choices=()):
+    return Key(section, name, kind, default, doc, tuple(choices))
+
+
+KEYS = (
+    _key("driver-root", "path", "/",
+         "Root under which the driver's libraries, binaries, firmware and ld cache are found: / on "
+         "a normal host, the driver container's root (e.g. /run/nvidia/driver), or a simulated host."),
+    _key("dev-root", "path-or-empty", "",
+         "Where the host's NVIDIA device nodes live (their mode and owner are copied); empty means "
+         "<driver-root>/dev, falling back to /dev."),
+    _key("proc-root", "path", "/proc",
+         "Where /proc/devices and /proc/driver/nvidia are read from (a simulated host points it at "
+         "its own tree). Container processes are always looked up in the real /proc."),
+    _key("accept-env-when-unprivileged", "bool", True,
+         "Honour NVIDIA_VISIBLE_DEVICES from containers without CAP_SYS_ADMIN. Unsafe on shared "
+         "clusters: any image that sets NVIDIA_VISIBLE_DEVICES=all gets every GPU, bypassing the "
+         "scheduler. Set false where the device plugin uses volume mounts or CDI."),
+    _key("accept-volume-mounts", "bool", True,
+         "Honour /dev/null mounts at /var/run/nvidia-container-devices/<id> (the Kubernetes device "
+         "plugin's volume-mounts strategy; only the runtime can add them)."),
+    _key("ldconfig", "path", "/sbin/ldconfig",
+         "The HOST's ldconfig, run with an empty environment to update the container's ld cache. "
+         "Never taken from the image."),
+    _key("container-lib-dir", "path-or-empty", "",
+         "Library directory in the container; empty picks /usr/lib/x86_64-linux-gnu (or the "
+         "machine's multiarch dir) for Debian-family images, else /usr/lib64."),
+    _key("deadline-seconds", "seconds", 25.0,
+         "Total time the hook may take, below the timeout it is registered with (hooks.d uses 30)."),
+    _key("log-file", "path-or-empty", "/var/log/gpuhook.log",
+         "JSON-lines log of every decision for containers that request GPUs; empty turns it off. "
+         "A broken or full log never fails a container start."),
+    _key("state-dir", "path", "/run/gpuhook",
+         "Runtime state: the host inventory cache, per-GPU locks, health reports and stamps."),
+)
+
+_BY_NAME = {k.dotted: k for k in KEYS}
+_SECTIONS = {k.section for k in KEYS if k.section}
+
+
+def _check(key: Key, value, where: str):
+    bad = f"{where}: {key.dotted} "
+    if key.kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(bad + f"must be true or false, not {value!r}")
+        return value
+    if key.kind in ("path", "path-or-empty"):
+        if not isinstance(value, str) or "\0" in value:
+            raise ConfigError(bad + f"must be a path string, not {value!r}")
+        if value == "" and key.kind == "path-or-empty":
+            return value
+        if not value.startswith("/"):
+            raise ConfigError(bad + f"must be an absolute path, not {value!r}")
+        return value.rstrip("/") or "/"
+    if key.kind == "seconds":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+            raise ConfigError(bad + f"must be a number of seconds in (0, 3600], not {value!r}")
+        return float(value)
+    if key.kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(bad + f"must be a whole number >= 0, not {value!r}")
+        return value
+    if key.kind == "choice":
+        if value not in key.choices:
+            raise ConfigError(bad + f"must be one of {', '.join(key.choices)}, not {value!r}")
+        return value
+    if key.kind == "str":
+        if not isinstance(value, str):
+            raise ConfigError(bad + f"must be a string, not {value!r}")
+        return value
+    raise AssertionError(key.kind)
+
+
+class Config:
+    """Validated settings. Attribute names are the keys in snake_case (`driver_root`);
+    a section is an attribute too (`config.health.mode`)."""
+
+    def __init__(self, values: dict, source: str | None):
+        self._values = values
+        self.source = source
+
+    def __getattr__(self, name: str):
+        try:
+            return self._values[name.replace("_", "-")]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def as_dict(self) -> dict:
+        return {k: (v.as_dict() if isinstance(v, Config) else v) for k, v in self._values.items()}
+
+    @property
+    def device_root(self) -> str:
+        """Where host device nodes are: dev-root, else <driver-root>/dev."""
+        if self.dev_root:
+            return self.dev_root
+        return "/dev" if self.driver_root == "/" else self.driver_root + "/dev"
+
+
+def from_mapping(data: dict, where: str = "config") -> Config:
+    """Validate a parsed TOML document (or any mapping) into a Config."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a table of keys")
+    values: dict = {}
+    sections: dict = {s: {} for s in _SECTIONS}
+    for name, value in data.items():
+        if name in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: [{name}] must be a table")
+            for sub, subvalue in value.items():
+                key = _BY_NAME.get(f"{name}.{sub}")
+                if key is None:
+                    raise ConfigError(f"{where}: unknown key {name}.{sub} ({_known(name)})")
+                sections[name][sub] = _check(key, subvalue, where)
+            continue
+        key = _BY_NAME.get(name)
+        if key is None or key.section:
+            raise ConfigError(f"{where}: unknown key {name!r} ({_known('')})")
+        values[name] = _check(key, value, where)
+    for key in KEYS:
+        target = sections[key.section] if key.section else values
+        target.setdefault(key.name, key.default)
+    for section, section_values in sections.items():
+        values[section] = Config(section_values, where)
+    return Config(values, where)
+
+
+def _known(section: str) -> str:
+    names = [k.name for k in KEYS if k.section == section]
+    return "known keys: " + ", ".join(names)
+
+
+def default(dotted: str):
+    return _BY_NAME[dotted].default
+
+
+def defaults() -> Config:
+    return from_mapping({}, "defaults")
+
+
+def load(path: str | None = None, environ: dict | None = None) -> Config:
+    """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file."""
+    explicit = path
+    if explicit is None and environ is not None:
+        explicit = environ.get(ENV_VAR) or None
+    target = explicit or DEFAULT_PATH
+    try:
+        with open(target, "rb") as f:
+            raw = f.read(1 << 20)
+    except FileNotFoundError:
+        if explicit is None:
+            return defaults()
+        raise ConfigError(f"config file {target} does not exist") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {target}: {err.strerror}") from err
+    import tomllib
+
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{target}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{target}: invalid TOML: {err}") from err
+    return from_mapping(data, target)

@@ -1,0 +1,336 @@
+"""Host discovery without NVML: GPUs, driver version, device majors and driver files.
+
+Everything here is read from files (docs/reference section 4): /proc/driver/nvidia gives each
+GPU's UUID, minor and PCI bus without loading NVML (whose start-up can take seconds without
+persistence mode), /proc/devices gives the majors, and the ld cache under the driver root
+says where each library is. Roots are parameters so a driver container or a simulated host
+(gpuhook simulate) is read exactly like a real one.
+"""
+
+import os
+import stat
+from collections import namedtuple
+
+from gpuhook import ldcache
+from gpuhook.errors import HostError
+
+# Libraries per driver capability, by soname stem (docs/reference section 4).
+LIBRARIES = {
+    "utility": ("libnvidia-ml", "libnvidia-cfg", "libnvidia-nscq"),
+    "compute": (
+        "libcuda", "libcudadebugger", "libnvidia-opencl", "libnvidia-ptxjitcompiler",
+        "libnvidia-nvvm", "libnvidia-allocator", "libnvidia-gpucomp", "libnvidia-pkcs11",
+        "libnvidia-pkcs11-openssl3",
+    ),
+    "video": ("libnvcuvid", "libnvidia-encode", "libnvidia-opticalflow", "libvdpau_nvidia"),
+    "graphics": (
+        "libnvidia-eglcore", "libnvidia-glcore", "libnvidia-tls", "libnvidia-glsi", "libnvidia-fbc",
+        "libnvidia-rtcore", "libnvoptix", "libGLX_nvidia", "libEGL_nvidia", "libGLESv2_nvidia",
+        "libGLESv1_CM_nvidia", "libnvidia-glvkspirv",
+    ),
+    "ngx": ("libnvidia-ngx",),
+}
+BINARIES = {
+    "utility": ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced"),
+    "compute": ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"),
+}
+BINARY_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin")
+# IPC endpoints: (path, capability, is a directory). Mounted only where present.
+IPC = (
+    ("/var/run/nvidia-persistenced/socket", "utility", False),
+    ("/var/run/nvidia-fabricmanager/socket", "utility", False),
+    ("/tmp/nvidia-mps", "compute", True),
+)
+MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "ppc64le": "powerpc64le-linux-gnu"}
+
+
+class Gpu(namedtuple("Gpu", "index uuid minor bus_id model")):
+    """One GPU as the driver's /proc files describe it; index = NVML order (by PCI bus id)."""
+
+    __slots__ = ()
+
+    @property
+    def node(self) -> str:
+        return f"/dev/nvidia{self.minor}"
+
+
+class Library(namedtuple("Library", "host_path file_name sonames capability bits")):
+    """A driver library file and the names (sonames, dev links) that must point at it."""
+
+    __slots__ = ()
+
+
+class HostFile(namedtuple("HostFile", "host_path container_path capability kind")):
+    """A binary, firmware blob or IPC endpoint; `kind` is file, socket or dir."""
+
+    __slots__ = ()
+
+
+class Inventory(namedtuple(
+    "Inventory", "driver_version gpus majors libraries binaries firmware ipc proc_driver_dir",
+)):
+    """What the host offers. `majors` maps /proc/devices names (nvidia, nvidia-uvm, ...) to majors."""
+
+    __slots__ = ()
+
+
+def _read(path: str, what: str, limit: int = 1 << 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode("utf-8", "replace")
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise HostError(f"cannot read {what} {path}: {err.strerror}") from err
+
+
+def driver_version(proc_root: str) -> str:
+    path = f"{proc_root}/driver/nvidia/version"
+    try:
+        text = _read(path, "driver version")
+    except FileNotFoundError:
+        raise HostError(
+            f"no NVIDIA driver: {path} does not exist",
+            f"is the nvidia kernel module loaded? proc-root is {proc_root}",
+        ) from None
+    for line in text.splitlines():
+        if line.startswith("NVRM version:"):
+            for token in line.split():
+                parts = token.split(".")
+                if len(parts) >= 2 and all(p.isdigit() for p in parts):
+                    return token
+    raise HostError(f"{path}: no driver version in the NVRM line")
+
+
+def majors(proc_root: str) -> dict:
+    path = f"{proc_root}/devices"
+    try:
+        text = _read(path, "device list")
+    except FileNotFoundError:
+        raise HostError(f"{path} does not exist") from None
+    found = {}
+    in_char = False
+    for line in text.splitlines():
+        if line.startswith("Character devices"):
+            in_char = True
+            continue
+        if line.startswith("Block devices"):
+            in_char = False
+            continue
+        fields = line.split()
+        if in_char and len(fields) == 2 and fields[0].isdigit():
+            name = "nvidia" if fields[1] == "nvidia-frontend" else fields[1]
+            found.setdefault(name, int(fields[0]))
+    if "nvidia" not in found:
+        raise HostError(f"{path} lists no nvidia character device major", "is the nvidia module loaded?")
+    return found
+
+
+def gpus(proc_root: str) -> tuple:
+    base = f"{proc_root}/driver/nvidia/gpus"
+    try:
+        buses = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return ()
+    except OSError as err:
+        raise HostError(f"cannot list {base}: {err.strerror}") from err
+    found = []
+    for bus in buses:
+        path = f"{base}/{bus}/information"
+        try:
+            fields = _parse_information(_read(path, "GPU information"))
+        except FileNotFoundError:
+            continue
+        if fields.get("GPU Excluded", "No").lower().startswith("y"):
+            continue
+        try:
+            minor = int(fields["Device Minor"])
+            uuid = fields["GPU UUID"]
+        except (KeyError, ValueError):
+            raise HostError(f"{path}: missing or bad 'GPU UUID' / 'Device Minor'") from None
+        if not 0 <= minor < 254:
+            raise HostError(f"{path}: device minor {minor} out of range")
+        bus_id = fields.get("Bus Location", bus).lower()
+        found.append((bus_id, uuid, minor, fields.get("Model", "unknown")))
+    found.sort()
+    return tuple(Gpu(i, uuid, minor, bus_id, model) for i, (bus_id, uuid, minor, model) in enumerate(found))
+
+
+def _parse_information(text: str) -> dict:
+    fields = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def _stem_of(soname: str) -> str:
+    return soname.split(".so", 1)[0]
+
+
+def libraries(driver_root: str, machine: str | None = None) -> tuple:
+    """Driver libraries found in the driver root's ld cache, 64-bit and 32-bit."""
+    machine = machine or os.uname().machine
+    arch = ldcache.ARCH_FLAGS.get(machine)
+    if arch is None:
+        raise HostError(f"unsupported machine {machine}")
+    cache_path = _under(driver_root, "/etc/ld.so.cache")
+    entries = ldcache.read(cache_path)
+    capability_of = {stem: cap for cap, stems in LIBRARIES.items() for stem in stems}
+    by_file: dict = {}
+    for entry in entries:
+        cap = capability_of.get(_stem_of(entry.soname))
+        if cap is None:
+            continue
+        if entry.arch_flags == arch:
+            bits = 64
+        elif entry.arch_flags == 0 and machine == "x86_64":
+            bits = 32
+        else:
+            continue
+        try:
+            real = _resolve_in(driver_root, entry.path)
+        except OSError:
+            continue  # a stale cache entry: the file is gone
+        host_path = _under(driver_root, real)
+        key = (host_path, bits)
+        if key not in by_file:
+            by_file[key] = [host_path, real.rsplit("/", 1)[1], [], cap, bits]
+        names = by_file[key][2]
+        link = entry.path.rsplit("/", 1)[1]
+        for name in (entry.soname, link):
+            if name != by_file[key][1] and name not in names:
+                names.append(name)
+    libs = []
+    for host_path, file_name, names, cap, bits in by_file.values():
+        if _stem_of(file_name) == "libcuda" and "libcuda.so" not in names:
+            names.append("libcuda.so")  # programs dlopen() the dev name; NVIDIA makes it too
+        libs.append(Library(host_path, file_name, tuple(names), cap, bits))
+    libs.sort(key=lambda lib: (lib.capability, lib.bits, lib.file_name))
+    return tuple(libs)
+
+
+def _under(root: str, path: str) -> str:
+    return path if root == "/" else root + path
+
+
+def _resolve_in(root: str, path: str) -> str:
+    """`path` with symlinks resolved inside `root`, as a root-relative absolute path."""
+    from gpuhook.safepath import resolve_host
+
+    real = resolve_host(root, path)
+    if root != "/":
+        top = os.path.realpath(root)
+        if not real.startswith(top + "/"):
+            raise OSError(2, "escapes the driver root", path)
+        real = real[len(top):]
+    os.stat(_under(root, real))
+    return real
+
+
+def binaries(driver_root: str) -> tuple:
+    found = []
+    for cap, names in BINARIES.items():
+        for name in names:
+            for directory in BINARY_DIRS:
+                host = _under(driver_root, f"{directory}/{name}")
+                try:
+                    st = os.stat(host)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    found.append(HostFile(os.path.realpath(host), f"/usr/bin/{name}", cap, "file"))
+                    break
+    return tuple(found)
+
+
+def firmware(driver_root: str, version: str) -> tuple:
+    base = f"/lib/firmware/nvidia/{version}"
+    host_dir = _under(driver_root, base)
+    try:
+        names = sorted(os.listdir(host_dir))
+    except OSError:
+        return ()
+    return tuple(
+        HostFile(f"{host_dir}/{n}", f"{base}/{n}", "firmware", "file")
+        for n in names
+        if n.startswith("gsp") and n.endswith(".bin") and os.path.isfile(f"{host_dir}/{n}")
+    )
+
+
+def ipc(driver_root: str) -> tuple:
+    found = []
+    for path, cap, is_dir in IPC:
+        host = _under(driver_root, path)
+        try:
+            st = os.stat(host)
+        except OSError:
+            continue
+        if is_dir and stat.S_ISDIR(st.st_mode):
+            found.append(HostFile(host, path, cap, "dir"))
+        elif not is_dir and stat.S_ISSOCK(st.st_mode):
+            found.append(HostFile(host, path, cap, "socket"))
+    return tuple(found)
+
+
+def inventory(config) -> Inventory:
+    """Everything the plan needs to know about the host, read from files only."""
+    proc_root = config.proc_root
+    version = driver_version(proc_root)
+    return Inventory(
+        driver_version=version,
+        gpus=gpus(proc_root),
+        majors=majors(proc_root),
+        libraries=libraries(config.driver_root),
+        binaries=binaries(config.driver_root),
+        firmware=firmware(config.driver_root, version),
+        ipc=ipc(config.driver_root),
+        proc_driver_dir=f"{proc_root}/driver/nvidia",
+    )
+
+
+def host_node(config, path: str):
+    """(mode, uid, gid) of the host's device node `path` (/dev/...), or None if absent."""
+    host = config.device_root + path[len("/dev"):]
+    try:
+        st = os.stat(host)
+    except OSError:
+        if config.dev_root:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+    if not stat.S_ISCHR(st.st_mode):
+        return None
+    return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+
+
+def container_lib_dirs(rootfs: str, config, machine: str | None = None) -> tuple[str, str]:
+    """(64-bit, 32-bit) library directories to use inside the container.
+
+    Debian-family images (an /etc/debian_version, or the multiarch dir already there) use
+    /usr/lib/<multiarch>; everything else /usr/lib64 (and /usr/lib for 32-bit).
+    """
+    machine = machine or os.uname().machine
+    multiarch = MULTIARCH.get(machine, f"{machine}-linux-gnu")
+    if config.container_lib_dir:
+        return config.container_lib_dir, "/usr/lib/i386-linux-gnu"
+    from gpuhook import safepath
+    from gpuhook.errors import InputError
+
+    try:
+        root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise InputError(f"container rootfs {rootfs}: {err.strerror}") from err
+    try:
+        for probe in ("/etc/debian_version", f"/usr/lib/{multiarch}"):
+            try:
+                os.close(safepath.open_in_root(root, probe, os.O_PATH))
+                return f"/usr/lib/{multiarch}", "/usr/lib/i386-linux-gnu"
+            except OSError:
+                continue
+    finally:
+        os.close(root)
+    return "/usr/lib64", "/usr/lib"

@@ -1,0 +1,45 @@
+"""The `gpuhook` command: hook stages go to the fast path, everything else to the CLI.
+
+A runtime calls ``gpuhook prestart`` for every container; that must not import click (about
+20 ms). Hook invocations with nothing but ``--config`` are served here with the standard
+library only; anything else (``--dry-run``, ``--help``, other commands) goes to click.
+"""
+
+import sys
+
+HOOK_STAGES = ("prestart", "createRuntime", "poststop")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in HOOK_STAGES:
+        from gpuhook import prescan
+
+        parsed = prescan.split_hook_args(args)
+        if parsed is not None:
+            sys.exit(run_stage(*parsed))
+    from gpuhook.cli import main as cli_main
+
+    cli_main(args)
+
+
+def run_stage(stage: str, config_path: str | None) -> int:
+    """Read the state from stdin; return 0 at once for a container that wants no GPU."""
+    from gpuhook import prescan
+
+    state = sys.stdin.buffer.read(prescan.MAX_STATE_BYTES + 1)
+    spec = None
+    if len(state) <= prescan.MAX_STATE_BYTES:
+        bundle = prescan.bundle_of(state)
+        if bundle is not None:
+            try:
+                with open(bundle + "/config.json", "rb") as f:
+                    spec = f.read(prescan.MAX_CONFIG_BYTES + 1)
+            except OSError:
+                spec = None
+            if spec is not None and len(spec) <= prescan.MAX_CONFIG_BYTES \
+                    and not prescan.may_request_gpu(state, spec):
+                return 0
+    from gpuhook.hook import run_hook
+
+    return run_hook(stage, state, config_path, spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None)

@@ -1,0 +1,70 @@
+"""The one error tree of gpuhook.
+
+Every failure the hook or the CLI reports is a `GpuhookError`. Lower layers raise the
+specific subclass (translating OS errors once, with ``raise ... from err``); the two
+boundaries (the hook entry and the CLI) print ``gpuhook: <message>`` as one line on stderr
+and exit with the class's code. A runtime shows that line in its "error running hook"
+message, so the message must stand on its own.
+"""
+
+
+class GpuhookError(Exception):
+    """Base class. `message` is the one-line text; `hint` is an optional remedy."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        text = self.message if not self.hint else f"{self.message} ({self.hint})"
+        # A runtime shows our stderr inline; never let input smuggle extra lines into it.
+        return " ".join(text.split())
+
+
+class InputError(GpuhookError):
+    """The OCI state, the bundle or its config.json is unusable."""
+
+    exit_code = 2
+
+
+class ConfigError(GpuhookError):
+    """gpuhook's own configuration file is missing a value, has a bad one, or an unknown key."""
+
+    exit_code = 2
+
+
+class RequestError(GpuhookError):
+    """The container asked for something this host cannot give (missing GPU, bad capability)."""
+
+    exit_code = 3
+
+
+class HostError(GpuhookError):
+    """The host (driver files, /proc, cgroups, NVML) could not be read as needed."""
+
+    exit_code = 4
+
+
+class ApplyError(GpuhookError):
+    """A step that changes the container failed; `step` names it."""
+
+    exit_code = 5
+
+    def __init__(self, step: str, message: str, hint: str | None = None):
+        super().__init__(f"{step}: {message}", hint)
+        self.step = step
+
+
+class HealthError(GpuhookError):
+    """A GPU failed its pre-start checks and could not be repaired."""
+
+    exit_code = 6
+
+
+class DeadlineError(GpuhookError):
+    """The hook ran out of its own time budget; the message names what was cut off."""
+
+    exit_code = 7

@@ -1,0 +1,89 @@
+"""The hook's GPU path: state -> spec -> request -> inventory -> plan -> apply.
+
+Reached only when gpuhook.prescan could not rule a GPU request out (or from the CLI for a
+dry run). The boundary at the bottom turns every failure into one ``gpuhook: ...`` line on
+stderr and a non-zero exit; the runtime then aborts the start and shows that line.
+"""
+
+import os
+import sys
+import time
+
+from gpuhook import config as cfg
+from gpuhook import discover, journal, oci
+from gpuhook import request as req
+from gpuhook.errors import GpuhookError, InputError
+from gpuhook.plan import empty_plan, make_plan
+
+START_STAGES = ("prestart", "createRuntime")
+STAGES = START_STAGES + ("poststop",)
+INTERNAL_ERROR = 70
+
+
+def build_plan(state, spec, config):
+    """The plan for one container: pure data, nothing changed."""
+    request = req.resolve(spec, state.annotations, config)
+    if request.empty:
+        return empty_plan(state, spec, request)
+    inventory = discover.inventory(config)
+    gpus = req.select_gpus(request, inventory.gpus)
+    lib_dirs = discover.container_lib_dirs(spec.rootfs, config)
+    return make_plan(state, spec, request, gpus, inventory, config, lib_dirs,
+                     lambda path: discover.host_node(config, path))
+
+
+def read_container(state_bytes: bytes, spec_bytes: bytes | None = None, base_dir: str | None = None):
+    state = oci.parse_state(state_bytes, base_dir)
+    if spec_bytes is None:
+        spec_bytes = oci.read_config_bytes(state.bundle)
+    return state, oci.parse_spec(spec_bytes, state.bundle)
+
+
+def prestart(state, spec, config, deadline: float) -> tuple:
+    if state.status and state.status not in oci.STARTING_STATUSES:
+        raise InputError(f"state: status {state.status!r}: gpuhook configures containers while they are "
+                         f"being created ({' or '.join(oci.STARTING_STATUSES)})")
+    plan = build_plan(state, spec, config)
+    if plan.empty:
+        return plan, None
+    from gpuhook.apply import apply
+
+    return plan, apply(plan, deadline)
+
+
+def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
+             spec_bytes: bytes | None = None) -> int:
+    """Entry for the runtime. Returns the exit code; prints one line on failure."""
+    started = time.monotonic()
+    log_path = cfg.default("log-file")
+    record = {"stage": stage}
+    try:
+        config = cfg.load(config_path, os.environ)
+        log_path = config.log_file
+        deadline = started + config.deadline_seconds
+        state, spec = read_container(state_bytes, spec_bytes)
+        record.update(container=state.id, **journal.k8s_names({**spec.annotations, **state.annotations}))
+        if stage not in START_STAGES:
+            record["decision"] = "nothing to do at this stage"
+            return 0
+        plan, outcome = prestart(state, spec, config, deadline)
+        record.update(decision="untouched" if plan.empty else "gpus injected", wants=plan.wants,
+                      channel=plan.channel, gpus=[g.uuid for g in plan.gpus],
+                      capabilities=sorted(plan.capabilities), notes=list(plan.notes))
+        if outcome is not None:
+            record.update(cgroup=outcome.cgroup_mode, rules_added=[r.v1_line() for r in outcome.rules_added],
+                          steps=outcome.steps, notes=list(plan.notes) + outcome.notes)
+        return 0
+    except GpuhookError as err:
+        record.update(decision="failed", error=err.one_line())
+        print(f"gpuhook: {err.one_line()}", file=sys.stderr)
+        return err.exit_code
+    except Exception as err:  # a bug: still one line for the runtime, the detail to the log
+        import traceback
+
+        record.update(decision="internal error", error=repr(err), traceback=traceback.format_exc())
+        print(f"gpuhook: internal error: {type(err).__name__}: {err}".splitlines()[0], file=sys.stderr)
+        return INTERNAL_ERROR
+    finally:
+        record["seconds"] = round(time.monotonic() - started, 4)
+        journal.write(log_path, record)

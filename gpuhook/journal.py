@@ -1,0 +1,44 @@
+"""The decision log: one JSON object per line, appended with a single write(2).
+
+A line is written with O_APPEND in one write call, so lines from concurrent hooks never
+interleave. Logging is best effort by contract: a missing directory, a full disk or a
+read-only file never fails a container start; the error is swallowed (and counted in the
+returned flag so tests can see it).
+"""
+
+import json
+import os
+import time
+
+
+def k8s_names(annotations: dict) -> dict:
+    """Pod, namespace and container names when the runtime passed Kubernetes annotations."""
+    keys = {
+        "pod": ("io.kubernetes.pod.name", "io.kubernetes.cri.sandbox-name"),
+        "namespace": ("io.kubernetes.pod.namespace", "io.kubernetes.cri.sandbox-namespace"),
+        "container": ("io.kubernetes.container.name", "io.kubernetes.cri.container-name"),
+    }
+    found = {}
+    for name, candidates in keys.items():
+        for key in candidates:
+            if annotations.get(key):
+                found[name] = annotations[key]
+                break
+    return found
+
+
+def write(path: str, record: dict) -> bool:
+    """Append `record` to the log at `path`; True if it was written."""
+    if not path:
+        return False
+    line = dict(time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), pid=os.getpid())
+    line.update(record)
+    try:
+        data = (json.dumps(line, default=str, separators=(",", ":")) + "\n").encode()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+        try:
+            return os.write(fd, data) == len(data)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, TypeError):
+        return False

@@ -1,0 +1,92 @@
+"""The Linux system calls Python's os module lacks (3.11): setns, mount, umount2, openat2, prctl.
+
+Thin ctypes wrappers, nothing else: each raises OSError with the errno and the call named,
+so callers translate it once into a gpuhook error. Only the GPU path imports this module.
+"""
+
+import ctypes
+import os
+import platform
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+CLONE_NEWNS = 0x00020000
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+
+MNT_DETACH = 0x2
+
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
+
+PR_SET_PDEATHSIG = 1
+
+# openat2 has the same number on every architecture (it was added after the unification).
+SYS_OPENAT2 = 437
+_SYSCALL_NUMBERS = {"x86_64": {"bpf": 321}, "aarch64": {"bpf": 280}}
+
+
+def syscall_number(name: str) -> int:
+    machine = platform.machine()
+    try:
+        return _SYSCALL_NUMBERS[machine][name]
+    except KeyError:
+        raise OSError(38, f"{name}: unsupported architecture {machine}") from None
+
+
+def _check(result: int, call: str, *what) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        detail = " ".join(str(w) for w in what if w)
+        raise OSError(err, f"{call}{' ' + detail if detail else ''}: {os.strerror(err)}")
+    return result
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(fd, nstype), "setns")
+
+
+def _b(path):
+    return None if path is None else os.fsencode(path)
+
+
+def mount(source, target, fstype, flags: int, data=None) -> None:
+    result = _libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data))
+    _check(result, "mount", target)
+
+
+def umount2(target, flags: int = 0) -> None:
+    _check(_libc.umount2(_b(target), flags), "umount2", target)
+
+
+def prctl_set_pdeathsig(sig: int) -> None:
+    _check(_libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(sig), 0, 0, 0), "prctl")
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
+    how = _OpenHow(flags, mode, resolve)
+    result = _libc.syscall(
+        ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dirfd), _b(path),
+        ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),
+    )
+    return _check(result, "openat2", path)
+
+
+def fd_path(fd: int) -> str:
+    """The magic link that names an open fd; mount(2) and chroot(2) follow it to the object."""
+    return f"/proc/self/fd/{fd}"

@@ -1,0 +1,226 @@
+"""Reading what the runtime hands the hook: the OCI state (stdin) and the bundle's config.json.
+
+Real runtimes deviate from runtime-spec (see docs/reference: runc says status "creating",
+crun "created" with an extra "root" and pid 0 at createContainer, podman puts the bundle
+under its storage dir). We accept every shape a real runtime produces and reject what is
+unusable with a message that names the field and what was wrong with it.
+"""
+
+import json
+from collections import namedtuple
+
+from gpuhook.errors import InputError
+
+MAX_STATE_BYTES = 4 << 20
+MAX_CONFIG_BYTES = 64 << 20
+
+# Statuses a container can have while its prestart/createRuntime hooks run.
+STARTING_STATUSES = ("creating", "created")
+
+
+class State(namedtuple("State", "oci_version id status pid bundle annotations")):
+    """The OCI state document: `pid` is 0 when the runtime gave none."""
+
+    __slots__ = ()
+
+
+class Spec(namedtuple("Spec", "rootfs env mounts annotations bounding_caps namespaces readonly")):
+    """What gpuhook needs from a bundle's config.json.
+
+    `rootfs` is absolute; `env` maps names to values (the last entry wins, as in the NVIDIA
+    toolkit); `mounts` is a tuple of Mount; `namespaces` maps type to path ('' when new).
+    """
+
+    __slots__ = ()
+
+    @property
+    def privileged(self) -> bool:
+        """NVIDIA's definition: CAP_SYS_ADMIN is in the bounding set."""
+        return "CAP_SYS_ADMIN" in self.bounding_caps
+
+
+class Mount(namedtuple("Mount", "destination source type options")):
+    __slots__ = ()
+
+
+def _decode(raw: bytes, what: str):
+    if not raw.strip():
+        raise InputError(f"{what} is empty")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{what} is not UTF-8 (byte {err.start})") from err
+    try:
+        return json.loads(text)
+    except RecursionError as err:
+        raise InputError(f"{what} is nested too deeply") from err
+    except ValueError as err:
+        raise InputError(f"{what} is not valid JSON: {err}") from err
+
+
+def _string(doc: dict, key: str, what: str, required: bool = True) -> str:
+    value = doc.get(key)
+    if value is None:
+        if required:
+            raise InputError(f"{what}: missing {key!r}")
+        return ""
+    if not isinstance(value, str):
+        raise InputError(f"{what}: {key!r} must be a string, not {type(value).__name__}")
+    if "\0" in value:
+        raise InputError(f"{what}: {key!r} contains a NUL byte")
+    return value
+
+
+def _string_map(value, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"{what} must be an object, not {type(value).__name__}")
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise InputError(f"{what}: value of {k!r} must be a string, not {type(v).__name__}")
+    return value
+
+
+def parse_state(raw: bytes, base_dir: str | None = None) -> State:
+    """Parse the state JSON. `base_dir` allows a relative bundle (sample states only)."""
+    if len(raw) > MAX_STATE_BYTES:
+        raise InputError(f"state is larger than {MAX_STATE_BYTES >> 20} MiB")
+    doc = _decode(raw, "state")
+    if not isinstance(doc, dict):
+        raise InputError(f"state must be a JSON object, not {type(doc).__name__}")
+    what = "state"
+    oci_version = _string(doc, "ociVersion", what, required=False)
+    cid = _string(doc, "id", what)
+    if not cid:
+        raise InputError("state: 'id' is empty")
+    status = _string(doc, "status", what, required=False)
+    bundle = _string(doc, "bundle", what)
+    if not bundle:
+        raise InputError("state: 'bundle' is empty")
+    if not bundle.startswith("/"):
+        if base_dir is None:
+            raise InputError(f"state: 'bundle' must be an absolute path, not {bundle!r}")
+        bundle = _join(base_dir, bundle)
+    pid = doc.get("pid", 0)
+    if pid is None:
+        pid = 0
+    if isinstance(pid, bool) or not isinstance(pid, int):
+        raise InputError(f"state: 'pid' must be a whole number, not {pid!r}"[:200])
+    if pid < 0 or pid > 4194304:
+        raise InputError(f"state: 'pid' {pid} is out of range")
+    annotations = _string_map(doc.get("annotations"), "state: 'annotations'")
+    return State(oci_version, cid, status, pid, _normalize(bundle), annotations)
+
+
+def _join(base: str, rel: str) -> str:
+    return _normalize(base.rstrip("/") + "/" + rel)
+
+
+def _normalize(path: str) -> str:
+    """Lexically normalise an absolute path (no filesystem access, no symlinks followed)."""
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(part)
+    return "/" + "/".join(parts)
+
+
+def read_config_bytes(bundle: str) -> bytes:
+    path = bundle.rstrip("/") + "/config.json"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise InputError(f"bundle {bundle} has no config.json") from None
+    except NotADirectoryError:
+        raise InputError(f"bundle {bundle} is not a directory") from None
+    except OSError as err:
+        raise InputError(f"cannot read {path}: {err.strerror}") from err
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise InputError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+    return raw
+
+
+def parse_spec(raw: bytes, bundle: str) -> Spec:
+    """Parse a bundle's config.json into the parts gpuhook uses."""
+    what = "config.json"
+    doc = _decode(raw, what)
+    if not isinstance(doc, dict):
+        raise InputError(f"{what} must be a JSON object, not {type(doc).__name__}")
+    root = doc.get("root")
+    if not isinstance(root, dict):
+        raise InputError(f"{what}: missing 'root' object")
+    root_path = _string(root, "path", f"{what}: root")
+    if not root_path:
+        raise InputError(f"{what}: root.path is empty")
+    rootfs = _normalize(root_path if root_path.startswith("/") else bundle + "/" + root_path)
+    if rootfs == "/":
+        raise InputError(f"{what}: root.path resolves to the host's / ; refusing")
+    readonly = root.get("readonly", False) is True
+
+    process = doc.get("process") or {}
+    if not isinstance(process, dict):
+        raise InputError(f"{what}: 'process' must be an object")
+    env = _parse_env(process.get("env"), what)
+    caps = process.get("capabilities") or {}
+    if not isinstance(caps, dict):
+        raise InputError(f"{what}: process.capabilities must be an object")
+    bounding = caps.get("bounding") or []
+    if not isinstance(bounding, list) or not all(isinstance(c, str) for c in bounding):
+        raise InputError(f"{what}: process.capabilities.bounding must be a list of strings")
+
+    mounts = []
+    raw_mounts = doc.get("mounts") or []
+    if not isinstance(raw_mounts, list):
+        raise InputError(f"{what}: 'mounts' must be a list")
+    for i, m in enumerate(raw_mounts):
+        if not isinstance(m, dict):
+            raise InputError(f"{what}: mounts[{i}] must be an object")
+        options = m.get("options") or []
+        if not isinstance(options, list) or not all(isinstance(o, str) for o in options):
+            raise InputError(f"{what}: mounts[{i}].options must be a list of strings")
+        mounts.append(
+            Mount(
+                _string(m, "destination", f"{what}: mounts[{i}]"),
+                _string(m, "source", f"{what}: mounts[{i}]", required=False),
+                _string(m, "type", f"{what}: mounts[{i}]", required=False),
+                tuple(options),
+            )
+        )
+
+    linux = doc.get("linux") or {}
+    if not isinstance(linux, dict):
+        raise InputError(f"{what}: 'linux' must be an object")
+    namespaces = {}
+    raw_ns = linux.get("namespaces") or []
+    if not isinstance(raw_ns, list):
+        raise InputError(f"{what}: linux.namespaces must be a list")
+    for i, ns in enumerate(raw_ns):
+        if not isinstance(ns, dict):
+            raise InputError(f"{what}: linux.namespaces[{i}] must be an object")
+        namespaces[_string(ns, "type", f"{what}: linux.namespaces[{i}]")] = _string(
+            ns, "path", f"{what}: linux.namespaces[{i}]", required=False
+        )
+    annotations = _string_map(doc.get("annotations"), f"{what}: 'annotations'")
+    return Spec(rootfs, env, tuple(mounts), annotations, frozenset(bounding), namespaces, readonly)
+
+
+def _parse_env(value, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, list):
+        raise InputError(f"{what}: process.env must be a list of strings")
+    env = {}
+    for entry in value:
+        if not isinstance(entry, str):
+            raise InputError(f"{what}: process.env entries must be strings, not {type(entry).__name__}")
+        name, sep, val = entry.partition("=")
+        if sep and name:
+            env[name] = val
+    return env

@@ -1,0 +1,183 @@
+"""The plan: everything gpuhook will do to one container, as plain data.
+
+`make_plan` is a pure function of (container, request, selected GPUs, host inventory,
+config): it reads nothing and changes nothing. ``gpuhook prestart --dry-run`` prints exactly
+this data, tests compare it, and only gpuhook.apply turns it into system calls.
+"""
+
+from collections import namedtuple
+
+from gpuhook import request as req
+from gpuhook.cgroup.devices import char_device
+from gpuhook.discover import LIBRARIES
+
+# Mount options, as in `mount -o`; the apply layer maps them to MS_* flags.
+RO_LIB = ("ro", "nosuid", "nodev")
+IPC_OPTIONS = ("ro", "nosuid", "nodev", "noexec")
+MPS_OPTIONS = ("nosuid", "nodev", "noexec")
+
+LIBRARY_CAPABILITIES = frozenset(LIBRARIES)
+DEFAULT_NODE_MODE = 0o666
+CONTROL_MINOR = 255
+MODESET_MINOR = 254
+
+
+class DeviceNode(namedtuple("DeviceNode", "path major minor mode uid gid")):
+    """A character device to create in the container's /dev."""
+
+    __slots__ = ()
+
+
+class BindMount(namedtuple("BindMount", "source target kind options")):
+    """Host `source` bind-mounted at container `target`; `kind` is file, socket or dir."""
+
+    __slots__ = ()
+
+
+class Symlink(namedtuple("Symlink", "path target")):
+    __slots__ = ()
+
+
+class ProcMask(namedtuple("ProcMask", "source_dir gpu_buses")):
+    """Cover the container's /proc/driver/nvidia with a read-only tmpfs holding a copy of
+    `params` with ModifyDeviceFiles: 0, `version`, `registry`, and only its own GPUs' dirs."""
+
+    __slots__ = ()
+
+    target = "/proc/driver/nvidia"
+
+
+class LdCacheUpdate(namedtuple("LdCacheUpdate", "ldconfig directories")):
+    """Run the HOST's `ldconfig` against the container's rootfs for `directories`."""
+
+    __slots__ = ()
+
+
+class Plan(namedtuple("Plan", (
+    "container_id pid rootfs wants channel capabilities gpus "
+    "nodes mounts symlinks rules proc_mask ldcache notes"
+))):
+    __slots__ = ()
+
+    @property
+    def empty(self) -> bool:
+        return self.wants == req.NOTHING
+
+    def as_dict(self) -> dict:
+        return {
+            "container_id": self.container_id,
+            "pid": self.pid,
+            "rootfs": self.rootfs,
+            "wants": self.wants,
+            "channel": self.channel,
+            "capabilities": sorted(self.capabilities),
+            "gpus": [g._asdict() for g in self.gpus],
+            "device_nodes": [dict(n._asdict(), mode=f"{n.mode:04o}") for n in self.nodes],
+            "mounts": [dict(m._asdict(), options=list(m.options)) for m in self.mounts],
+            "symlinks": [s._asdict() for s in self.symlinks],
+            "cgroup_rules": [r.as_dict() for r in self.rules],
+            "proc_mask": None if self.proc_mask is None else {
+                "target": ProcMask.target,
+                "source_dir": self.proc_mask.source_dir,
+                "gpu_buses": list(self.proc_mask.gpu_buses),
+            },
+            "ldcache": None if self.ldcache is None else {
+                "ldconfig": self.ldcache.ldconfig,
+                "directories": list(self.ldcache.directories),
+            },
+            "notes": list(self.notes),
+        }
+
+
+def empty_plan(state, spec, request) -> Plan:
+    return Plan(state.id, state.pid, spec.rootfs, request.wants, request.channel, frozenset(), (),
+                (), (), (), (), None, None, request.notes)
+
+
+def make_plan(state, spec, request, gpus, inventory, config, lib_dirs, node_info) -> Plan:
+    """Build the plan.
+
+    `lib_dirs` is (64-bit dir, 32-bit dir) in the container; `node_info(path)` returns the
+    host node's (mode, uid, gid) or None; both come from discovery so this stays pure.
+    """
+    if request.empty:
+        return empty_plan(state, spec, request)
+    caps = request.capabilities
+    notes = list(request.notes)
+    nvidia = inventory.majors["nvidia"]
+
+    wanted_nodes = [("/dev/nvidiactl", nvidia, CONTROL_MINOR)]
+    if "compute" in caps:
+        uvm = inventory.majors.get("nvidia-uvm")
+        if uvm is None:
+            notes.append("nvidia-uvm is not loaded on the host: CUDA programs will fail to start")
+        else:
+            wanted_nodes += [("/dev/nvidia-uvm", uvm, 0), ("/dev/nvidia-uvm-tools", uvm, 1)]
+    if "display" in caps:
+        wanted_nodes.append(("/dev/nvidia-modeset", nvidia, MODESET_MINOR))
+    wanted_nodes += [(gpu.node, nvidia, gpu.minor) for gpu in gpus]
+
+    nodes = []
+    for path, major, minor in wanted_nodes:
+        info = node_info(path) or (DEFAULT_NODE_MODE, 0, 0)
+        nodes.append(DeviceNode(path, major, minor, *info))
+
+    lib64, lib32 = lib_dirs
+    mounts, symlinks = [], []
+    ld_dirs = []
+    for lib in inventory.libraries:
+        if lib.capability not in caps or (lib.bits == 32 and "compat32" not in caps):
+            continue
+        directory = lib64 if lib.bits == 64 else lib32
+        if directory not in ld_dirs:
+            ld_dirs.append(directory)
+        mounts.append(BindMount(lib.host_path, f"{directory}/{lib.file_name}", "file", RO_LIB))
+        symlinks += [Symlink(f"{directory}/{name}", lib.file_name) for name in lib.sonames]
+    for cap in sorted(caps & LIBRARY_CAPABILITIES):
+        if not any(lib.capability == cap for lib in inventory.libraries):
+            notes.append(f"no {cap} libraries found in the host's ld cache")
+    for item in inventory.binaries:
+        if item.capability in caps:
+            mounts.append(BindMount(item.host_path, item.container_path, "file", RO_LIB))
+    if caps & {"utility", "compute"}:
+        mounts += [BindMount(f.host_path, f.container_path, "file", RO_LIB) for f in inventory.firmware]
+    for item in inventory.ipc:
+        if item.capability in caps:
+            options = MPS_OPTIONS if item.kind == "dir" else IPC_OPTIONS
+            mounts.append(BindMount(item.host_path, item.container_path, item.kind, options))
+
+    rules = tuple(char_device(n.major, n.minor, "rw") for n in nodes)
+    proc_mask = ProcMask(inventory.proc_driver_dir, tuple(g.bus_id for g in gpus))
+    ldcache = LdCacheUpdate(config.ldconfig, tuple(ld_dirs)) if ld_dirs else None
+    return Plan(
+        state.id, state.pid, spec.rootfs, request.wants, request.channel, caps, tuple(gpus),
+        tuple(nodes), tuple(mounts), tuple(symlinks), rules, proc_mask, ldcache, tuple(notes),
+    )
+
+
+def render_text(plan: Plan) -> str:
+    """The plan for people: what --dry-run prints without --json."""
+    lines = [f"container {plan.container_id}  pid {plan.pid or '-'}  rootfs {plan.rootfs}"]
+    if plan.empty:
+        lines.append("request: none; the hook leaves this container untouched")
+        lines += [f"note: {n}" for n in plan.notes]
+        return "\n".join(lines) + "\n"
+    gpus = ", ".join(f"{g.index} {g.uuid} ({g.bus_id}, {g.model})" for g in plan.gpus) or "none"
+    lines.append(f"request: {plan.wants} via {plan.channel}")
+    lines.append(f"capabilities: {','.join(sorted(plan.capabilities))}")
+    lines.append(f"gpus: {gpus}")
+    lines.append("device nodes:")
+    lines += [f"  {n.path:<28} c {n.major}:{n.minor}  {n.mode:04o} {n.uid}:{n.gid}" for n in plan.nodes]
+    lines.append("cgroup rules:")
+    lines += [f"  allow {r.v1_line()}" for r in plan.rules]
+    lines.append("mounts:")
+    lines += [f"  {m.target}  <-  {m.source}  ({','.join(m.options)})" for m in plan.mounts]
+    lines.append("symlinks:")
+    lines += [f"  {s.path} -> {s.target}" for s in plan.symlinks]
+    if plan.proc_mask:
+        lines.append(f"proc: {ProcMask.target} masked read-only (ModifyDeviceFiles: 0; "
+                     f"GPU dirs {', '.join(plan.proc_mask.gpu_buses) or 'none'})")
+    if plan.ldcache:
+        lines.append(f"ld cache: host ldconfig for {', '.join(plan.ldcache.directories)}")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,209 @@
+"""What a container asks for: which GPUs, through which channel, with which driver capabilities.
+
+Channels, in order of trust (docs/reference section 3):
+
+1. ``/dev/null`` mounts at ``/var/run/nvidia-container-devices/<id>`` — only the runtime or
+   the Kubernetes device plugin can add mounts (policy ``accept-volume-mounts``);
+2. CDI annotations ``cdi.k8s.io/<anything>`` naming ``nvidia.com/gpu=<index|uuid|all>`` —
+   set by the runtime or kubelet, never by the image;
+3. the environment: ``NVIDIA_VISIBLE_DEVICES`` (and the legacy-image rule), which any image
+   can set. It is honoured from unprivileged containers only while
+   ``accept-env-when-unprivileged`` is true, like NVIDIA's default.
+
+A runtime-provided request (1 or 2) wins over the environment. Resolution is pure: it reads
+the parsed spec and returns data; matching ids to real GPUs happens in `select_gpus`.
+"""
+
+from collections import namedtuple
+
+from gpuhook.errors import RequestError
+
+VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+CDI_KIND = "nvidia.com/gpu"
+
+CAPABILITIES = ("compute", "compat32", "graphics", "utility", "video", "display", "ngx")
+DEFAULT_CAPABILITIES = frozenset({"utility", "compute"})
+
+# What the container wants.
+NOTHING = "nothing"  # no request: the hook leaves the container alone
+DRIVER_ONLY = "driver-only"  # NVIDIA_VISIBLE_DEVICES=none: driver files, control nodes, no GPU
+GPUS = "gpus"  # the GPUs named in `ids`
+ALL = "all"
+
+ENV = "env NVIDIA_VISIBLE_DEVICES"
+ENV_LEGACY = "env (legacy CUDA image: CUDA_VERSION without NVIDIA_REQUIRE_CUDA)"
+MOUNTS = "volume mounts under " + VOLUME_MOUNT_ROOT
+CDI = "CDI annotations"
+
+
+class Request(namedtuple("Request", "wants ids capabilities channel notes")):
+    """`ids` are the requested device ids as written (indices or UUIDs), deduplicated."""
+
+    __slots__ = ()
+
+    @property
+    def empty(self) -> bool:
+        return self.wants == NOTHING
+
+
+def _nothing(notes=()):
+    return Request(NOTHING, (), frozenset(), "", tuple(notes))
+
+
+def _split_ids(value: str) -> list[str]:
+    seen: list[str] = []
+    for part in value.split(","):
+        part = part.strip()
+        if part and part not in seen:
+            seen.append(part)
+    return seen
+
+
+def parse_capabilities(value: str | None, legacy: bool = False) -> frozenset:
+    """NVIDIA_DRIVER_CAPABILITIES: unset or empty = utility,compute (all for legacy images)."""
+    if value is None:
+        return frozenset(CAPABILITIES) if legacy else DEFAULT_CAPABILITIES
+    caps = set()
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part == "all":
+            return frozenset(CAPABILITIES)
+        if part not in CAPABILITIES:
+            raise RequestError(
+                f"unknown driver capability {part[:64]!r} in NVIDIA_DRIVER_CAPABILITIES "
+                f"(known: all, {', '.join(CAPABILITIES)})"
+            )
+        caps.add(part)
+    return frozenset(caps) if caps else DEFAULT_CAPABILITIES
+
+
+def _from_mounts(spec) -> list[str] | None:
+    ids: list[str] = []
+    prefix = VOLUME_MOUNT_ROOT + "/"
+    for mount in spec.mounts:
+        dest = "/" + "/".join(p for p in mount.destination.split("/") if p and p != ".")
+        if dest.startswith("/run/nvidia-container-devices/"):
+            dest = "/var" + dest
+        if not dest.startswith(prefix):
+            continue
+        device = dest[len(prefix):]
+        if device and "/" not in device and device not in ids:
+            ids.append(device)
+    return ids or None
+
+
+def _from_cdi(annotations: dict, notes: list) -> list[str] | None:
+    ids: list[str] = []
+    found = False
+    for key in sorted(annotations):
+        if not key.startswith(CDI_ANNOTATION_PREFIX):
+            continue
+        for entry in annotations[key].split(","):
+            entry = entry.strip()
+            if not entry:
+                continue
+            kind, sep, name = entry.partition("=")
+            if not sep or kind != CDI_KIND:
+                notes.append(f"CDI device {entry[:80]!r} in {key} is not {CDI_KIND}; left to other tools")
+                continue
+            found = True
+            name = name.strip()
+            if not name:
+                raise RequestError(f"CDI annotation {key}: empty device name in {entry[:80]!r}")
+            if name not in ids:
+                ids.append(name)
+    return ids if found else None
+
+
+def _as_request(ids: list[str], caps, channel: str, notes: list) -> Request:
+    if "all" in ids:
+        return Request(ALL, (), caps, channel, tuple(notes))
+    if "none" in ids:
+        if len(ids) > 1:
+            raise RequestError(f"'none' cannot be combined with other devices ({channel}: {','.join(ids)[:200]})")
+        return Request(DRIVER_ONLY, (), caps, channel, tuple(notes))
+    return Request(GPUS, tuple(ids), caps, channel, tuple(notes))
+
+
+def resolve(spec, state_annotations: dict, config) -> Request:
+    """Decide what the container asks for. Pure: no host access."""
+    env = spec.env
+    notes: list[str] = []
+    legacy = "CUDA_VERSION" in env and bool(env["CUDA_VERSION"]) and not env.get("NVIDIA_REQUIRE_CUDA")
+    annotations = dict(spec.annotations)
+    annotations.update(state_annotations)
+
+    trusted: list[str] = []
+    channels = []
+    mount_ids = _from_mounts(spec)
+    if mount_ids is not None:
+        if config.accept_volume_mounts:
+            trusted += mount_ids
+            channels.append(MOUNTS)
+        else:
+            notes.append("volume-mount request ignored (accept-volume-mounts = false)")
+    cdi_ids = _from_cdi(annotations, notes)
+    if cdi_ids is not None:
+        trusted += [i for i in cdi_ids if i not in trusted]
+        channels.append(CDI)
+    if trusted:
+        caps = parse_capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES") or None)
+        if "NVIDIA_VISIBLE_DEVICES" in env:
+            notes.append("NVIDIA_VISIBLE_DEVICES ignored: the runtime's request takes precedence")
+        return _as_request(trusted, caps, " + ".join(channels), notes)
+
+    value = env.get("NVIDIA_VISIBLE_DEVICES")
+    if value is None:
+        if not legacy:
+            return _nothing(notes)
+        ids, channel = ["all"], ENV_LEGACY
+    else:
+        ids, channel = _split_ids(value), ENV
+        if not ids or "void" in ids or ids == [VOLUME_MOUNT_ROOT]:
+            return _nothing(notes)
+    if not spec.privileged and not config.accept_env_when_unprivileged:
+        notes.append(
+            "NVIDIA_VISIBLE_DEVICES ignored: container is unprivileged (no CAP_SYS_ADMIN) and "
+            "accept-env-when-unprivileged = false"
+        )
+        return _nothing(notes)
+    caps_value = env.get("NVIDIA_DRIVER_CAPABILITIES")
+    caps = parse_capabilities(caps_value if caps_value else None, legacy=legacy and channel == ENV_LEGACY)
+    return _as_request(ids, caps, channel, notes)
+
+
+def select_gpus(request: Request, gpus) -> tuple:
+    """The inventory GPUs a request names, in request order. Unknown ids list the real ones."""
+    if request.wants == ALL:
+        return tuple(gpus)
+    if request.wants != GPUS:
+        return ()
+    chosen = []
+    for ident in request.ids:
+        gpu = _match(ident, gpus)
+        if gpu is None:
+            available = ", ".join(f"{g.index} ({g.uuid})" for g in gpus) or "none"
+            raise RequestError(
+                f"requested GPU {ident[:80]!r} ({request.channel}) does not exist on this host; "
+                f"GPUs here: {available}"
+            )
+        if gpu not in chosen:
+            chosen.append(gpu)
+    return tuple(chosen)
+
+
+def _match(ident: str, gpus):
+    if ident.isdigit() and ident.isascii():
+        index = int(ident)
+        for gpu in gpus:
+            if gpu.index == index:
+                return gpu
+        return None
+    lowered = ident.lower()
+    for gpu in gpus:
+        if gpu.uuid.lower() == lowered:
+            return gpu
+    return None

@@ -1,0 +1,268 @@
+"""Paths inside a container's rootfs, resolved without ever leaving it.
+
+Every container path gpuhook touches goes through this module (CVE-2024-0132, CVE-2024-0134,
+CVE-2025-23359: symlinks in the image redirected a runtime's mounts onto the host). A path
+is resolved as if the rootfs were "/": absolute symlinks and ".." stop at the rootfs, as in
+a chroot. Results are O_PATH file descriptors, so what was checked is what gets mounted on
+(via /proc/self/fd/N); a path string is never re-resolved after the check.
+
+Two resolvers give the same answers: openat2(RESOLVE_IN_ROOT) where the kernel has it (5.6+),
+and a component walk over O_NOFOLLOW descriptors elsewhere (RHEL 8's 4.18, for one). Tests
+run both.
+"""
+
+import errno
+import os
+import stat
+
+from gpuhook import linux
+
+MAX_SYMLINKS = 40
+_CLOEXEC = os.O_CLOEXEC
+_PATH = os.O_PATH | os.O_CLOEXEC
+
+use_openat2 = True  # switched off once if the kernel lacks it, or by tests
+
+
+def kind_of(mode: int) -> str:
+    """Human name of a file type, for error messages."""
+    for test, name in (
+        (stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
+        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "an unknown file type"
+
+
+def _components(path: str) -> list[str]:
+    return [p for p in path.split("/") if p and p != "."]
+
+
+def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, follow_final: bool = True) -> int:
+    """Open `path` (absolute, container-side) inside the tree at `root_fd`."""
+    global use_openat2
+    rel = "/".join(_components(path)) or "."
+    if not follow_final:
+        flags |= os.O_NOFOLLOW
+    if use_openat2:
+        resolve = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
+        for _ in range(16):
+            try:
+                return linux.openat2(root_fd, rel, flags | _CLOEXEC, 0, resolve)
+            except OSError as err:
+                if err.errno == errno.EAGAIN:  # a concurrent rename or mount; retry
+                    continue
+                if err.errno == errno.ENOSYS:
+                    use_openat2 = False
+                    break
+                raise OSError(err.errno, os.strerror(err.errno), path) from None
+        else:
+
+            raise OSError(errno.EAGAIN, "resolution kept racing with renames", path)
+    return _walk(root_fd, path, flags, follow_final)
+
+
+def _walk(root_fd: int, path: str, flags: int, follow_final: bool) -> int:
+    """RESOLVE_IN_ROOT in user space: one O_NOFOLLOW step at a time from `root_fd`."""
+    pending = _components(path)
+    pending.reverse()  # a stack: the next component is last
+    cur = os.dup(root_fd)
+    parents: list[int] = []
+    links = 0
+    try:
+        if not pending:
+            result, cur = cur, -1
+            return _reopen(result, flags) if flags & ~(os.O_PATH | os.O_NOFOLLOW) else result
+        while pending:
+            name = pending.pop()
+            if name == "..":
+                if parents:
+                    os.close(cur)
+                    cur = parents.pop()
+                continue
+            last = not pending
+            fd = os.open(name, _PATH | os.O_NOFOLLOW, dir_fd=cur)
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISLNK(mode) and (not last or follow_final):
+                target = os.readlink("", dir_fd=fd)
+                os.close(fd)
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+                if target.startswith("/"):
+                    for p in parents:
+                        os.close(p)
+                    parents = []
+                    os.close(cur)
+                    cur = os.dup(root_fd)
+                pending.extend(reversed(_components(target)))
+                if not pending:  # a link to "/" or "."
+                    pending.append(".")
+                continue
+            if last:
+                os.close(fd)
+                return os.open(name, flags | os.O_NOFOLLOW | _CLOEXEC, dir_fd=cur)
+            if not stat.S_ISDIR(mode):
+                os.close(fd)
+                raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+            parents.append(cur)
+            cur = fd
+        # The path ended in "..": `cur` is the answer.
+        result, cur = cur, -1
+        return _reopen(result, flags)
+    finally:
+        for p in parents:
+            os.close(p)
+        if cur >= 0:
+            os.close(cur)
+
+
+def _reopen(fd: int, flags: int) -> int:
+    if flags & ~(os.O_PATH | os.O_NOFOLLOW) == 0 and flags & os.O_PATH:
+        return fd
+    try:
+        return os.open(".", (flags & ~os.O_NOFOLLOW) | _CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+class Changes:
+    """What an apply created inside a rootfs, so a failure can take it all back."""
+
+    def __init__(self):
+        # (kind, parent dir fd, name, old link target): kind is dir, file or relink
+        self.entries: list[tuple[str, int, str, str]] = []
+
+    def add(self, kind: str, parent_fd: int, name: str) -> None:
+        self.entries.append((kind, os.dup(parent_fd), name, ""))
+
+    def add_relink(self, parent_fd: int, name: str, old_target: str) -> None:
+        """`name` was a symlink to `old_target` that we re-pointed."""
+        self.entries.append(("relink", os.dup(parent_fd), name, old_target))
+
+    def undo(self) -> list[str]:
+        """Remove what was created, newest first. Returns problems, never raises."""
+        problems = []
+        while self.entries:
+            kind, parent, name, old_target = self.entries.pop()
+            try:
+                if kind == "dir":
+                    os.rmdir(name, dir_fd=parent)
+                elif kind == "relink":
+                    temp = f".{name}.gpuhook"
+                    os.symlink(old_target, temp, dir_fd=parent)
+                    os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+                else:
+                    os.unlink(name, dir_fd=parent)
+            except OSError as err:
+                problems.append(f"could not remove {name}: {err.strerror}")
+            finally:
+                os.close(parent)
+        return problems
+
+    def forget(self) -> None:
+        while self.entries:
+            os.close(self.entries.pop()[1])
+
+
+def make_dirs(root_fd: int, path: str, changes: Changes, mode: int = 0o755) -> int:
+    """O_PATH fd of directory `path` in the root, creating missing components."""
+    parts = _components(path)
+    if ".." in parts:
+        raise OSError(errno.EINVAL, "'..' is not allowed in a planned path", path)
+    cur = os.dup(root_fd)
+    try:
+        for i, name in enumerate(parts):
+            # Resolve each prefix from the root itself, so an absolute symlink on the way
+            # means what it means to the container.
+            prefix = "/" + "/".join(parts[: i + 1])
+            try:
+                nxt = open_in_root(root_fd, prefix, os.O_PATH | os.O_DIRECTORY)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(name, mode, dir_fd=cur)
+                except FileExistsError:
+                    raise OSError(errno.ENOENT, "is a symlink to a missing directory", prefix) from None
+                changes.add("dir", cur, name)
+                nxt = os.open(name, _PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cur)
+            except NotADirectoryError:
+                raise OSError(errno.ENOTDIR, "exists and is not a directory", prefix) from None
+            os.close(cur)
+            cur = nxt
+        result, cur = cur, -1
+        return result
+    finally:
+        if cur >= 0:
+            os.close(cur)
+
+
+def split(path: str) -> tuple[str, str]:
+    parts = _components(path)
+    if not parts:
+        raise OSError(errno.EINVAL, "path has no file name", path)
+    return "/" + "/".join(parts[:-1]), parts[-1]
+
+
+def ensure_file(root_fd: int, path: str, changes: Changes, mode: int = 0o644) -> int:
+    """O_PATH fd of the regular file `path` (created empty if missing): a bind-mount target.
+
+    A symlink, directory, FIFO, socket or device at `path` is refused, never followed.
+    """
+    parent_path, name = split(path)
+    parent = make_dirs(root_fd, parent_path, changes)
+    try:
+        try:
+            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | _CLOEXEC, mode, dir_fd=parent)
+            os.close(fd)
+            changes.add("file", parent, name)
+        except FileExistsError:
+            pass
+        fd = os.open(name, _PATH | os.O_NOFOLLOW, dir_fd=parent)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise OSError(errno.EEXIST, f"exists and is {kind_of(st.st_mode)}", path)
+        return fd
+    finally:
+        os.close(parent)
+
+
+def ensure_dir(root_fd: int, path: str, changes: Changes) -> int:
+    """O_PATH fd of directory `path`; its final component must not be a symlink."""
+    parent_path, name = split(path)
+    parent = make_dirs(root_fd, parent_path, changes)
+    try:
+        try:
+            os.mkdir(name, 0o755, dir_fd=parent)
+            changes.add("dir", parent, name)
+        except FileExistsError:
+            pass
+        fd = os.open(name, _PATH | os.O_NOFOLLOW, dir_fd=parent)
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode):
+            os.close(fd)
+            raise OSError(errno.EEXIST, f"exists and is {kind_of(st.st_mode)}", path)
+        return fd
+    finally:
+        os.close(parent)
+
+
+def resolve_host(root: str, path: str) -> str:
+    """Host path of `path` under a trusted `root` (a driver root), symlinks kept inside it.
+
+    For reading the driver's own tree only; container paths always go through fds.
+    """
+    if root == "/":
+        return os.path.realpath(path)
+    root_fd = os.open(root, _PATH | os.O_DIRECTORY)
+    try:
+        fd = open_in_root(root_fd, path, os.O_PATH)
+        try:
+            real = os.readlink(linux.fd_path(fd))
+        finally:
+            os.close(fd)
+    finally:
+        os.close(root_fd)
+    return real

@@ -1,0 +1,1 @@
+"""Simulated NVIDIA GPU hosts for tests, the demo and users without a GPU."""

@@ -1,0 +1,72 @@
+/*
+ * A stand-in for the driver's binaries (nvidia-smi, nvidia-debugdump, ...), built
+ * statically by `gpuhook simulate` so it runs in any container, even one with no libc.
+ *
+ * It reports what a real tool would depend on: which NVIDIA device nodes the container has
+ * and what open(2) says about each. ENXIO means the device cgroup allows the node but no
+ * driver is behind it (the simulated GPU is reachable); EPERM means the cgroup denies it.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+static const char *errno_name(int err)
+{
+    switch (err) {
+    case 0: return "OK";
+    case ENXIO: return "ENXIO";
+    case EPERM: return "EPERM";
+    case EACCES: return "EACCES";
+    case ENOENT: return "ENOENT";
+    case ENODEV: return "ENODEV";
+    default: return strerror(err);
+    }
+}
+
+static int by_name(const struct dirent **a, const struct dirent **b)
+{
+    return strcmp((*a)->d_name, (*b)->d_name);
+}
+
+int main(int argc, char **argv)
+{
+    const char *name = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
+    struct dirent **entries;
+    int n, i, found = 0;
+
+    (void)argc;
+    printf("%s (simulated by gpuhook, driver %s)\n", name, SIM_DRIVER_VERSION);
+    n = scandir("/dev", &entries, NULL, by_name);
+    for (i = 0; i < n; i++) {
+        char path[300];
+        struct stat st;
+        int fd, err;
+
+        if (strncmp(entries[i]->d_name, "nvidia", 6) != 0)
+            goto next;
+        snprintf(path, sizeof path, "/dev/%s", entries[i]->d_name);
+        if (stat(path, &st) != 0 || !S_ISCHR(st.st_mode))
+            goto next;
+        fd = open(path, O_RDWR);
+        err = fd < 0 ? errno : 0;
+        if (fd >= 0)
+            close(fd);
+        printf("  %-22s c %3u:%-3u  open: %s%s\n", path, major(st.st_rdev), minor(st.st_rdev),
+               errno_name(err), err == ENXIO ? " (allowed; no real driver)" :
+               err == EPERM ? " (denied by the device cgroup)" : "");
+        found++;
+    next:
+        free(entries[i]);
+    }
+    if (n >= 0)
+        free(entries);
+    if (!found)
+        printf("  no NVIDIA device nodes in /dev\n");
+    return 0;
+}
