@@ -165,10 +165,10 @@ def _collect(pid: int, read_end: int, deadline: float) -> dict:
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 message = json.loads(line)
-                if "step" in message:
-                    last_step = message["step"]
-                else:
+                if "ok" in message:
                     final = message
+                else:
+                    last_step = message["step"]
     finally:
         os.close(read_end)
     if final is None:
@@ -283,6 +283,8 @@ class _Work:
             raise OSError(err.errno, f"host source {mount.source}: {err.strerror}") from None
         try:
             src_st = os.fstat(src)
+            if self._already_mounted(mount.target, src_st):
+                return  # the hook ran before for this container
             if mount.kind == "dir":
                 target = safepath.ensure_dir(self.root, mount.target, self.changes)
             else:
@@ -308,6 +310,17 @@ class _Work:
             self.count += 1
         finally:
             os.close(src)
+
+    def _already_mounted(self, target: str, src_st) -> bool:
+        try:
+            fd = safepath.open_in_root(self.root, target, os.O_PATH, follow_final=False)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            return (st.st_dev, st.st_ino) == (src_st.st_dev, src_st.st_ino)
+        finally:
+            os.close(fd)
 
     def symlink(self, link) -> None:
         parent_path, name = safepath.split(link.path)

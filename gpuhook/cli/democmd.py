@@ -1,0 +1,75 @@
+"""`gpuhook demo`: a real runc container gets two simulated GPUs from gpuhook, and shows it."""
+
+import json
+import os
+import shutil
+
+import click
+
+from gpuhook import testbed
+from gpuhook.simulate import host
+
+SCRIPT = r"""
+echo "--- NVIDIA device nodes in the container's /dev"
+ls -l /dev | grep nvidia
+echo "--- nvidia-smi (simulated; reports what open(2) says for each node)"
+/usr/bin/nvidia-smi
+echo "--- a GPU the container did not ask for (node made inside, minor {other})"
+mknod /dev/not-mine c 195 {other}
+cat /dev/not-mine 2>&1 | sed 's/^/    /'
+echo "--- driver libraries mounted read-only (first lines of $(ls {libdir} | wc -l) entries in {libdir})"
+ls -l {libdir} | head -6
+echo "    mount of libcuda: $(grep ' {libdir}/libcuda.so' /proc/self/mountinfo | cut -d' ' -f5,6)"
+"""
+
+
+@click.command(help=(
+    "Start a real runc container (busybox) on a simulated 4-GPU host with "
+    "NVIDIA_VISIBLE_DEVICES=0,1 and gpuhook as its prestart hook, and show what the container "
+    "sees: its GPU nodes, nvidia-smi, a GPU it did not ask for (EPERM), the driver libraries. "
+    "Needs root, runc, busybox-static and a C compiler."
+))
+@click.option("--workdir", default="/tmp/gpuhook-demo", show_default=True,
+              help="Where the simulated host, bundle and runc state go (replaced on each run).")
+@click.option("--visible", default="0,1", show_default=True, help="NVIDIA_VISIBLE_DEVICES for the container.")
+def demo(workdir, visible):
+    workdir = os.path.abspath(workdir)
+    if os.path.isdir(workdir):
+        if not os.path.exists(f"{workdir}/.gpuhook-demo"):
+            raise click.UsageError(f"{workdir} exists and was not made by gpuhook demo; pick another --workdir")
+        shutil.rmtree(workdir)
+    os.makedirs(workdir)
+    open(f"{workdir}/.gpuhook-demo", "w").close()
+    click.echo(f"1. simulated host with 4 GPUs in {workdir}/host")
+    sim = host.build(f"{workdir}/host", gpus=4)
+    bed = testbed.Testbed(workdir)
+    libdir = "/usr/lib64"
+    requested = {p.strip() for p in visible.split(",")}
+    other = next((g["minor"] for g in sim["gpus"] if str(g["index"]) not in requested), 3)
+    bundle = bed.bundle(
+        "demo",
+        args=["/bin/busybox", "sh", "-c", SCRIPT.format(other=other, libdir=libdir)],
+        env=[f"NVIDIA_VISIBLE_DEVICES={visible}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"],
+        hooks={"prestart": [testbed.hook_entry(sim["config"])]},
+        edit=lambda spec: spec["process"]["env"].append("PATH=/bin:/usr/bin"),
+    )
+    bed.rootfs(f"{bundle}/rootfs")
+    for name in ("grep", "head", "wc", "sed", "mknod", "cut"):
+        link = f"{bundle}/rootfs/bin/{name}"
+        if not os.path.lexists(link):
+            os.symlink("busybox", link)
+    click.echo(f"2. bundle {bundle} with NVIDIA_VISIBLE_DEVICES={visible}, gpuhook registered as prestart hook")
+    click.echo("3. runc run (output of the container follows)\n")
+    result = bed.run(bundle, "gpuhook-demo")
+    click.echo(result.stdout.rstrip())
+    if result.returncode != 0:
+        click.echo(result.stderr.rstrip(), err=True)
+        raise click.ClickException(f"runc exited with {result.returncode}")
+    click.echo("\n4. gpuhook's decision log (" + sim["directory"] + "/gpuhook.log):")
+    try:
+        with open(f"{sim['directory']}/gpuhook.log") as f:
+            last = json.loads(f.read().splitlines()[-1])
+        keep = ("container", "decision", "gpus", "capabilities", "cgroup", "rules_added", "seconds")
+        click.echo(json.dumps({k: last[k] for k in keep if k in last}, indent=2))
+    except (OSError, IndexError, ValueError):
+        click.echo("(no log line found)")

@@ -1,0 +1,145 @@
+"""Shared fixtures: a simulated GPU host, the probe helper, and runc testbeds.
+
+Tests that need root, runc, busybox or a C compiler skip on a developer machine that lacks
+them, but FAIL under CI (GPUHOOK_STRICT=1, set by .ci/run): a missing tool must never turn
+into a green run.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from gpuhook import testbed
+from gpuhook.simulate import host as simhost
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+STRICT = os.environ.get("GPUHOOK_STRICT") == "1"
+
+
+def require(condition: bool, why: str) -> None:
+    if condition:
+        return
+    if STRICT:
+        pytest.fail(f"required in CI: {why}")
+    pytest.skip(why)
+
+
+def require_root_tools(*tools: str) -> None:
+    require(os.geteuid() == 0, "needs root")
+    for tool in tools:
+        require(shutil.which(tool) is not None, f"needs {tool}")
+
+
+@pytest.fixture(scope="session")
+def sim_host(tmp_path_factory):
+    """A 4-GPU simulated host shared by the session. Do not modify it; build your own."""
+    require_root_tools("gcc", "ldconfig")
+    return simhost.build(str(tmp_path_factory.mktemp("simhost") / "host"), gpus=4)
+
+
+@pytest.fixture(scope="session")
+def probe(tmp_path_factory):
+    """The static probe binary (tests/helpers/probe.c)."""
+    require_root_tools("gcc")
+    out = str(tmp_path_factory.mktemp("probe") / "probe")
+    subprocess.run(["gcc", "-static", "-O2", "-o", out, f"{HERE}/helpers/probe.c"], check=True)
+    return out
+
+
+@pytest.fixture
+def bed(tmp_path):
+    require_root_tools("runc")
+    try:
+        testbed.find_busybox()
+    except testbed.TestbedError as err:
+        require(False, str(err))
+    return testbed.Testbed(str(tmp_path))
+
+
+def write_config(path, base: dict, **overrides) -> str:
+    """A config.toml: the simulated host's keys plus overrides (TOML-quoted via json)."""
+    lines = [f'{k} = {json.dumps(v)}' for k, v in {**base, **overrides}.items() if not isinstance(v, dict)]
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
+
+
+def sim_config_values(sim: dict, log_file: str) -> dict:
+    d = sim["directory"]
+    return {"driver-root": f"{d}/driver", "dev-root": f"{d}/dev", "proc-root": f"{d}/proc",
+            "log-file": log_file, "state-dir": f"{os.path.dirname(log_file)}/run"}
+
+
+def run_hook_process(args, stdin: bytes, env=None, timeout=60):
+    """Run `python -I -S gpuhook/launch.py ARGS` as a runtime would."""
+    argv = [os.path.realpath(sys.executable), "-I", "-S", f"{REPO}/gpuhook/launch.py", *args]
+    return subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout,
+                          env=env if env is not None else {"PATH": "/usr/bin:/bin"})
+
+
+LIBDIR = "/usr/lib64"  # busybox rootfses are not Debian-family
+NODE_PATHS = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] + [f"/dev/nvidia{i}" for i in range(4)]
+
+
+class GpuContainers:
+    """Run busybox containers with gpuhook as prestart hook on the simulated host."""
+
+    def __init__(self, bed, sim, probe, workdir):
+        self.bed = bed
+        self.sim = sim
+        self.probe = probe
+        self.workdir = str(workdir)
+        self.log = f"{self.workdir}/gpuhook.log"
+        self.version = sim["driver_version"]
+        self.configure()
+
+    def configure(self, **overrides) -> str:
+        self.config = write_config(f"{self.workdir}/config.toml",
+                                   sim_config_values(self.sim, self.log), **overrides)
+        return self.config
+
+    def uuid(self, index: int) -> str:
+        return self.sim["gpus"][index]["uuid"]
+
+    def run(self, name, env=(), mounts=(), annotations=None, privileged=False, before="",
+            paths=(), hook=True, edit=None, rootfs_setup=None, stage="prestart"):
+        """Start container `name`; it runs `before` then probes NODE_PATHS + `paths`."""
+        script = f"{before}\n/bin/probe " + " ".join(NODE_PATHS + list(paths))
+        hooks = {stage: [testbed.hook_entry(self.config, stage)]} if hook else None
+        bundle_dir = f"{self.bed.workdir}/bundles/{name}"
+        rootfs = self.bed.rootfs(f"{bundle_dir}/rootfs", files={"/bin/probe": self.probe})
+        if rootfs_setup is not None:
+            rootfs_setup(rootfs)
+        bundle = self.bed.bundle(name, ["/bin/busybox", "sh", "-c", script], env=env, mounts=mounts,
+                                 annotations=annotations, hooks=hooks, rootfs=rootfs,
+                                 privileged=privileged, edit=edit)
+        result = self.bed.run(bundle, name)
+        result.rootfs = rootfs
+        return result
+
+    def log_lines(self) -> list:
+        try:
+            with open(self.log) as f:
+                return [json.loads(line) for line in f]
+        except FileNotFoundError:
+            return []
+
+
+@pytest.fixture
+def gpus(bed, sim_host, probe, tmp_path):
+    return GpuContainers(bed, sim_host, probe, tmp_path)
+
+
+def host_mounts() -> list:
+    """The host's mount table (mount point and source), for before/after comparisons."""
+    with open("/proc/self/mountinfo") as f:
+        return sorted(" ".join(line.split()[3:5]) for line in f)
