@@ -18,9 +18,20 @@ def main(argv: list[str] | None = None) -> None:
         parsed = prescan.split_hook_args(args)
         if parsed is not None:
             sys.exit(run_stage(*parsed))
+    enable_site_packages()
     from gpuhook.cli import main as cli_main
 
     cli_main(args)
+
+
+def enable_site_packages() -> None:
+    """Add site-packages to sys.path: the runtime starts the hook with -S (no site.py), which
+    keeps the no-GPU path bare; the GPU path needs its dependencies (pynvml, psutil).
+    With -I the user site and PYTHON* variables stay ignored."""
+    if sys.flags.no_site and "site" not in sys.modules:
+        import site
+
+        site.main()
 
 
 def run_stage(stage: str, config_path: str | None) -> int:
@@ -40,6 +51,7 @@ def run_stage(stage: str, config_path: str | None) -> int:
             if spec is not None and len(spec) <= prescan.MAX_CONFIG_BYTES \
                     and not prescan.may_request_gpu(state, spec):
                 return 0
+    enable_site_packages()
     from gpuhook.hook import run_hook
 
     return run_hook(stage, state, config_path, spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None)

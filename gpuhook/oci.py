@@ -164,11 +164,13 @@ def parse_spec(raw: bytes, bundle: str) -> Spec:
         raise InputError(f"{what}: root.path resolves to the host's / ; refusing")
     readonly = root.get("readonly", False) is True
 
-    process = doc.get("process") or {}
+    process = doc.get("process")
+    process = {} if process is None else process
     if not isinstance(process, dict):
         raise InputError(f"{what}: 'process' must be an object")
     env = _parse_env(process.get("env"), what)
-    caps = process.get("capabilities") or {}
+    caps = process.get("capabilities")
+    caps = {} if caps is None else caps
     if not isinstance(caps, dict):
         raise InputError(f"{what}: process.capabilities must be an object")
     bounding = caps.get("bounding") or []
@@ -176,7 +178,8 @@ def parse_spec(raw: bytes, bundle: str) -> Spec:
         raise InputError(f"{what}: process.capabilities.bounding must be a list of strings")
 
     mounts = []
-    raw_mounts = doc.get("mounts") or []
+    raw_mounts = doc.get("mounts")
+    raw_mounts = [] if raw_mounts is None else raw_mounts
     if not isinstance(raw_mounts, list):
         raise InputError(f"{what}: 'mounts' must be a list")
     for i, m in enumerate(raw_mounts):
@@ -194,11 +197,13 @@ def parse_spec(raw: bytes, bundle: str) -> Spec:
             )
         )
 
-    linux = doc.get("linux") or {}
+    linux = doc.get("linux")
+    linux = {} if linux is None else linux
     if not isinstance(linux, dict):
         raise InputError(f"{what}: 'linux' must be an object")
     namespaces = {}
-    raw_ns = linux.get("namespaces") or []
+    raw_ns = linux.get("namespaces")
+    raw_ns = [] if raw_ns is None else raw_ns
     if not isinstance(raw_ns, list):
         raise InputError(f"{what}: linux.namespaces must be a list")
     for i, ns in enumerate(raw_ns):

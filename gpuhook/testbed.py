@@ -52,7 +52,8 @@ def hook_entry(config_path: str, stage: str = "prestart", python: str | None = N
                timeout: int = 30) -> dict:
     """A runc hook entry that runs gpuhook the way hooks.d/gpuhook.json does."""
     launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch.py")
-    python = python or os.path.realpath(sys.executable)
+    # sys.executable as is (not resolved): a venv's bin/python3 is how Python finds the venv.
+    python = python or sys.executable
     return {
         "path": python,
         "args": ["python3", "-I", "-S", launcher, stage, "--config", config_path],

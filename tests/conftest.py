@@ -79,9 +79,9 @@ def sim_config_values(sim: dict, log_file: str) -> dict:
             "log-file": log_file, "state-dir": f"{os.path.dirname(log_file)}/run"}
 
 
-def run_hook_process(args, stdin: bytes, env=None, timeout=60):
+def run_hook_process(args, stdin: bytes, env=None, timeout=60, python_flags=()):
     """Run `python -I -S gpuhook/launch.py ARGS` as a runtime would."""
-    argv = [os.path.realpath(sys.executable), "-I", "-S", f"{REPO}/gpuhook/launch.py", *args]
+    argv = [sys.executable, "-I", "-S", *python_flags, f"{REPO}/gpuhook/launch.py", *args]
     return subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout,
                           env=env if env is not None else {"PATH": "/usr/bin:/bin"})
 

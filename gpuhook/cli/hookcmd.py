@@ -7,7 +7,7 @@ import sys
 import click
 
 from gpuhook import config as cfg
-from gpuhook import hook
+from gpuhook import hook, schema
 from gpuhook.errors import InputError
 from gpuhook.plan import render_text
 
@@ -43,6 +43,9 @@ def _stage_command(stage: str):
         config = cfg.load(config_path, os.environ)
         state, spec = hook.read_container(raw, base_dir=base_dir)
         plan = hook.build_plan(state, spec, config)
+        deviations = [f"state deviates from the OCI schema (accepted leniently): {d}"
+                      for d in schema.state_deviations(raw)]
+        plan = plan._replace(notes=plan.notes + tuple(deviations))
         if as_json:
             click.echo(json.dumps(plan.as_dict(), indent=2))
         else:

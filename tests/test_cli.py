@@ -1,0 +1,105 @@
+"""The command line as a user meets it: help everywhere, dry runs on the samples, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpuhook.cli import COMMANDS
+
+from conftest import REPO
+
+SAMPLES = os.path.join(REPO, "examples", "states")
+
+
+def gpuhook(*args, stdin=b"", env=None):
+    run_env = {"PATH": os.environ["PATH"], **(env or {})}
+    return subprocess.run([sys.executable, "-m", "gpuhook", *args], input=stdin, capture_output=True,
+                          env=run_env, timeout=120, cwd="/")
+
+
+def test_top_level_help_lists_every_command():
+    done = gpuhook("--help")
+    assert done.returncode == 0
+    for name in COMMANDS:
+        assert name in done.stdout.decode()
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_has_help(name):
+    done = gpuhook(name, "--help")
+    assert done.returncode == 0, done.stderr
+    assert f"Usage: gpuhook {name}" in done.stdout.decode()
+    assert len(done.stdout.decode().splitlines()) > 3
+
+
+def test_version():
+    assert gpuhook("--version").stdout.decode().startswith("gpuhook, version ")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["nosuch"], "No such command 'nosuch'"),
+    (["prestart", "--json"], "--json goes with --dry-run"),
+    (["prestart", "--dry-run", "--state", "/nonexistent.json"], "cannot read state file /nonexistent.json"),
+    (["list", "--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
+    (["simulate"], "Missing argument 'DIR'"),
+])
+def test_usage_errors_are_one_line(args, message):
+    done = gpuhook(*args)
+    assert done.returncode != 0
+    err = done.stderr.decode()
+    assert err.count("\n") == 1 and err.startswith("gpuhook: ") and message in err, err
+
+
+EXPECT = {
+    "runc-no-gpu": ("nothing", []),
+    "runc-gpu0": ("gpus", [0]),
+    "crun-all-utility": ("all", [0, 1, 2, 3]),
+    "podman-cuda-legacy": ("all", [0, 1, 2, 3]),
+    "k8s-volume-mounts": ("gpus", [1]),
+    "containerd-cdi": ("gpus", [0]),
+    "runc-none": ("driver-only", []),
+}
+
+
+def test_every_shipped_sample_is_covered():
+    assert sorted(f[:-5] for f in os.listdir(SAMPLES)) == sorted(EXPECT)
+
+
+@pytest.mark.parametrize("sample", sorted(EXPECT))
+def test_dry_run_on_shipped_samples_prints_the_plan_and_changes_nothing(sample, sim_host):
+    wants, indices = EXPECT[sample]
+    state = os.path.join(SAMPLES, f"{sample}.json")
+    before = sorted(os.walk(os.path.join(REPO, "examples")))
+    done = gpuhook("prestart", "--dry-run", "--json", "--state", state, "--config", sim_host["config"])
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["wants"] == wants
+    uuids = [sim_host["gpus"][i]["uuid"] for i in indices]
+    assert [g["uuid"] for g in plan["gpus"]] == uuids
+    text = gpuhook("prestart", "--dry-run", "--state", state, "--config", sim_host["config"])
+    assert text.returncode == 0 and f"container {plan['container_id']}" in text.stdout.decode()
+    assert sorted(os.walk(os.path.join(REPO, "examples"))) == before
+
+
+def test_dry_run_reads_stdin_and_reports_schema_deviations(sim_host):
+    with open(os.path.join(SAMPLES, "runc-gpu0.json")) as f:
+        doc = json.load(f)
+    doc.update(status="starting", bundle=os.path.join(REPO, "examples", "bundles", "gpu0"))
+    del doc["ociVersion"]
+    done = gpuhook("prestart", "--dry-run", "--config", sim_host["config"], stdin=json.dumps(doc).encode())
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.decode()
+    assert "'ociVersion' is a required property" in out and "'starting' is not one of" in out
+
+
+def test_list_and_config_on_the_simulated_host(sim_host):
+    done = gpuhook("list", "--json", "--config", sim_host["config"])
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(done.stdout)
+    assert [g["uuid"] for g in listed["gpus"]] == [g["uuid"] for g in sim_host["gpus"]]
+    done = gpuhook("config", "--json", env={"GPUHOOK_CONFIG": sim_host["config"]})
+    shown = json.loads(done.stdout)
+    assert shown["source"] == sim_host["config"] and shown["values"]["proc-root"].endswith("/proc")

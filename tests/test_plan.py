@@ -1,0 +1,107 @@
+"""make_plan is pure: literal inventory in, literal plan out."""
+
+import json
+
+from gpuhook import config as cfg
+from gpuhook import oci
+from gpuhook import request as req
+from gpuhook.discover import Gpu, HostFile, Inventory, Library
+from gpuhook.plan import make_plan, render_text
+
+GPUS = (Gpu(0, "GPU-a", 0, "0000:18:00.0", "Sim"), Gpu(1, "GPU-b", 3, "0000:28:00.0", "Sim"))
+INV = Inventory(
+    driver_version="550.54.15",
+    gpus=GPUS,
+    majors={"nvidia": 195, "nvidia-uvm": 510},
+    libraries=(
+        Library("/d/libcuda.so.550.54.15", "libcuda.so.550.54.15", ("libcuda.so.1", "libcuda.so"), "compute", 64),
+        Library("/d/libnvidia-ml.so.550.54.15", "libnvidia-ml.so.550.54.15", ("libnvidia-ml.so.1",), "utility", 64),
+        Library("/d/32/libcuda.so.550.54.15", "libcuda.so.550.54.15", ("libcuda.so.1",), "compute", 32),
+        Library("/d/libnvcuvid.so.550.54.15", "libnvcuvid.so.550.54.15", ("libnvcuvid.so.1",), "video", 64),
+    ),
+    binaries=(HostFile("/d/bin/nvidia-smi", "/usr/bin/nvidia-smi", "utility", "file"),),
+    firmware=(HostFile("/d/fw/gsp.bin", "/lib/firmware/nvidia/550.54.15/gsp.bin", "firmware", "file"),),
+    ipc=(HostFile("/d/run/socket", "/var/run/nvidia-persistenced/socket", "utility", "socket"),
+         HostFile("/d/tmp/nvidia-mps", "/tmp/nvidia-mps", "compute", "dir")),
+    proc_driver_dir="/proc/driver/nvidia",
+)
+STATE = oci.State("1.0.2", "c1", "creating", 77, "/b", {})
+
+
+def plan_for(env, caps_dirs=("/usr/lib64", "/usr/lib"), node_info=lambda p: None):
+    doc = {"root": {"path": "rootfs"}, "process": {"env": env}}
+    spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
+    config = cfg.from_mapping({})
+    r = req.resolve(spec, {}, config)
+    return make_plan(STATE, spec, r, req.select_gpus(r, GPUS), INV, config, caps_dirs, node_info)
+
+
+def test_compute_utility_plan():
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=1"])
+    assert [(n.path, n.major, n.minor) for n in plan.nodes] == [
+        ("/dev/nvidiactl", 195, 255), ("/dev/nvidia-uvm", 510, 0), ("/dev/nvidia-uvm-tools", 510, 1),
+        ("/dev/nvidia3", 195, 3)]
+    assert [r.v1_line() for r in plan.rules] == ["c 195:255 rw", "c 510:0 rw", "c 510:1 rw", "c 195:3 rw"]
+    assert [m.target for m in plan.mounts] == [
+        "/usr/lib64/libcuda.so.550.54.15", "/usr/lib64/libnvidia-ml.so.550.54.15", "/usr/bin/nvidia-smi",
+        "/lib/firmware/nvidia/550.54.15/gsp.bin", "/var/run/nvidia-persistenced/socket", "/tmp/nvidia-mps"]
+    assert all(m.options == ("ro", "nosuid", "nodev") for m in plan.mounts[:4])
+    assert plan.mounts[4].options == ("ro", "nosuid", "nodev", "noexec")
+    assert plan.mounts[5].options == ("nosuid", "nodev", "noexec") and plan.mounts[5].kind == "dir"
+    assert [(s.path, s.target) for s in plan.symlinks] == [
+        ("/usr/lib64/libcuda.so.1", "libcuda.so.550.54.15"), ("/usr/lib64/libcuda.so", "libcuda.so.550.54.15"),
+        ("/usr/lib64/libnvidia-ml.so.1", "libnvidia-ml.so.550.54.15")]
+    assert plan.ldcache.directories == ("/usr/lib64",) and plan.ldcache.ldconfig == "/sbin/ldconfig"
+    assert plan.proc_mask.gpu_buses == ("0000:28:00.0",)
+
+
+def test_utility_only_has_no_uvm_and_no_compute_files():
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=utility"])
+    assert [n.path for n in plan.nodes] == ["/dev/nvidiactl", "/dev/nvidia0"]
+    assert not any("cuda" in m.target or "mps" in m.target for m in plan.mounts)
+
+
+def test_compat32_adds_32_bit_libraries_to_the_32_bit_dir():
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,compat32"])
+    assert "/usr/lib/libcuda.so.550.54.15" in [m.target for m in plan.mounts]
+    assert plan.ldcache.directories == ("/usr/lib64", "/usr/lib")
+
+
+def test_display_adds_modeset_and_missing_libraries_are_noted():
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=display,graphics"])
+    assert "/dev/nvidia-modeset" in [n.path for n in plan.nodes]
+    assert "no graphics libraries found in the host's ld cache" in plan.notes
+
+
+def test_node_mode_and_owner_come_from_the_host_node():
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0"], node_info=lambda p: (0o660, 0, 44) if p == "/dev/nvidia0" else None)
+    modes = {n.path: (n.mode, n.gid) for n in plan.nodes}
+    assert modes["/dev/nvidia0"] == (0o660, 44) and modes["/dev/nvidiactl"] == (0o666, 0)
+
+
+def test_missing_uvm_module_is_noted_not_fatal():
+    inv = INV._replace(majors={"nvidia": 195})
+    doc = {"root": {"path": "rootfs"}, "process": {"env": ["NVIDIA_VISIBLE_DEVICES=0"]}}
+    spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
+    config = cfg.from_mapping({})
+    r = req.resolve(spec, {}, config)
+    plan = make_plan(STATE, spec, r, GPUS[:1], inv, config, ("/usr/lib64", "/usr/lib"), lambda p: None)
+    assert "/dev/nvidia-uvm" not in [n.path for n in plan.nodes]
+    assert any("nvidia-uvm is not loaded" in n for n in plan.notes)
+
+
+def test_plan_renders_as_text_and_json():
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=all"])
+    text = render_text(plan)
+    assert "request: all via env NVIDIA_VISIBLE_DEVICES" in text and "/dev/nvidia3" in text
+    doc = json.loads(json.dumps(plan.as_dict()))
+    assert doc["device_nodes"][0] == {"path": "/dev/nvidiactl", "major": 195, "minor": 255, "mode": "0666",
+                                      "uid": 0, "gid": 0}
+    assert doc["cgroup_rules"][0] == {"type": "c", "major": 195, "minor": 255, "access": "rw", "allow": True}
+    assert [g["uuid"] for g in doc["gpus"]] == ["GPU-a", "GPU-b"]
+
+
+def test_empty_request_plans_nothing():
+    plan = plan_for(["PATH=/bin"])
+    assert plan.empty and plan.nodes == () and plan.mounts == () and plan.ldcache is None
+    assert "untouched" in render_text(plan)

@@ -1,0 +1,145 @@
+"""Request resolution: which GPUs a container asks for, through which channel."""
+
+import json
+
+import pytest
+
+from gpuhook import config as cfg
+from gpuhook import oci
+from gpuhook import request as req
+from gpuhook.discover import Gpu
+from gpuhook.errors import RequestError
+
+GPUS = tuple(Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", i, f"0000:{i}0:00.0", "Sim") for i in range(4))
+
+
+def spec(env=(), mounts=(), annotations=None, privileged=False):
+    caps = ["CAP_CHOWN"] + (["CAP_SYS_ADMIN"] if privileged else [])
+    doc = {"root": {"path": "rootfs"}, "process": {"env": list(env), "capabilities": {"bounding": caps}},
+           "mounts": list(mounts)}
+    if annotations:
+        doc["annotations"] = annotations
+    return oci.parse_spec(json.dumps(doc).encode(), "/bundle")
+
+
+def resolve(s, state_annotations=None, **config):
+    return req.resolve(s, state_annotations or {}, cfg.from_mapping(config))
+
+
+def vm(device):
+    return {"destination": f"/var/run/nvidia-container-devices/{device}", "source": "/dev/null", "type": "bind"}
+
+
+@pytest.mark.parametrize("env,wants,ids", [
+    ([], req.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES="], req.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES=void"], req.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES=0,void"], req.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES= , "], req.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES=none"], req.DRIVER_ONLY, ()),
+    (["NVIDIA_VISIBLE_DEVICES=all"], req.ALL, ()),
+    (["NVIDIA_VISIBLE_DEVICES=1,all"], req.ALL, ()),
+    (["NVIDIA_VISIBLE_DEVICES=0"], req.GPUS, ("0",)),
+    (["NVIDIA_VISIBLE_DEVICES= 2, 0 ,2,0"], req.GPUS, ("2", "0")),
+    (["NVIDIA_VISIBLE_DEVICES=GPU-x,1"], req.GPUS, ("GPU-x", "1")),
+    (["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"], req.NOTHING, ()),
+    (["CUDA_VERSION=11.0"], req.ALL, ()),
+    (["CUDA_VERSION=11.0", "NVIDIA_REQUIRE_CUDA=cuda>=11.0"], req.NOTHING, ()),
+    (["CUDA_VERSION=11.0", "NVIDIA_VISIBLE_DEVICES=void"], req.NOTHING, ()),
+    (["CUDA_VERSION="], req.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_VISIBLE_DEVICES=void"], req.NOTHING, ()),  # last wins
+])
+def test_environment_requests(env, wants, ids):
+    r = resolve(spec(env))
+    assert (r.wants, r.ids) == (wants, ids)
+
+
+def test_none_cannot_be_combined():
+    with pytest.raises(RequestError, match="'none' cannot be combined"):
+        resolve(spec(["NVIDIA_VISIBLE_DEVICES=0,none"]))
+
+
+@pytest.mark.parametrize("value,caps", [
+    (None, {"utility", "compute"}),
+    ("", {"utility", "compute"}),
+    ("utility", {"utility"}),
+    ("compute, video", {"compute", "video"}),
+    ("all", set(req.CAPABILITIES)),
+    ("graphics,all", set(req.CAPABILITIES)),
+])
+def test_driver_capabilities(value, caps):
+    env = ["NVIDIA_VISIBLE_DEVICES=0"] + ([f"NVIDIA_DRIVER_CAPABILITIES={value}"] if value is not None else [])
+    assert resolve(spec(env)).capabilities == caps
+
+
+def test_legacy_image_gets_every_capability():
+    assert resolve(spec(["CUDA_VERSION=10.2"])).capabilities == set(req.CAPABILITIES)
+
+
+def test_unknown_capability_is_refused_with_the_known_list():
+    with pytest.raises(RequestError, match=r"unknown driver capability 'gpu'.*compute"):
+        resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,gpu"]))
+
+
+def test_unprivileged_env_request_is_ignored_when_policy_forbids_it():
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"]), **{"accept-env-when-unprivileged": False})
+    assert r.empty and "unprivileged" in r.notes[0]
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"], privileged=True), **{"accept-env-when-unprivileged": False})
+    assert r.wants == req.ALL
+
+
+def test_volume_mounts_win_over_the_environment_and_are_deduplicated():
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"], mounts=[vm(1), vm(3), vm(1), {"destination": "/data"}]))
+    assert (r.wants, r.ids, r.channel) == (req.GPUS, ("1", "3"), req.MOUNTS)
+    assert any("takes precedence" in n for n in r.notes)
+
+
+def test_volume_mount_all_and_run_alias():
+    r = resolve(spec(mounts=[{"destination": "/run/nvidia-container-devices/all"}]))
+    assert r.wants == req.ALL
+
+
+def test_volume_mounts_work_for_unprivileged_containers_even_when_env_is_refused():
+    r = resolve(spec(mounts=[vm(2)]), **{"accept-env-when-unprivileged": False})
+    assert r.ids == ("2",)
+
+
+def test_volume_mounts_ignored_by_policy():
+    r = resolve(spec(mounts=[vm(2)]), **{"accept-volume-mounts": False})
+    assert r.empty and "accept-volume-mounts" in r.notes[0]
+
+
+def test_cdi_annotations_from_spec_and_state_are_merged():
+    r = resolve(spec(annotations={"cdi.k8s.io/a": "nvidia.com/gpu=0, vendor.com/nic=eth1"}),
+                state_annotations={"cdi.k8s.io/b": "nvidia.com/gpu=GPU-x,nvidia.com/gpu=0"})
+    assert (r.wants, r.ids, r.channel) == (req.GPUS, ("0", "GPU-x"), req.CDI)
+    assert any("vendor.com/nic" in n for n in r.notes)
+
+
+def test_cdi_annotation_naming_only_other_vendors_is_no_request():
+    assert resolve(spec(annotations={"cdi.k8s.io/a": "vendor.com/nic=eth1"})).empty
+
+
+def test_cdi_empty_device_name_is_an_error():
+    with pytest.raises(RequestError, match="empty device name"):
+        resolve(spec(annotations={"cdi.k8s.io/a": "nvidia.com/gpu="}))
+
+
+def test_select_by_index_uuid_and_all():
+    r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES=3,{GPUS[1].uuid.lower()}"]))
+    assert [g.index for g in req.select_gpus(r, GPUS)] == [3, 1]
+    assert req.select_gpus(resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"])), GPUS) == GPUS
+    assert req.select_gpus(resolve(spec(["NVIDIA_VISIBLE_DEVICES=none"])), GPUS) == ()
+
+
+def test_same_gpu_by_index_and_uuid_is_given_once():
+    r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES=1,{GPUS[1].uuid}"]))
+    assert [g.index for g in req.select_gpus(r, GPUS)] == [1]
+
+
+@pytest.mark.parametrize("ident", ["7", "GPU-nope", "-1", "1.0", "０"])
+def test_missing_gpu_lists_the_real_ones(ident):
+    r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES={ident}"]))
+    with pytest.raises(RequestError) as err:
+        req.select_gpus(r, GPUS)
+    assert "does not exist" in err.value.message and GPUS[3].uuid in err.value.message

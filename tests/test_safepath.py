@@ -1,0 +1,188 @@
+"""Resolving container paths inside the rootfs: both resolvers, against hostile trees."""
+
+import errno
+import os
+import socket
+
+import pytest
+
+from gpuhook import safepath
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def resolver(request, monkeypatch):
+    monkeypatch.setattr(safepath, "use_openat2", request.param == "openat2")
+    return request.param
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A rootfs full of traps, next to a host directory that must never be touched."""
+    host = tmp_path / "host"
+    (host / "etc").mkdir(parents=True)
+    (host / "etc/secret").write_text("host secret")
+    root = tmp_path / "root"
+    for d in ("etc", "usr/lib", "real/deep/er", "dev"):
+        (root / d).mkdir(parents=True)
+    (root / "etc/secret").write_text("container file")
+    (root / "abs-etc").symlink_to("/etc")                      # absolute: the container's /etc
+    (root / "rel-up").symlink_to("../../../../../../etc")       # climbs: stops at the root
+    (root / "to-host").symlink_to(str(host / "etc"))          # a host path spelled absolutely
+    (root / "chain1").symlink_to("chain2")
+    (root / "chain2").symlink_to("/real/deep")
+    (root / "loop1").symlink_to("loop2")
+    (root / "loop2").symlink_to("loop1")
+    (root / "lib").symlink_to("usr/lib")
+    (root / "dangling").symlink_to("/does/not/exist")
+    os.mkfifo(root / "fifo")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(root / "sock"))
+    s.close()
+    return root, host
+
+
+def real(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def rootfd(root):
+    return os.open(root, os.O_PATH | os.O_DIRECTORY)
+
+
+@pytest.mark.parametrize("path,expected", [
+    ("/abs-etc/secret", "etc/secret"),
+    ("/rel-up/secret", "etc/secret"),
+    ("/../../etc/secret", "etc/secret"),
+    ("/chain1/er", "real/deep/er"),
+    ("/lib", "usr/lib"),
+    ("//usr/./lib/", "usr/lib"),
+    ("/", ""),
+    ("/real/deep/er/..", "real/deep"),
+])
+def test_paths_resolve_inside_the_root(tree, resolver, path, expected):
+    root, _ = tree
+    fd = rootfd(root)
+    try:
+        assert real(safepath.open_in_root(fd, path)) == os.path.join(str(root), expected).rstrip("/")
+    finally:
+        os.close(fd)
+
+
+def test_a_host_path_spelled_absolutely_is_looked_up_inside_the_root(tree, resolver):
+    root, host = tree
+    fd = rootfd(root)
+    try:
+        with pytest.raises(FileNotFoundError):
+            safepath.open_in_root(fd, "/to-host/secret")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("path,code", [("/loop1", errno.ELOOP), ("/dangling", errno.ENOENT),
+                                       ("/etc/secret/x", errno.ENOTDIR)])
+def test_bad_paths_fail_with_the_right_errno(tree, resolver, path, code):
+    root, _ = tree
+    fd = rootfd(root)
+    try:
+        with pytest.raises(OSError) as err:
+            safepath.open_in_root(fd, path)
+        assert err.value.errno == code
+    finally:
+        os.close(fd)
+
+
+def test_final_symlink_is_not_followed_on_request(tree, resolver):
+    root, _ = tree
+    fd = rootfd(root)
+    try:
+        link = safepath.open_in_root(fd, "/abs-etc", os.O_PATH, follow_final=False)
+        assert os.readlink("", dir_fd=link) == "/etc"
+        os.close(link)
+    finally:
+        os.close(fd)
+
+
+def test_make_dirs_through_a_link_to_a_host_path_is_refused_and_touches_nothing(tree, resolver):
+    root, host = tree
+    fd = rootfd(root)
+    changes = safepath.Changes()
+    try:
+        # "/to-host" names <host>/etc, which inside the root does not exist: refused.
+        with pytest.raises(OSError, match="symlink to a missing directory"):
+            safepath.make_dirs(fd, "/to-host/new/dir", changes)
+        assert not (host / "etc/new").exists()
+        # "/abs-etc" is the container's own /etc: followed, inside the root.
+        os.close(safepath.make_dirs(fd, "/abs-etc/new", changes))
+        assert (root / "etc/new").is_dir() and not (host / "etc/new").exists()
+    finally:
+        changes.undo()
+        os.close(fd)
+
+
+def test_make_dirs_creates_and_undo_removes(tree, resolver):
+    root, _ = tree
+    fd = rootfd(root)
+    changes = safepath.Changes()
+    try:
+        os.close(safepath.make_dirs(fd, "/lib/x86_64/deeper", changes))
+        assert (root / "usr/lib/x86_64/deeper").is_dir()
+        assert changes.undo() == []
+        assert not (root / "usr/lib/x86_64").exists()
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("name,kind", [("abs-etc", "a symlink"), ("real", "a directory"),
+                                       ("fifo", "a FIFO"), ("sock", "a socket")])
+def test_mount_targets_of_the_wrong_type_are_refused(tree, resolver, name, kind):
+    root, _ = tree
+    fd = rootfd(root)
+    try:
+        with pytest.raises(OSError) as err:
+            safepath.ensure_file(fd, f"/{name}", safepath.Changes())
+        assert kind in str(err.value)
+    finally:
+        os.close(fd)
+
+
+def test_ensure_file_creates_an_empty_file_and_keeps_an_existing_one(tree, resolver):
+    root, _ = tree
+    fd = rootfd(root)
+    changes = safepath.Changes()
+    try:
+        os.close(safepath.ensure_file(fd, "/lib/libcuda.so.1", changes))
+        assert (root / "usr/lib/libcuda.so.1").stat().st_size == 0
+        os.close(safepath.ensure_file(fd, "/etc/secret", changes))
+        assert (root / "etc/secret").read_text() == "container file"
+        changes.undo()
+        assert not (root / "usr/lib/libcuda.so.1").exists() and (root / "etc/secret").exists()
+    finally:
+        os.close(fd)
+
+
+def test_relink_is_undone(tmp_path):
+    (tmp_path / "lib.so.1").symlink_to("old")
+    parent = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    changes = safepath.Changes()
+    os.unlink(tmp_path / "lib.so.1")
+    os.symlink("new", tmp_path / "lib.so.1")
+    changes.add_relink(parent, "lib.so.1", "old")
+    os.close(parent)
+    assert changes.undo() == []
+    assert os.readlink(tmp_path / "lib.so.1") == "old"
+
+
+def test_very_deep_paths(tmp_path, resolver):
+    deep = "/" + "/".join(["d"] * 300)
+    fd = rootfd(tmp_path)
+    changes = safepath.Changes()
+    try:
+        os.close(safepath.make_dirs(fd, deep, changes))
+        assert real(safepath.open_in_root(fd, deep)).endswith("/d/d/d")
+        changes.undo()
+        assert not (tmp_path / "d").exists()
+    finally:
+        os.close(fd)
