@@ -16,7 +16,7 @@ def k8s_names(annotations: dict) -> dict:
     keys = {
         "pod": ("io.kubernetes.pod.name", "io.kubernetes.cri.sandbox-name"),
         "namespace": ("io.kubernetes.pod.namespace", "io.kubernetes.cri.sandbox-namespace"),
-        "container": ("io.kubernetes.container.name", "io.kubernetes.cri.container-name"),
+        "container_name": ("io.kubernetes.container.name", "io.kubernetes.cri.container-name"),
     }
     found = {}
     for name, candidates in keys.items():

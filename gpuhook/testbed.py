@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 from gpuhook.errors import GpuhookError
 
@@ -69,9 +70,14 @@ class Testbed:
         self.state_root = f"{self.workdir}/runc-state"
         os.makedirs(self.state_root, exist_ok=True)
         self._template = None
+        self._lock = threading.Lock()
 
     def template(self) -> dict:
-        """runc's own default spec (`runc spec`), read once."""
+        """runc's own default spec (`runc spec`), read once (tests start containers from threads)."""
+        with self._lock:
+            return self._read_template()
+
+    def _read_template(self) -> dict:
         if self._template is None:
             tmp = f"{self.workdir}/.spec-template"
             os.makedirs(tmp, exist_ok=True)

@@ -1,0 +1,201 @@
+"""A corpus of malformed and hostile inputs fed to the hook exactly as a runtime would.
+
+Every case must end with one line on stderr starting ``gpuhook:``, the documented exit code,
+no traceback, and no change to the host: the mount table, the simulated host's files and the
+bundle's rootfs are compared before and after. (Issue 7, item 3.)
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import host_mounts, run_hook_process, sim_config_values, write_config
+
+GPU_ENV = ["NVIDIA_VISIBLE_DEVICES=0"]
+
+
+def snapshot(*roots) -> list:
+    found = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in sorted(dirnames + filenames):
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                found.append((path, st.st_mode, st.st_size, st.st_mtime_ns))
+    return sorted(found)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+class Case:
+    def __init__(self, name, code, message, state=None, spec=None, env=None, config=None, raw_state=None,
+                 raw_spec=None, setup=None):
+        self.name, self.code, self.message = name, code, message
+        self.state, self.spec, self.env = state or {}, spec, env
+        self.config, self.raw_state, self.raw_spec, self.setup = config, raw_state, raw_spec, setup
+
+    def __repr__(self):
+        return self.name
+
+
+def S(**fields):
+    """State fields over a valid default (use ... to delete a field)."""
+    return fields
+
+
+BIG_IDS = ",".join(f"GPU-{i:08d}" for i in range(20000))
+CASES = [
+    # --- the state document on stdin
+    Case("empty stdin", 2, "state is empty", raw_state=b""),
+    Case("whitespace only", 2, "state is empty", raw_state=b" \n\t "),
+    Case("truncated object", 2, "not valid JSON", raw_state=b'{"id":"x","bundle":"/b"'),
+    Case("not json", 2, "not valid JSON", raw_state=b"hello"),
+    Case("json array", 2, "must be a JSON object, not list", raw_state=b"[]"),
+    Case("json string", 2, "must be a JSON object, not str", raw_state=b'"x"'),
+    Case("json number", 2, "must be a JSON object, not int", raw_state=b"42"),
+    Case("json null", 2, "must be a JSON object, not NoneType", raw_state=b"null"),
+    Case("utf-8 bom", 2, "not valid JSON", raw_state=b'\xef\xbb\xbf{"id":"x"}'),
+    Case("invalid utf-8", 2, "not UTF-8", raw_state=b'{"id":"\xff"}'),
+    Case("huge state", 2, "larger than", raw_state=b'{"id":"' + b"x" * (5 << 20) + b'"}'),
+    Case("deep nesting", 2, "nested too deeply", raw_state=b'{"a":' * 50000 + b"1" + b"}" * 50000),
+    Case("id missing", 2, "missing 'id'", state=S(id=...)),
+    Case("id is a number", 2, "'id' must be a string, not int", state=S(id=12)),
+    Case("id empty", 2, "'id' is empty", state=S(id="")),
+    Case("bundle missing", 2, "missing 'bundle'", state=S(bundle=...)),
+    Case("bundle relative", 2, "must be an absolute path", state=S(bundle="bundles/x")),
+    Case("bundle is a number", 2, "'bundle' must be a string", state=S(bundle=7)),
+    Case("bundle with NUL", 2, "NUL byte", state=S(bundle="/tmp/a\u0000b")),
+    Case("bundle does not exist", 2, "has no config.json", state=S(bundle="/nonexistent/bundle")),
+    Case("bundle is a file", 2, "not a directory", state=S(bundle="/etc/hostname")),
+    Case("pid is a string", 2, "'pid' must be a whole number", state=S(pid="12")),
+    Case("pid is a float", 2, "'pid' must be a whole number", state=S(pid=1.5)),
+    Case("pid is negative", 2, "out of range", state=S(pid=-5)),
+    Case("pid is huge", 2, "out of range", state=S(pid=10 ** 12)),
+    Case("pid is a bool", 2, "'pid' must be a whole number", state=S(pid=True)),
+    Case("pid zero with a request", 5, "no container pid", state=S(pid=0)),
+    Case("pid missing with a request", 5, "no container pid", state=S(pid=...)),
+    Case("pid of a dead process", 4, "is gone", state=S(pid="DEAD")),
+    Case("pid not a container", 4, "shares the hook's mount namespace", state=S(pid="SELF")),
+    Case("status running", 2, "status 'running'", state=S(status="running")),
+    Case("status stopped", 2, "status 'stopped'", state=S(status="stopped")),
+    Case("status is a list", 2, "'status' must be a string", state=S(status=["creating"])),
+    Case("annotations is a list", 2, "'annotations' must be an object", state=S(annotations=["a"])),
+    Case("annotation value not a string", 2, "value of 'k' must be a string", state=S(annotations={"k": 1})),
+    Case("unknown fields are accepted", 4, "is gone", state=S(pid="DEAD", extra={"x": [1, 2]}, root="rootfs")),
+    # --- the bundle's config.json
+    # (A config.json the pre-scan finds no request marker in is left alone: the runtime has
+    # parsed it already, and validating it would cost every GPU-less container a json import.
+    # With a marker, the full parser runs and reports.)
+    Case("config.json invalid", 2, "config.json is not valid JSON",
+         raw_spec=b"{'env': ['NVIDIA_VISIBLE_DEVICES=0']}"),
+    Case("config.json truncated", 2, "config.json is not valid JSON",
+         raw_spec=b'{"root":{"path":"rootfs"},"process":{"env":["NVIDIA_VISIBLE_DEVICES=0"'),
+    Case("config.json array", 2, "config.json must be a JSON object", raw_spec=b'["NVIDIA_VISIBLE_DEVICES=0"]'),
+    Case("config.json not utf-8", 2, "config.json is not UTF-8", raw_spec=b'{"a":"\xfe NVIDIA_VISIBLE_DEVICES=0"}'),
+    Case("root missing", 2, "missing 'root'", spec={"process": {"env": GPU_ENV}}),
+    Case("root.path empty", 2, "root.path is empty", spec={"root": {"path": ""}, "process": {"env": GPU_ENV}}),
+    Case("root.path is the host root", 2, "resolves to the host's /",
+         spec={"root": {"path": "../../../../../../.."}, "process": {"env": GPU_ENV}}),
+    Case("process.env is a string", 2, "process.env must be a list",
+         spec={"root": {"path": "rootfs"}, "process": {"env": "NVIDIA_VISIBLE_DEVICES=0"}}),
+    Case("env entry is a number", 2, "entries must be strings",
+         spec={"root": {"path": "rootfs"}, "process": {"env": GPU_ENV + [5]}}),
+    Case("mounts is an object", 2, "'mounts' must be a list",
+         spec={"root": {"path": "rootfs"}, "process": {"env": GPU_ENV}, "mounts": {"a": 1}}),
+    Case("mount without destination", 2, "missing 'destination'",
+         spec={"root": {"path": "rootfs"}, "process": {"env": GPU_ENV}, "mounts": [{"source": "/dev/null"}]}),
+    Case("bounding caps wrong type", 2, "bounding must be a list of strings",
+         spec={"root": {"path": "rootfs"}, "process": {"env": GPU_ENV, "capabilities": {"bounding": [1]}}}),
+    Case("config.json is a directory", 2, "cannot read", setup="config-dir"),
+    Case("rootfs missing", 2, "container rootfs", spec={"root": {"path": "no-such-rootfs"}, "process": {"env": GPU_ENV}}),
+    # --- request values
+    Case("unknown gpu id", 3, "requested GPU 'garbage'", env=["NVIDIA_VISIBLE_DEVICES=garbage"]),
+    Case("fullwidth digit", 3, "does not exist", env=["NVIDIA_VISIBLE_DEVICES=\uff10"]),
+    Case("index out of range", 3, "requested GPU '99'", env=["NVIDIA_VISIBLE_DEVICES=0,99"]),
+    Case("none combined", 3, "'none' cannot be combined", env=["NVIDIA_VISIBLE_DEVICES=none,0"]),
+    Case("unknown capability", 3, "unknown driver capability 'bogus'",
+         env=["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,bogus"]),
+    Case("newline in the device list", 3, "does not exist", env=["NVIDIA_VISIBLE_DEVICES=0\n1"]),
+    Case("NUL in the device list", 3, "does not exist", env=["NVIDIA_VISIBLE_DEVICES=0\u00001"]),
+    Case("enormous list of unknown ids", 3, "requested GPU 'GPU-00000000'", env=[f"NVIDIA_VISIBLE_DEVICES={BIG_IDS}"]),
+    Case("enormous list of duplicates", 4, "is gone", env=["NVIDIA_VISIBLE_DEVICES=" + ",".join(["1"] * 50000)],
+         state=S(pid="DEAD")),
+    Case("empty CDI device name", 3, "empty device name", env=[],
+         state=S(annotations={"cdi.k8s.io/x": "nvidia.com/gpu="})),
+    Case("unicode everywhere", 3, "does not exist", env=["NVIDIA_VISIBLE_DEVICES=GPU-\u00e9\u4e2d\U0001f600"]),
+    # --- gpuhook's own configuration
+    Case("config.toml broken", 2, "invalid TOML", config="driver-root = [\n"),
+    Case("config.toml unknown key", 2, "unknown key 'drvier-root'", config='drvier-root = "/"\n'),
+    Case("config.toml wrong type", 2, "must be true or false", config="accept-volume-mounts = 1\n"),
+    Case("config.toml relative path", 2, "must be an absolute path", config='proc-root = "proc"\n'),
+    Case("config.toml missing", 2, "does not exist", config="MISSING"),
+    Case("config.toml not utf-8", 2, "not UTF-8", config=b'proc-root = "\xff"\n'),
+    Case("proc-root without a driver", 4, "no NVIDIA driver", config='proc-root = "/nonexistent"\n'),
+    Case("driver-root without an ld cache", 4, "no ld cache", config="DRIVERLESS"),
+]
+
+
+def test_the_corpus_is_big_enough():
+    assert len(CASES) >= 50
+
+
+def test_config_json_without_any_request_marker_is_left_alone(world):
+    run, _ = world
+    for raw in (b"", b"garbage", b"[]"):
+        done = run(Case("no marker", 0, "", raw_spec=raw))
+        assert done.returncode == 0 and done.stderr == b""
+
+
+@pytest.fixture
+def world(tmp_path, sim_host):
+    """A bundle and a config on the simulated host; returns a function that runs a case."""
+    config = write_config(tmp_path / "config.toml", sim_config_values(sim_host, str(tmp_path / "gpuhook.log")))
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+
+    def run(case: Case):
+        spec = case.spec or {"root": {"path": "rootfs"}, "process": {"env": case.env if case.env is not None else GPU_ENV}}
+        if case.setup == "config-dir":
+            (bundle / "config.json").mkdir()
+        else:
+            raw_spec = case.raw_spec if case.raw_spec is not None else json.dumps(spec).encode()
+            (bundle / "config.json").write_bytes(raw_spec)
+        state = {"ociVersion": "1.0.2", "id": "bad-input", "status": "creating", "pid": 1, "bundle": str(bundle)}
+        for key, value in case.state.items():
+            if value is ...:
+                del state[key]
+            else:
+                state[key] = {"DEAD": dead_pid(), "SELF": os.getpid()}.get(value, value) if isinstance(value, str) else value
+        raw_state = case.raw_state if case.raw_state is not None else json.dumps(state).encode()
+        config_path = config
+        if case.config == "MISSING":
+            config_path = str(tmp_path / "missing.toml")
+        elif case.config == "DRIVERLESS":
+            config_path = write_config(tmp_path / "c2.toml", sim_config_values(sim_host, str(tmp_path / "l")),
+                                       **{"driver-root": str(tmp_path)})
+        elif case.config is not None:
+            config_path = str(tmp_path / "c2.toml")
+            data = case.config if isinstance(case.config, bytes) else case.config.encode()
+            (tmp_path / "c2.toml").write_bytes(data)
+        return run_hook_process(["prestart", "--config", config_path], raw_state)
+
+    return run, bundle
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_bad_input_gets_one_line_the_right_code_and_no_host_change(world, sim_host, case):
+    run, bundle = world
+    before = (host_mounts(), snapshot(sim_host["directory"], bundle / "rootfs"))
+    done = run(case)
+    err = done.stderr.decode("utf-8", "replace")
+    assert done.returncode == case.code, err
+    assert err.count("\n") == 1 and err.startswith("gpuhook: "), err[:500]
+    assert "Traceback" not in err and len(err) < 4096
+    assert case.message in err, err[:500]
+    assert (host_mounts(), snapshot(sim_host["directory"], bundle / "rootfs")) == before

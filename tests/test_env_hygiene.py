@@ -1,0 +1,98 @@
+"""The image's environment never reaches the hook's interpreter or anything it starts.
+
+CVE-2025-23266: a hook that inherited the container's LD_PRELOAD ran the image's code as host
+root. Here an image sets LD_PRELOAD, LD_LIBRARY_PATH, PATH and PYTHON* to things that leave
+a marker file if they ever run; the runtime is also started with PYTHON* variables of its own
+(a hook registered without `env` inherits those). No marker may appear, and the host
+ldconfig the hook starts must see an empty environment and a working directory outside the
+rootfs. (Issue 7, item 2.)
+"""
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import require_root_tools
+
+pytestmark = pytest.mark.root
+
+EVIL_C = r"""
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void evil(void) {
+    int fd = open(MARKER, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) { write(fd, "preload ran\n", 12); close(fd); }
+}
+"""
+
+
+@pytest.fixture
+def evil(tmp_path):
+    """Booby traps on the host and in the image, all writing to one marker file."""
+    require_root_tools("gcc")
+    marker = tmp_path / "MARKER"
+    lib = tmp_path / "evil"
+    lib.mkdir()
+    (lib / "evil.c").write_text(EVIL_C)
+    subprocess.run(["gcc", "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(lib / "evil.so"),
+                    str(lib / "evil.c")], check=True)
+    for name in ("sitecustomize.py", "usercustomize.py", "json.py", "tomllib.py", "gpuhook.py", "startup.py"):
+        (lib / name).write_text(f"open({str(marker)!r}, 'a').write('python hook ran: {name}\\n')\n")
+    for name in ("ldconfig", "sh", "python3"):
+        (lib / name).write_text(f"#!/bin/sh\necho 'PATH binary ran: {name}' >> {marker}\n")
+        (lib / name).chmod(0o755)
+    env = [f"LD_PRELOAD={lib}/evil.so", f"LD_LIBRARY_PATH={lib}", f"PATH={lib}:/bin",
+           f"PYTHONPATH={lib}", f"PYTHONSTARTUP={lib}/startup.py", f"PYTHONHOME={lib}",
+           f"PYTHONUSERBASE={lib}", "PYTHONINSPECT=1", "PYTHONVERBOSE=1"]
+    return marker, lib, env
+
+
+def test_image_environment_reaches_neither_the_hook_nor_its_children(gpus, evil, tmp_path):
+    marker, lib, env = evil
+    spy = tmp_path / "ldconfig-spy"
+    spy_out = tmp_path / "ldconfig-env"
+    spy.write_text(f"#!/bin/sh\n{{ env; echo CWD=$(pwd); }} > {spy_out}\nexec /sbin/ldconfig \"$@\"\n")
+    spy.chmod(0o755)
+    gpus.configure(ldconfig=str(spy))
+
+    def copy_traps_into_image(rootfs):  # the image carries the same traps at the same paths
+        os.makedirs(rootfs + str(lib), exist_ok=True)
+        for name in os.listdir(lib):
+            with open(lib / name, "rb") as src, open(rootfs + str(lib / name), "wb") as dst:
+                dst.write(src.read())
+
+    result = gpus.run("hygiene", env=["NVIDIA_VISIBLE_DEVICES=0"] + env, rootfs_setup=copy_traps_into_image)
+    assert result.returncode == 0, result.stderr
+    assert result.probes()["/dev/nvidia0"]["read"] == "ENXIO"
+    assert not marker.exists(), marker.read_text()
+    seen = spy_out.read_text().split()
+    assert seen == ["CWD=/"] or sorted(seen) == ["CWD=/", "PWD=/"], seen  # sh adds PWD itself
+
+
+def test_runtime_environment_python_variables_are_ignored_without_hook_env(gpus, evil, bed):
+    """A hook entry without `env` inherits runc's environment; -I must neutralise PYTHON*."""
+    marker, lib, env = evil
+    python_vars = {e.split("=", 1)[0]: e.split("=", 1)[1] for e in env if e.startswith("PYTHON")}
+
+    def no_hook_env(spec):
+        del spec["hooks"]["prestart"][0]["env"]
+
+    original_run = bed.run
+
+    def run_with_runtime_env(bundle, container_id, timeout=60, runc_args=()):
+        import gpuhook.testbed as tb
+
+        saved = dict(tb.RUN_ENV)
+        tb.RUN_ENV.update(python_vars)
+        try:
+            return original_run(bundle, container_id, timeout, runc_args)
+        finally:
+            tb.RUN_ENV.clear()
+            tb.RUN_ENV.update(saved)
+
+    bed.run = run_with_runtime_env
+    result = gpus.run("runtime-env", env=["NVIDIA_VISIBLE_DEVICES=1"], edit=no_hook_env)
+    assert result.returncode == 0, result.stderr
+    assert result.probes()["/dev/nvidia1"]["read"] == "ENXIO"
+    assert not marker.exists(), marker.read_text()

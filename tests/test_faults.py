@@ -1,0 +1,129 @@
+"""A failure at each apply step aborts cleanly: the error names the step, the host keeps
+nothing, and no child outlives the hook. (Issue 7, item 4.) The bpf, NVML and reset-command
+faults live with their features (tests/test_cgroup_v2.py, tests/test_health*.py)."""
+
+import os
+import shutil
+import time
+
+import pytest
+
+from conftest import LIBDIR, host_mounts
+
+pytestmark = pytest.mark.root
+
+
+def gpuhook_line(result) -> str:
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    return line
+
+
+def our_processes(tag: str) -> list:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if tag.encode() in f.read():
+                        found.append(int(pid))
+            except OSError:
+                pass
+    return found
+
+
+def assert_rootfs_clean(rootfs):
+    assert not os.path.exists(rootfs + LIBDIR)
+    assert not os.path.exists(rootfs + "/usr/bin/nvidia-smi")
+    assert not os.path.exists(rootfs + "/etc/ld.so.cache")
+
+
+def test_mknod_failure_names_the_node_and_undoes_everything(gpus):
+    def dir_at_node(spec):  # a mount makes /dev/nvidia0 a directory before the hook runs
+        spec["mounts"].append({"destination": "/dev/nvidia0", "type": "tmpfs", "source": "tmpfs"})
+
+    before = host_mounts()
+    result = gpus.run("fault-mknod", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=dir_at_node)
+    assert result.returncode != 0
+    line = gpuhook_line(result)
+    assert "device node /dev/nvidia0" in line and "exists and is a directory" in line
+    assert host_mounts() == before
+    assert_rootfs_clean(result.rootfs)
+
+
+def test_conflicting_device_from_the_spec_is_refused(gpus):
+    def other_device(spec):
+        spec["linux"].setdefault("devices", []).append(
+            {"path": "/dev/nvidia0", "type": "c", "major": 1, "minor": 3, "fileMode": 438})
+
+    result = gpus.run("fault-conflict", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=other_device)
+    assert result.returncode != 0
+    assert "exists and is a character device 1:3" in gpuhook_line(result)
+
+
+def test_cgroup_write_failure_names_the_rule(gpus, tmp_path):
+    """The container's parent cgroup denies major 195, so devices.allow refuses our rule."""
+    parent = f"/sys/fs/cgroup/devices/gpuhook-fault-{os.getpid()}"
+    os.makedirs(parent, exist_ok=True)
+    try:
+        with open(f"{parent}/devices.deny", "w") as f:
+            f.write("c 195:* rw")  # keep mknod (m): runc grants "c *:* m" itself
+
+        def under_parent(spec):
+            spec["linux"]["cgroupsPath"] = f"/gpuhook-fault-{os.getpid()}/fault-cgroup"
+
+        before = host_mounts()
+        result = gpus.run("fault-cgroup", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=under_parent)
+        assert result.returncode != 0
+        line = gpuhook_line(result)
+        assert "cgroup: cannot allow c 195:255 rw" in line and "Operation not permitted" in line
+        assert host_mounts() == before
+        assert_rootfs_clean(result.rootfs)
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(parent)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_hanging_ldconfig_is_killed_at_the_deadline_with_its_children(gpus, tmp_path):
+    tag = f"gpuhook-hang-{os.getpid()}"
+    sleeper = tmp_path / tag  # a copy of sleep whose name we can find in /proc
+    shutil.copy("/bin/sleep", sleeper)
+    hang = tmp_path / "ldconfig"
+    hang.write_text(f"#!/bin/sh\n{sleeper} 600 &\nexec {sleeper} 600\n")
+    hang.chmod(0o755)
+    gpus.configure(ldconfig=str(hang), **{"deadline-seconds": 3})
+    before = host_mounts()
+    start = time.monotonic()
+    result = gpus.run("fault-ldconfig", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    took = time.monotonic() - start
+    assert result.returncode != 0
+    line = gpuhook_line(result)
+    assert "ldconfig" in line and "did not finish" in line
+    assert took < 10, took  # the hook's own deadline, far below runc's hook timeout (30 s)
+    time.sleep(0.2)
+    assert our_processes(tag) == []
+    assert host_mounts() == before
+    assert_rootfs_clean(result.rootfs)
+
+
+def test_failing_ldconfig_reports_its_output(gpus, tmp_path):
+    bad = tmp_path / "ldconfig"
+    bad.write_text("#!/bin/sh\necho 'ldconfig: cannot do it' >&2\nexit 3\n")
+    bad.chmod(0o755)
+    gpus.configure(ldconfig=str(bad))
+    result = gpus.run("fault-ldconfig-exit", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode != 0
+    line = gpuhook_line(result)
+    assert "host ldconfig exited with 3: ldconfig: cannot do it" in line
+    assert_rootfs_clean(result.rootfs)
+
+
+def test_missing_host_ldconfig(gpus, tmp_path):
+    gpus.configure(ldconfig=str(tmp_path / "nope"))
+    result = gpus.run("fault-no-ldconfig", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode != 0
+    assert "host ldconfig" in gpuhook_line(result) and "No such file" in gpuhook_line(result)
+    assert_rootfs_clean(result.rootfs)

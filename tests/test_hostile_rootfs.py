@@ -1,0 +1,198 @@
+"""Hostile images: every trap an image can set in its rootfs, in a real runc container start.
+
+For each image the host must lose nothing: a sentinel directory outside the rootfs (the
+target every trap aims at) and the host mount table are compared before and after, and the
+start either gives the container a safe result or fails with one clear gpuhook line.
+(Issue 7, item 1; CVE-2024-0132, CVE-2024-0134, CVE-2025-23359 were escapes of this kind.)
+"""
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from conftest import LIBDIR, host_mounts
+
+from test_bad_input import snapshot
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def sentinel(tmp_path):
+    host = tmp_path / "host-sentinel"
+    (host / "lib").mkdir(parents=True)
+    (host / "lib" / "precious.so").write_text("host library: must not change\n")
+    (host / "etc").mkdir()
+    (host / "etc" / "ld.so.cache").write_text("host cache\n")
+    return host
+
+
+def _link(rootfs, path, target):
+    full = rootfs + path
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    if os.path.lexists(full):
+        os.remove(full)
+    os.symlink(target, full)
+
+
+def trap(kind, sentinel):
+    """A rootfs_setup callback for each trap."""
+    host = str(sentinel)
+
+    def setup(rootfs):
+        if kind == "libdir -> absolute host path":
+            _link(rootfs, LIBDIR, f"{host}/lib")
+        elif kind == "libdir -> climbing relative path":
+            _link(rootfs, LIBDIR, "../../../../../../../../.." + f"{host}/lib")
+        elif kind == "libdir -> chain to host":
+            _link(rootfs, LIBDIR, "/chain1")
+            _link(rootfs, "/chain1", "/chain2")
+            _link(rootfs, "/chain2", f"{host}/lib")
+        elif kind == "libdir -> loop":
+            _link(rootfs, LIBDIR, "/usr/loop")
+            _link(rootfs, "/usr/loop", LIBDIR)
+        elif kind == "libdir -> in-image /etc":
+            os.makedirs(rootfs + "/etc", exist_ok=True)
+            _link(rootfs, LIBDIR, "/etc")
+        elif kind == "usr -> host root":
+            _link(rootfs, "/usr", "/")
+        elif kind == "bin dir -> host path":
+            _link(rootfs, "/usr/bin", f"{host}/lib")
+        elif kind == "etc -> host etc":
+            _link(rootfs, "/etc", f"{host}/etc")
+        elif kind == "ld.so.cache -> host file":
+            os.makedirs(rootfs + "/etc", exist_ok=True)
+            _link(rootfs, "/etc/ld.so.cache", f"{host}/etc/ld.so.cache")
+        elif kind == "ld.so.conf names host dirs":
+            os.makedirs(rootfs + "/etc", exist_ok=True)
+            with open(rootfs + "/etc/ld.so.conf", "w") as f:
+                f.write(f"{host}/lib\n/../../../{host}/lib\ninclude /proc/self/root{host}/etc/*\n")
+        elif kind == "firmware dir -> host path":
+            _link(rootfs, "/lib/firmware", f"{host}/lib")
+        elif kind == "library file is a symlink to a host file":
+            os.makedirs(rootfs + LIBDIR, exist_ok=True)
+            _link(rootfs, f"{LIBDIR}/libcuda.so.{VERSION[0]}", f"{host}/lib/precious.so")
+        elif kind == "soname link points at a host file":
+            os.makedirs(rootfs + LIBDIR, exist_ok=True)
+            _link(rootfs, f"{LIBDIR}/libcuda.so.1", f"{host}/lib/precious.so")
+        elif kind == "fifo where a library goes":
+            os.makedirs(rootfs + LIBDIR, exist_ok=True)
+            os.mkfifo(rootfs + f"{LIBDIR}/libcuda.so.{VERSION[0]}")
+        elif kind == "socket where a binary goes":
+            os.makedirs(rootfs + "/usr/bin", exist_ok=True)
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(rootfs + "/usr/bin/nvidia-smi")
+            s.close()
+        elif kind == "file where a directory goes":
+            os.makedirs(rootfs + "/usr", exist_ok=True)
+            with open(rootfs + LIBDIR, "w") as f:
+                f.write("not a directory")
+        elif kind == "persistenced socket path -> host":
+            _link(rootfs, "/var/run", f"{host}/etc")
+        elif kind == "proc dir is a symlink":
+            os.rmdir(rootfs + "/proc") if os.path.isdir(rootfs + "/proc") else None
+            _link(rootfs, "/proc", f"{host}/etc")
+        elif kind == "very deep library dir":
+            deep = "/" + "/".join(["deep"] * 120)
+            os.makedirs(rootfs + deep)
+            _link(rootfs, LIBDIR, deep)
+        else:
+            raise AssertionError(kind)
+
+    return setup
+
+
+VERSION = ["?"]  # the simulated driver version, set by the fixture below
+MISSING_DIR = "is a symlink to a missing directory"
+# What each trap must end in: None = the container starts with its GPU (the trap was
+# contained inside the rootfs), else the fragment of the one gpuhook line that fails it.
+TRAPS = {
+    "libdir -> absolute host path": MISSING_DIR,
+    "libdir -> climbing relative path": MISSING_DIR,
+    "libdir -> chain to host": MISSING_DIR,
+    "libdir -> loop": "Too many levels of symbolic links",
+    "libdir -> in-image /etc": None,
+    "usr -> host root": None,
+    "bin dir -> host path": MISSING_DIR,
+    "etc -> host etc": "ldconfig: /etc: " + MISSING_DIR,
+    "ld.so.cache -> host file": None,
+    "ld.so.conf names host dirs": None,
+    "firmware dir -> host path": MISSING_DIR,
+    "library file is a symlink to a host file": "exists and is a symlink",
+    "soname link points at a host file": None,
+    "fifo where a library goes": "exists and is a FIFO",
+    "socket where a binary goes": "exists and is a socket",
+    "file where a directory goes": "exists and is not a directory",
+    "persistenced socket path -> host": MISSING_DIR,
+    "proc dir is a symlink": "RUNTIME",  # runc itself refuses before any hook runs
+    "very deep library dir": None,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TRAPS))
+def test_hostile_rootfs_never_reaches_the_host(gpus, sentinel, kind):
+    VERSION[0] = gpus.version
+    before = (host_mounts(), snapshot(str(sentinel)))
+    result = gpus.run("hostile", env=["NVIDIA_VISIBLE_DEVICES=0"], rootfs_setup=trap(kind, sentinel),
+                      paths=[f"{LIBDIR}/libcuda.so.1"])
+    assert (host_mounts(), snapshot(str(sentinel))) == before, kind
+    expected = TRAPS[kind]
+    if expected is None:
+        assert result.returncode == 0, result.stderr
+        probes = result.probes()
+        assert probes["/dev/nvidia0"]["read"] == "ENXIO"
+        assert probes[f"{LIBDIR}/libcuda.so.1"]["type"] == "reg"  # the host driver, inside the rootfs
+    elif expected == "RUNTIME":
+        assert result.returncode != 0 and "gpuhook" not in result.stderr
+    else:
+        assert result.returncode != 0
+        (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+        assert expected in line, line
+
+
+def test_mount_targets_in_a_rootfs_that_keeps_changing_never_leave_it(gpus, sentinel):
+    """A symlink swapped in and out during the hook (the CVE-2024-0132 race): many starts
+    while another thread flips the library dir between a real directory and a link to the
+    host. Each start succeeds or fails cleanly; the host never changes."""
+    rootfs_box = {}
+
+    def remember(rootfs):
+        rootfs_box["path"] = rootfs
+
+    stop = threading.Event()
+
+    def flipper():
+        while not stop.is_set():
+            rootfs = rootfs_box.get("path")
+            if not rootfs:
+                time.sleep(0.001)
+                continue
+            target = rootfs + LIBDIR
+            try:
+                if os.path.islink(target):
+                    os.remove(target)
+                    os.makedirs(target, exist_ok=True)
+                elif os.path.isdir(target) and not os.listdir(target):
+                    os.rmdir(target)
+                    os.symlink(f"{sentinel}/lib", target)
+            except OSError:
+                pass
+
+    before = (host_mounts(), snapshot(str(sentinel)))
+    thread = threading.Thread(target=flipper, daemon=True)
+    thread.start()
+    outcomes = []
+    try:
+        for i in range(12):
+            result = gpus.run(f"race{i}", env=["NVIDIA_VISIBLE_DEVICES=0"], rootfs_setup=remember)
+            outcomes.append(result.returncode)
+            if result.returncode != 0:
+                assert "gpuhook:" in result.stderr or "runc" in result.stderr
+    finally:
+        stop.set()
+        thread.join()
+    assert (host_mounts(), snapshot(str(sentinel))) == before
+    assert len(outcomes) == 12
