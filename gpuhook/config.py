@@ -9,8 +9,10 @@ The table below is the documentation: README's key list and ``gpuhook config`` a
 against it by tests/test_config.py.
 """
 
+import os
 from collections import namedtuple
 
+from gpuhook import cache
 from gpuhook.errors import ConfigError
 
 DEFAULT_PATH = "/etc/gpuhook/config.toml"
@@ -41,6 +43,11 @@ KEYS = (
     _key("proc-root", "path", "/proc",
          "Where /proc/devices and /proc/driver/nvidia are read from (a simulated host points it at "
          "its own tree). Container processes are always looked up in the real /proc."),
+    _key("nvml-library", "path-or-empty", "",
+         "The NVML library (libnvidia-ml) gpuhook loads when it needs NVML (brand, CUDA version, "
+         "MIG layout, health checks). Empty means the system's libnvidia-ml.so.1: found by the "
+         "dynamic linker when driver-root is /, else in the driver root's ld cache. A simulated "
+         "host sets its own."),
     _key("accept-env-when-unprivileged", "bool", True,
          "Honour NVIDIA_VISIBLE_DEVICES from containers without CAP_SYS_ADMIN. Unsafe on shared "
          "clusters: any image that sets NVIDIA_VISIBLE_DEVICES=all gets every GPU, bypassing the "
@@ -166,27 +173,50 @@ def defaults() -> Config:
     return from_mapping({}, "defaults")
 
 
-def load(path: str | None = None, environ: dict | None = None) -> Config:
-    """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file."""
+def load(path: str | None = None, environ: dict | None = None, use_cache: bool = True) -> Config:
+    """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file.
+
+    The parsed TOML is cached under /run (gpuhook.cache) keyed by the file's identity and
+    timestamps: parsing TOML costs the hook more than the rest of its decision.
+    """
     explicit = path
     if explicit is None and environ is not None:
         explicit = environ.get(ENV_VAR) or None
     target = explicit or DEFAULT_PATH
     try:
-        with open(target, "rb") as f:
-            raw = f.read(1 << 20)
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         if explicit is None:
             return defaults()
         raise ConfigError(f"config file {target} does not exist") from None
     except OSError as err:
         raise ConfigError(f"cannot read config file {target}: {err.strerror}") from err
+    try:
+        identity = cache.file_identity(os.fstat(fd))
+        cache_path = cache.config_cache_path(target)
+        if use_cache:
+            cached = cache.read(cache_path)
+            if isinstance(cached, dict) and cached.get("identity") == identity and isinstance(cached.get("data"), dict):
+                return from_mapping(cached["data"], target)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(1 << 20)
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {target}: {err.strerror}") from err
+    finally:
+        os.close(fd)
+    data = _parse_toml(raw, target)
+    config = from_mapping(data, target)  # validate before caching: only good files are cached
+    if use_cache and cache.write(cache_path, {"identity": identity, "source": os.path.abspath(target), "data": data}):
+        cache.prune_config_cache()
+    return config
+
+
+def _parse_toml(raw: bytes, target: str) -> dict:
     import tomllib
 
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        return tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"{target}: not UTF-8 text ({err.reason} at byte {err.start})") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{target}: invalid TOML: {err}") from err
-    return from_mapping(data, target)

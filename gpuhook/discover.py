@@ -175,7 +175,7 @@ def libraries(driver_root: str, machine: str | None = None) -> tuple:
     arch = ldcache.ARCH_FLAGS.get(machine)
     if arch is None:
         raise HostError(f"unsupported machine {machine}")
-    cache_path = _under(driver_root, "/etc/ld.so.cache")
+    cache_path = under(driver_root, "/etc/ld.so.cache")
     entries = ldcache.read(cache_path)
     capability_of = {stem: cap for cap, stems in LIBRARIES.items() for stem in stems}
     by_file: dict = {}
@@ -193,7 +193,7 @@ def libraries(driver_root: str, machine: str | None = None) -> tuple:
             real = _resolve_in(driver_root, entry.path)
         except OSError:
             continue  # a stale cache entry: the file is gone
-        host_path = _under(driver_root, real)
+        host_path = under(driver_root, real)
         key = (host_path, bits)
         if key not in by_file:
             by_file[key] = [host_path, real.rsplit("/", 1)[1], [], cap, bits]
@@ -211,7 +211,8 @@ def libraries(driver_root: str, machine: str | None = None) -> tuple:
     return tuple(libs)
 
 
-def _under(root: str, path: str) -> str:
+def under(root: str, path: str) -> str:
+    """Host path of `path` in the tree rooted at `root`."""
     return path if root == "/" else root + path
 
 
@@ -225,7 +226,7 @@ def _resolve_in(root: str, path: str) -> str:
         if not real.startswith(top + "/"):
             raise OSError(2, "escapes the driver root", path)
         real = real[len(top):]
-    os.stat(_under(root, real))
+    os.stat(under(root, real))
     return real
 
 
@@ -234,7 +235,7 @@ def binaries(driver_root: str) -> tuple:
     for cap, names in BINARIES.items():
         for name in names:
             for directory in BINARY_DIRS:
-                host = _under(driver_root, f"{directory}/{name}")
+                host = under(driver_root, f"{directory}/{name}")
                 try:
                     st = os.stat(host)
                 except OSError:
@@ -247,7 +248,7 @@ def binaries(driver_root: str) -> tuple:
 
 def firmware(driver_root: str, version: str) -> tuple:
     base = f"/lib/firmware/nvidia/{version}"
-    host_dir = _under(driver_root, base)
+    host_dir = under(driver_root, base)
     try:
         names = sorted(os.listdir(host_dir))
     except OSError:
@@ -262,7 +263,7 @@ def firmware(driver_root: str, version: str) -> tuple:
 def ipc(driver_root: str) -> tuple:
     found = []
     for path, cap, is_dir in IPC:
-        host = _under(driver_root, path)
+        host = under(driver_root, path)
         try:
             st = os.stat(host)
         except OSError:
@@ -290,6 +291,28 @@ def inventory(config) -> Inventory:
     )
 
 
+def inventory_to_dict(inventory: Inventory) -> dict:
+    """JSON-ready form of an inventory (for the cache)."""
+    doc = inventory._asdict()
+    for field in ("gpus", "libraries", "binaries", "firmware", "ipc"):
+        doc[field] = [item._asdict() for item in doc[field]]
+    return doc
+
+
+def inventory_from_dict(doc: dict) -> Inventory:
+    """Inverse of inventory_to_dict; raises KeyError/TypeError on a damaged document."""
+    return Inventory(
+        driver_version=doc["driver_version"],
+        gpus=tuple(Gpu(**g) for g in doc["gpus"]),
+        majors=dict(doc["majors"]),
+        libraries=tuple(Library(**dict(lib, sonames=tuple(lib["sonames"]))) for lib in doc["libraries"]),
+        binaries=tuple(HostFile(**f) for f in doc["binaries"]),
+        firmware=tuple(HostFile(**f) for f in doc["firmware"]),
+        ipc=tuple(HostFile(**f) for f in doc["ipc"]),
+        proc_driver_dir=doc["proc_driver_dir"],
+    )
+
+
 def host_node(config, path: str):
     """(mode, uid, gid) of the host's device node `path` (/dev/...), or None if absent."""
     host = config.device_root + path[len("/dev"):]
@@ -307,30 +330,50 @@ def host_node(config, path: str):
     return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
 
 
-def container_lib_dirs(rootfs: str, config, machine: str | None = None) -> tuple[str, str]:
-    """(64-bit, 32-bit) library directories to use inside the container.
+class ContainerFacts(namedtuple("ContainerFacts", "lib64 lib32 glibc")):
+    """What the plan needs to know about the image: its library dirs, and whether it is a
+    glibc image (has an ld cache, ld.so.conf or glibc's loader) whose ld cache to update."""
+
+    __slots__ = ()
+
+
+GLIBC_MARKERS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/lib64/ld-linux-x86-64.so.2",
+                 "/lib/ld-linux-aarch64.so.1", "/lib64/ld64.so.2")
+
+
+def container_facts(rootfs: str, config, machine: str | None = None) -> ContainerFacts:
+    """Read the image (never follow its symlinks out of it) for the plan.
 
     Debian-family images (an /etc/debian_version, or the multiarch dir already there) use
-    /usr/lib/<multiarch>; everything else /usr/lib64 (and /usr/lib for 32-bit).
+    /usr/lib/<multiarch>; everything else /usr/lib64 (and /usr/lib for 32-bit). An image
+    without glibc (busybox, distroless static) has no ld cache to update: NVIDIA's toolkit
+    skips ldconfig there too.
     """
-    machine = machine or os.uname().machine
-    multiarch = MULTIARCH.get(machine, f"{machine}-linux-gnu")
-    if config.container_lib_dir:
-        return config.container_lib_dir, "/usr/lib/i386-linux-gnu"
     from gpuhook import safepath
     from gpuhook.errors import InputError
 
+    machine = machine or os.uname().machine
+    multiarch = MULTIARCH.get(machine, f"{machine}-linux-gnu")
     try:
         root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as err:
         raise InputError(f"container rootfs {rootfs}: {err.strerror}") from err
+
+    def exists(path):
+        try:
+            os.close(safepath.open_in_root(root, path, os.O_PATH))
+            return True
+        except OSError:
+            return False
+
     try:
-        for probe in ("/etc/debian_version", f"/usr/lib/{multiarch}"):
-            try:
-                os.close(safepath.open_in_root(root, probe, os.O_PATH))
-                return f"/usr/lib/{multiarch}", "/usr/lib/i386-linux-gnu"
-            except OSError:
-                continue
+        glibc = any(exists(p) for p in GLIBC_MARKERS)
+        if config.container_lib_dir:
+            lib64, lib32 = config.container_lib_dir, "/usr/lib/i386-linux-gnu"
+        elif exists("/etc/debian_version") or exists(f"/usr/lib/{multiarch}"):
+            lib64, lib32 = f"/usr/lib/{multiarch}", "/usr/lib/i386-linux-gnu"
+        else:
+            lib64, lib32 = "/usr/lib64", "/usr/lib"
     finally:
         os.close(root)
-    return "/usr/lib64", "/usr/lib"
+    return ContainerFacts(lib64, lib32, glibc)

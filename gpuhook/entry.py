@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def enable_site_packages() -> None:
     """Add site-packages to sys.path: the runtime starts the hook with -S (no site.py), which
-    keeps the no-GPU path bare; the GPU path needs its dependencies (pynvml, psutil).
-    With -I the user site and PYTHON* variables stay ignored."""
+    keeps the hook's paths bare; call this just before importing a dependency (pynvml,
+    psutil, click). With -I the user site and PYTHON* variables stay ignored."""
     if sys.flags.no_site and "site" not in sys.modules:
         import site
 
@@ -51,7 +51,6 @@ def run_stage(stage: str, config_path: str | None) -> int:
             if spec is not None and len(spec) <= prescan.MAX_CONFIG_BYTES \
                     and not prescan.may_request_gpu(state, spec):
                 return 0
-    enable_site_packages()
     from gpuhook.hook import run_hook
 
     return run_hook(stage, state, config_path, spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None)

@@ -11,6 +11,7 @@ import time
 
 from gpuhook import config as cfg
 from gpuhook import discover, journal, oci
+from gpuhook.inventory import load as load_inventory
 from gpuhook import request as req
 from gpuhook.errors import GpuhookError, InputError
 from gpuhook.plan import empty_plan, make_plan
@@ -25,10 +26,10 @@ def build_plan(state, spec, config):
     request = req.resolve(spec, state.annotations, config)
     if request.empty:
         return empty_plan(state, spec, request)
-    inventory = discover.inventory(config)
+    inventory = load_inventory(config)
     gpus = req.select_gpus(request, inventory.gpus)
-    lib_dirs = discover.container_lib_dirs(spec.rootfs, config)
-    return make_plan(state, spec, request, gpus, inventory, config, lib_dirs,
+    facts = discover.container_facts(spec.rootfs, config)
+    return make_plan(state, spec, request, gpus, inventory, config, facts,
                      lambda path: discover.host_node(config, path))
 
 

@@ -94,11 +94,12 @@ def empty_plan(state, spec, request) -> Plan:
                 (), (), (), (), None, None, request.notes)
 
 
-def make_plan(state, spec, request, gpus, inventory, config, lib_dirs, node_info) -> Plan:
+def make_plan(state, spec, request, gpus, inventory, config, container, node_info) -> Plan:
     """Build the plan.
 
-    `lib_dirs` is (64-bit dir, 32-bit dir) in the container; `node_info(path)` returns the
-    host node's (mode, uid, gid) or None; both come from discovery so this stays pure.
+    `container` is discover.ContainerFacts (library dirs, glibc or not); `node_info(path)`
+    returns the host node's (mode, uid, gid) or None; both come from discovery so this
+    stays pure.
     """
     if request.empty:
         return empty_plan(state, spec, request)
@@ -122,7 +123,7 @@ def make_plan(state, spec, request, gpus, inventory, config, lib_dirs, node_info
         info = node_info(path) or (DEFAULT_NODE_MODE, 0, 0)
         nodes.append(DeviceNode(path, major, minor, *info))
 
-    lib64, lib32 = lib_dirs
+    lib64, lib32 = container.lib64, container.lib32
     mounts, symlinks = [], []
     ld_dirs = []
     for lib in inventory.libraries:
@@ -148,7 +149,11 @@ def make_plan(state, spec, request, gpus, inventory, config, lib_dirs, node_info
 
     rules = tuple(char_device(n.major, n.minor, "rw") for n in nodes)
     proc_mask = ProcMask(inventory.proc_driver_dir, tuple(g.bus_id for g in gpus))
-    ldcache = LdCacheUpdate(config.ldconfig, tuple(ld_dirs)) if ld_dirs else None
+    ldcache = None
+    if ld_dirs and container.glibc:
+        ldcache = LdCacheUpdate(config.ldconfig, tuple(ld_dirs))
+    elif ld_dirs:
+        notes.append("the image has no glibc (no ld cache, ld.so.conf or loader): ld cache not updated")
     return Plan(
         state.id, state.pid, spec.rootfs, request.wants, request.channel, caps, tuple(gpus),
         tuple(nodes), tuple(mounts), tuple(symlinks), rules, proc_mask, ldcache, tuple(notes),

@@ -111,12 +111,19 @@ class GpuContainers:
         return self.sim["gpus"][index]["uuid"]
 
     def run(self, name, env=(), mounts=(), annotations=None, privileged=False, before="",
-            paths=(), hook=True, edit=None, rootfs_setup=None, stage="prestart"):
-        """Start container `name`; it runs `before` then probes NODE_PATHS + `paths`."""
+            paths=(), hook=True, edit=None, rootfs_setup=None, stage="prestart", glibc=True):
+        """Start container `name`; it runs `before` then probes NODE_PATHS + `paths`.
+
+        With `glibc` the busybox rootfs gets an /etc/ld.so.conf like a glibc image, so the
+        hook updates its ld cache; without, it is a static image and the hook must not."""
         script = f"{before}\n/bin/probe " + " ".join(NODE_PATHS + list(paths))
         hooks = {stage: [testbed.hook_entry(self.config, stage)]} if hook else None
         bundle_dir = f"{self.bed.workdir}/bundles/{name}"
         rootfs = self.bed.rootfs(f"{bundle_dir}/rootfs", files={"/bin/probe": self.probe})
+        if glibc:
+            os.makedirs(f"{rootfs}/etc", exist_ok=True)
+            with open(f"{rootfs}/etc/ld.so.conf", "w") as f:
+                f.write("include /etc/ld.so.conf.d/*.conf\n")
         if rootfs_setup is not None:
             rootfs_setup(rootfs)
         bundle = self.bed.bundle(name, ["/bin/busybox", "sh", "-c", script], env=env, mounts=mounts,

@@ -72,3 +72,48 @@ def test_readme_documents_every_key():
         readme = f.read()
     for key in cfg.KEYS:
         assert f"`{key.dotted}`" in readme, f"README does not document {key.dotted}"
+
+
+def test_parsed_config_is_cached_and_invalidated_by_any_change(tmp_path, monkeypatch):
+    from gpuhook import cache
+
+    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "c.toml"
+    path.write_text('proc-root = "/one"\n')
+    assert cfg.load(str(path)).proc_root == "/one"
+    (cached,) = os.listdir(tmp_path / "cache")
+    # A cache hit never parses TOML: make parsing impossible and load again.
+    monkeypatch.setattr(cfg, "_parse_toml", lambda raw, target: (_ for _ in ()).throw(AssertionError("parsed")))
+    assert cfg.load(str(path)).proc_root == "/one"
+    monkeypatch.undo()
+    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "cache"))
+    path.write_text('proc-root = "/two"\n')  # same size, new content
+    assert cfg.load(str(path)).proc_root == "/two"
+    (tmp_path / "cache" / cached).write_text("{damaged")
+    assert cfg.load(str(path)).proc_root == "/two"
+
+
+def test_a_bad_config_is_never_cached(tmp_path, monkeypatch):
+    from gpuhook import cache
+
+    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "c.toml"
+    path.write_text("nonsense-key = 1\n")
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="unknown key"):
+            cfg.load(str(path))
+    assert not (tmp_path / "cache").exists() or os.listdir(tmp_path / "cache") == []
+
+
+def test_cache_of_deleted_configs_is_pruned(tmp_path, monkeypatch):
+    from gpuhook import cache
+
+    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "cache"))
+    for i in range(70):
+        (tmp_path / f"c{i}.toml").write_text("")
+        cfg.load(str(tmp_path / f"c{i}.toml"))
+        (tmp_path / f"c{i}.toml").unlink()
+    (tmp_path / "live.toml").write_text("")
+    cfg.load(str(tmp_path / "live.toml"))
+    left = os.listdir(tmp_path / "cache")
+    assert len(left) < 64 and os.path.basename(cache.config_cache_path(str(tmp_path / "live.toml"))) in left

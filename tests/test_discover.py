@@ -103,18 +103,21 @@ def test_driver_root_symlinks_stay_inside_the_root(tmp_path, sim_host):
     assert all(lib.host_path.startswith(str(root) + "/") for lib in libs)
 
 
-def test_container_lib_dir_by_image_family(tmp_path):
+def test_container_facts_by_image_family(tmp_path):
     c = cfg.from_mapping({})
     plain = tmp_path / "plain"
     plain.mkdir()
-    assert discover.container_lib_dirs(str(plain), c, "x86_64") == ("/usr/lib64", "/usr/lib")
+    assert discover.container_facts(str(plain), c, "x86_64") == ("/usr/lib64", "/usr/lib", False)
     deb = tmp_path / "deb"
     (deb / "etc").mkdir(parents=True)
     (deb / "etc/debian_version").write_text("12\n")
-    assert discover.container_lib_dirs(str(deb), c, "x86_64") == ("/usr/lib/x86_64-linux-gnu", "/usr/lib/i386-linux-gnu")
+    (deb / "etc/ld.so.cache").write_text("")
+    assert discover.container_facts(str(deb), c, "x86_64") == (
+        "/usr/lib/x86_64-linux-gnu", "/usr/lib/i386-linux-gnu", True)
     hostile = tmp_path / "hostile"
     (hostile / "etc").mkdir(parents=True)
     (hostile / "etc/debian_version").symlink_to("/etc/debian_version")  # host file; inside root: missing
-    assert discover.container_lib_dirs(str(hostile), c, "x86_64") == ("/usr/lib64", "/usr/lib")
+    (hostile / "etc/ld.so.conf").symlink_to("/etc/ld.so.conf")
+    assert discover.container_facts(str(hostile), c, "x86_64") == ("/usr/lib64", "/usr/lib", False)
     forced = cfg.from_mapping({"container-lib-dir": "/opt/nvidia/lib"})
-    assert discover.container_lib_dirs(str(plain), forced)[0] == "/opt/nvidia/lib"
+    assert discover.container_facts(str(plain), forced).lib64 == "/opt/nvidia/lib"

@@ -7,6 +7,7 @@ start either gives the container a safe result or fails with one clear gpuhook l
 """
 
 import os
+import shutil
 import socket
 import threading
 import time
@@ -33,7 +34,9 @@ def sentinel(tmp_path):
 def _link(rootfs, path, target):
     full = rootfs + path
     os.makedirs(os.path.dirname(full), exist_ok=True)
-    if os.path.lexists(full):
+    if os.path.isdir(full) and not os.path.islink(full):
+        shutil.rmtree(full)
+    elif os.path.lexists(full):
         os.remove(full)
     os.symlink(target, full)
 
@@ -63,6 +66,11 @@ def trap(kind, sentinel):
             _link(rootfs, "/usr/bin", f"{host}/lib")
         elif kind == "etc -> host etc":
             _link(rootfs, "/etc", f"{host}/etc")
+        elif kind == "etc -> host etc in a glibc image":
+            _link(rootfs, "/etc", f"{host}/etc")
+            os.makedirs(rootfs + "/lib64", exist_ok=True)
+            with open(rootfs + "/lib64/ld-linux-x86-64.so.2", "w") as f:
+                f.write("a loader")
         elif kind == "ld.so.cache -> host file":
             os.makedirs(rootfs + "/etc", exist_ok=True)
             _link(rootfs, "/etc/ld.so.cache", f"{host}/etc/ld.so.cache")
@@ -117,7 +125,8 @@ TRAPS = {
     "libdir -> in-image /etc": None,
     "usr -> host root": None,
     "bin dir -> host path": MISSING_DIR,
-    "etc -> host etc": "ldconfig: /etc: " + MISSING_DIR,
+    "etc -> host etc": None,  # no /etc inside the rootfs: not a glibc image, no ld cache to write
+    "etc -> host etc in a glibc image": "ldconfig: /etc: " + MISSING_DIR,
     "ld.so.cache -> host file": None,
     "ld.so.conf names host dirs": None,
     "firmware dir -> host path": MISSING_DIR,

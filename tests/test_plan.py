@@ -5,7 +5,7 @@ import json
 from gpuhook import config as cfg
 from gpuhook import oci
 from gpuhook import request as req
-from gpuhook.discover import Gpu, HostFile, Inventory, Library
+from gpuhook.discover import ContainerFacts, Gpu, HostFile, Inventory, Library
 from gpuhook.plan import make_plan, render_text
 
 GPUS = (Gpu(0, "GPU-a", 0, "0000:18:00.0", "Sim"), Gpu(1, "GPU-b", 3, "0000:28:00.0", "Sim"))
@@ -28,12 +28,15 @@ INV = Inventory(
 STATE = oci.State("1.0.2", "c1", "creating", 77, "/b", {})
 
 
-def plan_for(env, caps_dirs=("/usr/lib64", "/usr/lib"), node_info=lambda p: None):
+GLIBC_IMAGE = ContainerFacts("/usr/lib64", "/usr/lib", True)
+
+
+def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None):
     doc = {"root": {"path": "rootfs"}, "process": {"env": env}}
     spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
     config = cfg.from_mapping({})
     r = req.resolve(spec, {}, config)
-    return make_plan(STATE, spec, r, req.select_gpus(r, GPUS), INV, config, caps_dirs, node_info)
+    return make_plan(STATE, spec, r, req.select_gpus(r, GPUS), INV, config, container, node_info)
 
 
 def test_compute_utility_plan():
@@ -85,7 +88,7 @@ def test_missing_uvm_module_is_noted_not_fatal():
     spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
     config = cfg.from_mapping({})
     r = req.resolve(spec, {}, config)
-    plan = make_plan(STATE, spec, r, GPUS[:1], inv, config, ("/usr/lib64", "/usr/lib"), lambda p: None)
+    plan = make_plan(STATE, spec, r, GPUS[:1], inv, config, GLIBC_IMAGE, lambda p: None)
     assert "/dev/nvidia-uvm" not in [n.path for n in plan.nodes]
     assert any("nvidia-uvm is not loaded" in n for n in plan.notes)
 
@@ -99,6 +102,12 @@ def test_plan_renders_as_text_and_json():
                                       "uid": 0, "gid": 0}
     assert doc["cgroup_rules"][0] == {"type": "c", "major": 195, "minor": 255, "access": "rw", "allow": True}
     assert [g["uuid"] for g in doc["gpus"]] == ["GPU-a", "GPU-b"]
+
+
+def test_image_without_glibc_gets_no_ld_cache_update():
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0"], container=ContainerFacts("/usr/lib64", "/usr/lib", False))
+    assert plan.ldcache is None and any("no glibc" in n for n in plan.notes)
+    assert "/usr/lib64/libcuda.so.550.54.15" in [m.target for m in plan.mounts]
 
 
 def test_empty_request_plans_nothing():

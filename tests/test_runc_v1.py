@@ -51,6 +51,14 @@ def test_one_gpu_container_sees_its_gpu_driver_files_and_nothing_else(gpus):
     assert line["decision"] == "gpus injected" and line["gpus"] == [gpus.uuid(0)] and line["cgroup"] == "v1"
 
 
+def test_static_image_gets_the_driver_but_no_ld_cache(gpus):
+    result = gpus.run("static", env=["NVIDIA_VISIBLE_DEVICES=0"], glibc=False, paths=EXTRA)
+    assert result.returncode == 0, result.stderr
+    assert result.probes()[f"{LIBDIR}/libcuda.so.1"]["type"] == "reg"
+    assert not os.path.exists(f"{result.rootfs}/etc/ld.so.cache")
+    assert any("no glibc" in note for note in gpus.log_lines()[-1]["notes"])
+
+
 def test_simulated_nvidia_smi_runs_in_the_container(gpus):
     result = gpus.run("smi", env=["NVIDIA_VISIBLE_DEVICES=1"], before="/usr/bin/nvidia-smi")
     assert result.returncode == 0, result.stderr
