@@ -16,13 +16,11 @@ directories, then our cgroup rules, and the error names the step. The worker rep
 step as it starts, so a deadline names the step that was cut off.
 """
 
-import json
 import os
-import signal
 import stat
 import time
 
-from gpuhook import linux, safepath
+from gpuhook import fastjson, linux, safepath
 from gpuhook.cgroup import hierarchy
 from gpuhook.errors import ApplyError, DeadlineError, HostError
 from gpuhook.plan import ProcMask
@@ -30,6 +28,7 @@ from gpuhook.plan import ProcMask
 _MS = {"ro": linux.MS_RDONLY, "nosuid": linux.MS_NOSUID, "nodev": linux.MS_NODEV, "noexec": linux.MS_NOEXEC}
 # The worker's own deadline is this much shorter than the hook's, so it can clean up itself.
 CLEANUP_MARGIN = 1.0
+PROGRESS_BYTES = 4096
 
 
 class Outcome:
@@ -131,25 +130,41 @@ def _revoke(place, added) -> None:
 
 
 def _run_worker(plan, ns_fd: int, proc_files: dict, deadline: float) -> dict:
+    import mmap
+
+    # The worker reports each step it starts through shared memory (no wake-up of this
+    # process per step) and its final result, once, through the pipe.
+    progress = mmap.mmap(-1, PROGRESS_BYTES)
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             os.close(read_end)
-            code = _worker(plan, ns_fd, proc_files, deadline - CLEANUP_MARGIN, write_end)
+            code = _worker(plan, ns_fd, proc_files, deadline - CLEANUP_MARGIN, write_end, progress)
         finally:
             os._exit(code)
     os.close(write_end)
-    return _collect(pid, read_end, deadline)
+    try:
+        return _collect(pid, read_end, deadline, progress)
+    finally:
+        progress.close()
 
 
-def _collect(pid: int, read_end: int, deadline: float) -> dict:
+def _set_progress(progress, step: str) -> None:
+    data = step.encode("utf-8", "replace")[: PROGRESS_BYTES - 2]
+    progress[0:2 + len(data)] = len(data).to_bytes(2, "little") + data
+
+
+def _get_progress(progress) -> str:
+    size = int.from_bytes(progress[0:2], "little")
+    return progress[2:2 + size].decode("utf-8", "replace") or "starting"
+
+
+def _collect(pid: int, read_end: int, deadline: float, progress) -> dict:
     import select
 
-    buf = b""
-    last_step = "starting"
-    final = None
+    chunks = []
     try:
         while True:
             left = deadline - time.monotonic()
@@ -161,19 +176,19 @@ def _collect(pid: int, read_end: int, deadline: float) -> dict:
             data = os.read(read_end, 65536)
             if not data:
                 break
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                message = json.loads(line)
-                if "ok" in message:
-                    final = message
-                else:
-                    last_step = message["step"]
+            chunks.append(data)
     finally:
         os.close(read_end)
+    final = None
+    if chunks:
+        try:
+            final = fastjson.loads(b"".join(chunks))
+        except ValueError:
+            final = None
+    last_step = _get_progress(progress)
     if final is None:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, linux.SIGKILL)
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
@@ -188,16 +203,18 @@ def _collect(pid: int, read_end: int, deadline: float) -> dict:
     return final
 
 
-def _worker(plan, ns_fd: int, proc_files: dict, deadline: float, out: int) -> int:
+def _worker(plan, ns_fd: int, proc_files: dict, deadline: float, out: int, progress) -> int:
     """Runs in the forked child; returns its exit code. Never raises."""
 
     def send(message: dict) -> None:
-        os.write(out, json.dumps(message).encode() + b"\n")
+        data = fastjson.dumps(message).encode()
+        while data:
+            data = data[os.write(out, data):]
 
     step = "enter mount namespace"
-    work = _Work(plan, deadline, send)
+    work = _Work(plan, deadline)
     try:
-        linux.prctl_set_pdeathsig(signal.SIGKILL)
+        linux.prctl_set_pdeathsig(linux.SIGKILL)
         devnull = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):  # never hold the runtime's pipes
             os.dup2(devnull, fd)
@@ -210,7 +227,7 @@ def _worker(plan, ns_fd: int, proc_files: dict, deadline: float, out: int) -> in
         except OSError as err:
             raise OSError(err.errno, f"rootfs {plan.rootfs} is not a directory in the container's namespace")
         for step, action in work.steps(proc_files):
-            send({"step": step})
+            _set_progress(progress, step)
             if time.monotonic() > deadline:
                 raise TimeoutError("deadline passed")
             action()
@@ -232,10 +249,9 @@ def _worker(plan, ns_fd: int, proc_files: dict, deadline: float, out: int) -> in
 class _Work:
     """The worker's steps over one container rootfs, and how to take them back."""
 
-    def __init__(self, plan, deadline, send):
+    def __init__(self, plan, deadline):
         self.plan = plan
         self.deadline = deadline
-        self.send = send
         self.root = -1
         self.changes = safepath.Changes()
         self.mounted: list[str] = []  # container paths we mounted on, in order

@@ -12,7 +12,7 @@ or the new one, never half of one; anything unreadable, damaged or stale is simp
 Caching is best effort: a cache that cannot be written never fails a container start.
 """
 
-import json
+from gpuhook import fastjson
 import os
 
 CONFIG_CACHE_DIR = "/run/gpuhook/config-cache"
@@ -22,7 +22,7 @@ def read(path: str):
     """The JSON document at `path`, or None if missing or damaged."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read(16 << 20))
+            return fastjson.loads(f.read(16 << 20))
     except (OSError, ValueError, RecursionError):
         return None
 
@@ -35,7 +35,7 @@ def write(path: str, document) -> bool:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, json.dumps(document, separators=(",", ":")).encode())
+            os.write(fd, fastjson.dumps(document).encode())
         finally:
             os.close(fd)
         os.replace(temp, path)

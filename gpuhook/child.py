@@ -12,8 +12,10 @@ an import of several milliseconds.
 
 import os
 import select
-import signal
 import time
+
+from gpuhook import linux
+from gpuhook.linux import SIGKILL
 
 MINIMAL_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
@@ -31,7 +33,7 @@ class Result:
 
 
 def kill_group(pid: int) -> None:
-    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+    for target in (lambda: os.killpg(pid, SIGKILL), lambda: os.kill(pid, SIGKILL)):
         try:
             target()
         except (ProcessLookupError, PermissionError):
@@ -56,9 +58,7 @@ def run(argv: list[str], timeout: float, env: dict | None = None, executable=Non
     if pid == 0:  # child: never returns
         try:
             os.setpgid(0, 0)
-            from gpuhook import linux
-
-            linux.prctl_set_pdeathsig(signal.SIGKILL)
+            linux.prctl_set_pdeathsig(SIGKILL)
             devnull = os.open("/dev/null", os.O_RDONLY)
             os.dup2(devnull, 0)
             os.dup2(write_end, 1)
@@ -123,7 +123,7 @@ def run(argv: list[str], timeout: float, env: dict | None = None, executable=Non
         kill_group(pid)
     else:
         try:  # the leader exited; anything it left in its group goes too
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(pid, SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     return Result(status, b"".join(chunks), timed_out, time.monotonic() - start)

@@ -6,9 +6,10 @@ so callers translate it once into a gpuhook error. Only the GPU path imports thi
 
 import ctypes
 import os
-import platform
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+SIGKILL = 9  # as signal.SIGKILL, without importing signal (and enum) on the hook's path
 
 CLONE_NEWNS = 0x00020000
 
@@ -38,7 +39,7 @@ _SYSCALL_NUMBERS = {"x86_64": {"bpf": 321}, "aarch64": {"bpf": 280}}
 
 
 def syscall_number(name: str) -> int:
-    machine = platform.machine()
+    machine = os.uname().machine
     try:
         return _SYSCALL_NUMBERS[machine][name]
     except KeyError:

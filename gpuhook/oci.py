@@ -6,7 +6,7 @@ under its storage dir). We accept every shape a real runtime produces and reject
 unusable with a message that names the field and what was wrong with it.
 """
 
-import json
+from gpuhook import fastjson
 from collections import namedtuple
 
 from gpuhook.errors import InputError
@@ -51,7 +51,7 @@ def _decode(raw: bytes, what: str):
     except UnicodeDecodeError as err:
         raise InputError(f"{what} is not UTF-8 (byte {err.start})") from err
     try:
-        return json.loads(text)
+        return fastjson.loads(text)
     except RecursionError as err:
         raise InputError(f"{what} is nested too deeply") from err
     except ValueError as err:

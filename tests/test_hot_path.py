@@ -33,14 +33,14 @@ def bare_interpreter_modules() -> set:
     return module_names(done.stderr)
 
 
-def bundle(tmp_path, env=(), extra=None) -> bytes:
+def bundle(tmp_path, env=(), extra=None, pid=1) -> bytes:
     spec = {"ociVersion": "1.0.2", "root": {"path": "rootfs"},
             "process": {"args": ["sh"], "env": ["PATH=/bin", *env]}, "mounts": [], "annotations": {}}
     if extra:
         spec.update(extra)
     (tmp_path / "config.json").write_text(json.dumps(spec))
     (tmp_path / "rootfs").mkdir(exist_ok=True)
-    return json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": 1,
+    return json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": pid,
                        "bundle": str(tmp_path)}).encode()
 
 
@@ -72,7 +72,25 @@ def test_a_gpu_request_does_take_the_full_path(tmp_path):
                             python_flags=("-X", "importtime"))
     assert done.returncode != 0  # there is no driver under that proc-root
     assert b"no NVIDIA driver" in done.stderr
-    assert {"gpuhook.hook", "json"} <= module_names(done.stderr.decode())
+    assert {"gpuhook.hook", "gpuhook.fastjson"} <= module_names(done.stderr.decode())
+
+
+def test_gpu_path_on_an_unchanged_host_avoids_the_heavy_stdlib(tmp_path, sim_host):
+    """With warm caches the GPU path parses no TOML and imports neither json (re, enum)
+    nor typing: those cost more than the hook's whole decision."""
+    from conftest import sim_config_values, write_config
+
+    config = write_config(tmp_path / "c.toml", sim_config_values(sim_host, str(tmp_path / "log")))
+    state = bundle(tmp_path, ("NVIDIA_VISIBLE_DEVICES=0",), pid=os.getpid())
+    args = ["prestart", "--config", config]
+    run_hook_process(args, state)  # warms the config and inventory caches
+    done = run_hook_process(args, state, python_flags=("-X", "importtime"))
+    assert b"shares the hook's mount namespace" in done.stderr  # it went all the way to apply
+    loaded = module_names(done.stderr.decode())
+    assert {"gpuhook.hook", "gpuhook.inventory", "gpuhook.apply"} <= loaded
+    heavy = loaded & {"json", "re", "enum", "tomllib", "typing", "dataclasses", "subprocess", "signal",
+                      "platform", "inspect"}
+    assert heavy == set()
 
 
 def test_package_init_stays_import_free():

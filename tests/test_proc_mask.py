@@ -25,7 +25,7 @@ from gpuhook.plan import Plan, ProcMask
 root = {root!r}
 mask = ProcMask({source!r}, ("0000:28:00.0",))
 plan = Plan("c", 1, root, "gpus", "env", frozenset(), (), (), (), (), (), mask, None, ())
-work = apply._Work(plan, time.monotonic() + 10, lambda m: None)
+work = apply._Work(plan, time.monotonic() + 10)
 work.root = os.open(root, os.O_PATH | os.O_DIRECTORY)
 work.mask_proc(apply.read_proc_files(mask))
 base = root + "/proc/driver/nvidia"
