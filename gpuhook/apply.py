@@ -110,10 +110,21 @@ def _grant(place, rules) -> list:
     if place.mode == hierarchy.V1:
         from gpuhook.cgroup import v1
 
-        return v1.grant(place.directory, rules)
-    from gpuhook.cgroup import v2
+        added = v1.grant(place.directory, rules)
+    else:
+        from gpuhook.cgroup import v2
 
-    return v2.grant(place.directory, rules)
+        added = v2.grant(place.directory, rules)
+    # systemd re-applies a scope's device list on daemon-reload and would drop what it does
+    # not know (issue 3); a refusal undoes the grant, so the start fails with nothing half-done.
+    from gpuhook.cgroup import systemd
+
+    try:
+        systemd.Systemd().register(place.cgroup_path, rules)
+    except BaseException:
+        _revoke(place, added)
+        raise
+    return added
 
 
 def _revoke(place, added) -> None:

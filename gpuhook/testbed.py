@@ -64,9 +64,12 @@ def hook_entry(config_path: str, stage: str = "prestart", python: str | None = N
 
 
 class Testbed:
-    def __init__(self, workdir: str, runc: str = "runc"):
+    def __init__(self, workdir: str, runc: str = "runc", wrapper=()):
+        """`wrapper` is an argv prefix for every runc command that touches a container
+        (run, delete), e.g. nsenter into the mount namespace where cgroup2 is mounted."""
         self.workdir = os.path.abspath(workdir)
         self.runc = shutil.which(runc) or runc
+        self.wrapper = list(wrapper)
         self.state_root = f"{self.workdir}/runc-state"
         os.makedirs(self.state_root, exist_ok=True)
         self._template = None
@@ -131,7 +134,8 @@ class Testbed:
 
     def run(self, bundle: str, container_id: str, timeout: float = 60, runc_args=()) -> Result:
         """`runc run` the bundle to completion; always deletes the container afterwards."""
-        argv = [self.runc, "--root", self.state_root, *runc_args, "run", "--bundle", bundle, container_id]
+        argv = [*self.wrapper, self.runc, "--root", self.state_root, *runc_args, "run", "--bundle", bundle,
+                container_id]
         try:
             done = subprocess.run(argv, env=RUN_ENV, capture_output=True, timeout=timeout,
                                   stdin=subprocess.DEVNULL, cwd="/")
@@ -143,7 +147,7 @@ class Testbed:
         return Result(done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
 
     def delete(self, container_id: str) -> None:
-        subprocess.run([self.runc, "--root", self.state_root, "delete", "--force", container_id],
+        subprocess.run([*self.wrapper, self.runc, "--root", self.state_root, "delete", "--force", container_id],
                        env=RUN_ENV, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
 
     def _call(self, argv, what):

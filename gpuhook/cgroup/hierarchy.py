@@ -35,17 +35,34 @@ def _unescape(field: str) -> str:
 
 
 def cgroup_mounts(mountinfo_text: str) -> list[tuple[str, str, str, set]]:
-    """(fstype, root, mount point, super options) of every cgroup and cgroup2 mount."""
-    found = []
+    """(fstype, root, mount point, super options) of every visible cgroup and cgroup2 mount.
+
+    A mount that a later one covers (at its mount point or above) is hidden: a private
+    namespace that mounts cgroup2 over a hybrid host's /sys/fs/cgroup still lists the v1
+    mounts beneath it (docs/reference section 5).
+    """
+    mounts = []
     for line in mountinfo_text.splitlines():
         left, sep, right = line.partition(" - ")
         if not sep:
             continue
         lf, rf = left.split(), right.split()
-        if len(lf) < 5 or len(rf) < 3 or rf[0] not in ("cgroup", "cgroup2"):
+        if len(lf) < 5 or len(rf) < 3:
             continue
-        found.append((rf[0], _unescape(lf[3]), _unescape(lf[4]), set(rf[2].split(","))))
+        mounts.append((rf[0], _unescape(lf[3]), _unescape(lf[4]), set(rf[2].split(","))))
+    found = []
+    for i, (fstype, root, point, options) in enumerate(mounts):
+        if fstype not in ("cgroup", "cgroup2"):
+            continue
+        if any(_covers(later[2], point) for later in mounts[i + 1:]):
+            continue
+        found.append((fstype, root, point, options))
     return found
+
+
+def _covers(upper: str, point: str) -> bool:
+    upper = upper.rstrip("/")
+    return point == upper or point.startswith(upper + "/") or not upper
 
 
 def proc_cgroups(text: str) -> dict:
@@ -95,7 +112,10 @@ def placement(pid: int, proc: str = "/proc", mountinfo: str | None = None) -> Pl
                 directory = _join(point, root, paths["devices"])
                 if directory:
                     return Placement(V1, directory, paths["devices"])
-        raise HostError(f"process {pid} is in a v1 devices cgroup but no devices hierarchy is mounted here")
+        # The root of the v1 devices hierarchy allows everything, so with none visible
+        # (pure v2 in a private namespace on a hybrid host) the policy is in v2.
+        if paths["devices"] != "/" or "" not in paths:
+            raise HostError(f"process {pid} is in a v1 devices cgroup but no devices hierarchy is mounted here")
     if "" in paths:
         for fstype, root, point, _ in mounts:
             if fstype == "cgroup2":

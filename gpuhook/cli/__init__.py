@@ -22,6 +22,7 @@ COMMANDS = {
     "list": ("hostcmd", "list_gpus", "List the host's GPUs as the hook sees them."),
     "config": ("hostcmd", "show_config", "Show the effective configuration and where it came from."),
     "demo": ("democmd", "demo", "Start a real runc container with simulated GPUs injected by gpuhook."),
+    "cgroup": ("cgroupcmd", "cgroup", "Show a container's device rules (cgroup v1 or v2) and whether systemd knows them."),
 }
 
 

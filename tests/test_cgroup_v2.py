@@ -1,0 +1,651 @@
+"""Device access on pure cgroup v2: real runc containers, real eBPF device programs.
+
+runc decides between v1 and v2 by what /sys/fs/cgroup is, so these containers run in a
+private mount namespace with cgroup2 mounted there (docs/reference section 5). A holder
+process keeps that namespace alive and every runc command for the containers enters it with
+nsenter. From outside, the namespace's cgroup tree is reachable under /proc/HOLDER/root.
+
+Access is checked by errno inside the container as in tests/test_runc_v1.py: ENXIO = the
+device programs allow the node but no driver is behind it, EPERM = they deny it.
+
+The last part tests gpuhook.cgroup.systemd against a stand-in systemctl (systemd cannot run
+here); docs/cgroup-v2.md says how to check it on a systemd host.
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpuhook import testbed
+from gpuhook.cgroup import bpf, program, systemd, v2
+from gpuhook.cgroup.devices import DeviceRule, parse_v1_line
+from gpuhook.errors import ApplyError
+
+from conftest import REPO, require, require_root_tools
+from test_cgroup_program import RULE_SETS, golden
+
+pytestmark = pytest.mark.root
+
+HARDEN = "/proc/sys/net/core/bpf_jit_harden"
+PATHS = ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/null", "/dev/zero"]
+
+
+def R(text: str, allow: bool = True) -> DeviceRule:
+    return parse_v1_line(text, allow)
+
+
+class Namespace:
+    """A private mount namespace with cgroup2 at /sys/fs/cgroup, kept by a sleeping holder."""
+
+    def __init__(self, holder: subprocess.Popen):
+        self.holder = holder
+        self.wrapper = ["nsenter", f"--target={holder.pid}", "--mount", "--"]
+        self.root = f"/proc/{holder.pid}/root"
+
+    def run(self, argv, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.wrapper, *argv], capture_output=True, text=True, timeout=60,
+                              env=testbed.RUN_ENV, stdin=subprocess.DEVNULL, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def v2ns():
+    require_root_tools("unshare", "nsenter", "runc", "bpftool", "setpriv")
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               "mount -t cgroup2 cgroup2 /sys/fs/cgroup && echo ready && exec sleep infinity"],
+                              stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=testbed.RUN_ENV)
+    try:
+        require(holder.stdout.readline() == b"ready\n", "cannot mount cgroup2 in a private mount namespace")
+        yield Namespace(holder)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.fixture
+def bed(tmp_path, v2ns):
+    """Overrides conftest's `bed` (and so the `gpus` fixture's): runc runs in the v2 namespace."""
+    try:
+        testbed.find_busybox()
+    except testbed.TestbedError as err:
+        require(False, str(err))
+    return testbed.Testbed(str(tmp_path), wrapper=v2ns.wrapper)
+
+
+def unique(name: str) -> str:
+    # Container ids name cgroups directly under the cgroup2 root, shared by every test run
+    # on the machine.
+    return f"{name}-{os.getpid()}"
+
+
+class Running:
+    """A detached runc container (busybox sleeping) in the v2 namespace."""
+
+    def __init__(self, ns, bed, gpus, name, env=(), hook_count=0, edit=None):
+        self.ns, self.bed, self.id = ns, bed, unique(name)
+        rootfs = bed.rootfs(f"{bed.workdir}/bundles/{self.id}/rootfs", files={"/bin/probe": gpus.probe})
+        hooks = {"prestart": [testbed.hook_entry(gpus.config)] * hook_count} if hook_count else None
+        self.bundle = bed.bundle(self.id, ["/bin/busybox", "sleep", "600"], env=env, hooks=hooks, rootfs=rootfs,
+                                 edit=edit)
+        self.started = None
+
+    def __enter__(self):
+        if self.started is None:
+            self.start()
+        return self
+
+    def start(self) -> None:
+        with open(f"{self.bundle}/stdio", "wb") as out:
+            self.started = subprocess.run(
+                [*self.ns.wrapper, self.bed.runc, "--root", self.bed.state_root, "run", "--detach", "--bundle",
+                 self.bundle, self.id], stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=testbed.RUN_ENV,
+                timeout=60)
+        with open(f"{self.bundle}/stdio") as f:
+            self.output = f.read()
+
+    def __exit__(self, *exc):
+        self.bed.delete(self.id)
+
+    def runc(self, *args) -> subprocess.CompletedProcess:
+        return self.ns.run([self.bed.runc, "--root", self.bed.state_root, *args])
+
+    @property
+    def pid(self) -> int:
+        done = self.runc("state", self.id)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["pid"]
+
+    @property
+    def cgroup_dir(self) -> str:
+        """The container's cgroup directory, as seen from outside the namespace."""
+        with open(f"/proc/{self.pid}/cgroup") as f:
+            (path,) = [line.split(":", 2)[2].strip() for line in f if line.startswith("0::")]
+        return f"{self.ns.root}/sys/fs/cgroup{path}"
+
+    def program_ids(self) -> list:
+        fd = os.open(self.cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return bpf.query(fd)
+        finally:
+            os.close(fd)
+
+    def probe(self, *paths) -> dict:
+        done = self.runc("exec", self.id, "/bin/probe", *paths)
+        assert done.returncode == 0, done.stderr
+        return testbed.Result(0, done.stdout, done.stderr).probes()
+
+    def mknod(self, path, major, minor) -> None:
+        done = self.runc("exec", self.id, "/bin/busybox", "mknod", path, "c", str(major), str(minor))
+        assert done.returncode == 0, done.stderr
+
+    def show(self) -> dict:
+        """`gpuhook cgroup show --pid PID --json`, run inside the namespace."""
+        done = self.ns.run([sys.executable, "-m", "gpuhook", "cgroup", "show", "--pid", str(self.pid), "--json"])
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+
+def rules_of(shown_program: dict) -> list:
+    return [DeviceRule(r["type"], -1 if r["major"] is None else r["major"], -1 if r["minor"] is None else r["minor"],
+                       r["access"], r["allow"]) for r in shown_program["rules"]]
+
+
+def planned_rules(sim, gpu: int) -> list:
+    """What the hook grants for NVIDIA_VISIBLE_DEVICES=<gpu> (utility,compute), in plan order."""
+    nvidia, uvm = sim["majors"]["nvidia"], sim["majors"]["nvidia-uvm"]
+    minor = sim["gpus"][gpu]["minor"]
+    return [R(f"c {nvidia}:255 rw"), R(f"c {uvm}:0 rw"), R(f"c {uvm}:1 rw"), R(f"c {nvidia}:{minor} rw")]
+
+
+@pytest.fixture
+def runc_rules(v2ns, bed, gpus):
+    """The rules of runc's own device program for a plain container (runc's defaults)."""
+    with Running(v2ns, bed, gpus, "baseline") as box:
+        assert box.started.returncode == 0, box.output
+        (only,) = box.show()["programs"]
+        return rules_of(only)
+
+
+def test_requested_gpu_opens_unrequested_is_denied_and_runcs_devices_still_work(gpus):
+    name = unique("v2-gpu0")
+    result = gpus.run(name, env=["NVIDIA_VISIBLE_DEVICES=0"], before="busybox mknod /dev/test-gpu1 c 195 1",
+                      paths=["/dev/null", "/dev/zero", "/dev/test-gpu1"])
+    assert result.returncode == 0, result.stderr
+    p = result.probes()
+    for node in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"):
+        assert p[node]["read"] == "ENXIO" and p[node]["write"] == "ENXIO", p[node]
+    assert p["/dev/test-gpu1"]["read"] == "EPERM"  # GPU 1 exists on the host but is not this container's
+    assert p["/dev/null"]["read"] == "OK" and p["/dev/null"]["write"] == "OK"
+    assert p["/dev/zero"]["read"] == "OK"
+    (line,) = gpus.log_lines()
+    assert line["decision"] == "gpus injected" and line["cgroup"] == "v2"
+    assert line["rules_added"] == [r.v1_line() for r in planned_rules(gpus.sim, 0)]
+
+
+def test_one_program_holds_runcs_rules_then_ours_and_runc_update_changes_nothing(v2ns, bed, gpus, runc_rules):
+    ours = planned_rules(gpus.sim, 0)
+    with Running(v2ns, bed, gpus, "v2-update", env=["NVIDIA_VISIBLE_DEVICES=0"], hook_count=1) as box:
+        assert box.started.returncode == 0, box.output
+        box.mknod("/dev/test-gpu1", 195, 1)
+
+        def observe():
+            (only,) = box.show()["programs"]
+            probes = box.probe(*PATHS, "/dev/test-gpu1")
+            return only, {path: (item["read"], item["write"]) for path, item in probes.items()}
+
+        shown, access = observe()
+        assert shown["name"] == program.PROGRAM_NAME and not shown["inherited"]
+        assert rules_of(shown) == ours + runc_rules
+        assert access["/dev/nvidia0"] == ("ENXIO", "ENXIO") and access["/dev/test-gpu1"] == ("EPERM", "EPERM")
+        assert access["/dev/null"] == ("OK", "OK")
+
+        # runc re-runs its whole cgroup update path whatever changes; pids is there on pure v2 hosts.
+        with open(f"{box.cgroup_dir}/cgroup.controllers") as f:
+            limits = ["--pids-limit", "321"] if "pids" in f.read().split() else []
+        done = box.runc("update", *limits, box.id)
+        assert done.returncode == 0, done.stderr
+        assert observe() == (shown, access)
+
+
+def test_running_the_hook_twice_leaves_the_programs_rules_unchanged(v2ns, bed, gpus, runc_rules):
+    with Running(v2ns, bed, gpus, "v2-twice", env=["NVIDIA_VISIBLE_DEVICES=0"], hook_count=2) as box:
+        assert box.started.returncode == 0, box.output
+        (shown,) = box.show()["programs"]
+        assert rules_of(shown) == planned_rules(gpus.sim, 0) + runc_rules
+    first, second = gpus.log_lines()
+    assert first["rules_added"] and second["rules_added"] == []
+
+
+def test_read_only_grant_refuses_writes_and_revoke_restores_the_original_program(v2ns, bed, gpus):
+    with Running(v2ns, bed, gpus, "v2-readonly") as box:
+        assert box.started.returncode == 0, box.output
+        (original,) = box.program_ids()
+        box.mknod("/dev/ro-gpu", 195, 1)
+        grant = v2.grant(box.cgroup_dir, [R("c 195:1 r")])
+        assert list(grant) == [R("c 195:1 r")] and box.program_ids() != [original]
+        probe = box.probe("/dev/ro-gpu")["/dev/ro-gpu"]
+        assert (probe["read"], probe["write"]) == ("ENXIO", "EPERM")
+        assert v2.revoke(box.cgroup_dir, grant) == []
+        assert box.program_ids() == [original]
+        probe = box.probe("/dev/ro-gpu")["/dev/ro-gpu"]
+        assert (probe["read"], probe["write"]) == ("EPERM", "EPERM")
+
+
+def test_swap_without_replace_attaches_then_detaches_and_leaves_one_program(v2ns, bed, gpus):
+    with Running(v2ns, bed, gpus, "v2-noreplace") as box:
+        assert box.started.returncode == 0, box.output
+        (original,) = box.program_ids()
+        grant = v2.grant(box.cgroup_dir, [R("c 195:0 rw")], use_replace=False)
+        (swapped,) = box.program_ids()
+        assert swapped == grant.swaps[0].new_id != original and grant.swaps[0].how == "attach, detach"
+        assert v2.revoke(box.cgroup_dir, grant) == []
+        assert box.program_ids() == [original]
+
+
+def clobbering_r1(rules, original):
+    """The pitfall from docs/reference section 5: a prefix that uses r1 as its scratch
+    register (as runc's own blocks do) leaves the old code a number where it expects the
+    context pointer, and the verifier refuses the program."""
+    scratch = {program.ALU | program.MOV | program.SRC_X, program.ALU | program.AND | program.SRC_K,
+               program.JMP | program.JNE | program.SRC_X}
+    return [insn._replace(dst=program.CONTEXT_REGISTER) if insn.code in scratch and insn.dst == program.R_SCRATCH
+            else insn for insn in program.prepend(rules, original)]
+
+
+def test_verifier_refusal_is_one_line_with_its_reason_and_the_original_stays(v2ns, bed, gpus):
+    with Running(v2ns, bed, gpus, "v2-verifier") as box:
+        assert box.started.returncode == 0, box.output
+        before = box.program_ids()
+        with pytest.raises(ApplyError) as caught:
+            v2.grant(box.cgroup_dir, [R("c 195:0 rw")], build=clobbering_r1)
+        line = caught.value.one_line()
+        assert line.startswith("cgroup: the kernel's verifier refused the rebuilt device program")
+        assert "R1" in line and "\n" not in line
+        assert box.program_ids() == before
+
+
+def test_missing_capability_is_one_line_and_changes_nothing(v2ns, bed, gpus):
+    with Running(v2ns, bed, gpus, "v2-nocap") as box:
+        assert box.started.returncode == 0, box.output
+        before = box.program_ids()
+        script = ("import sys; sys.path.insert(0, sys.argv[1]);"
+                  "from gpuhook.cgroup import v2; from gpuhook.cgroup.devices import char_device;"
+                  "from gpuhook.errors import ApplyError\n"
+                  "try: v2.grant(sys.argv[2], [char_device(195, 0)])\n"
+                  "except ApplyError as err: print(err.one_line()); sys.exit(5)\n")
+        done = subprocess.run(["setpriv", "--bounding-set=-sys_admin,-bpf,-net_admin,-perfmon", "--inh-caps=-all",
+                               "--", sys.executable, "-I", "-c", script, REPO, box.cgroup_dir],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 5, done.stderr
+        (line,) = done.stdout.splitlines()
+        assert "cannot list the device programs" in line and "Operation not permitted" in line
+        assert "CAP_BPF" in line
+        assert box.program_ids() == before
+
+
+@contextlib.contextmanager
+def jit_hardened():
+    """net.core.bpf_jit_harden=2 (blind constants in every program) for the block, then back.
+    The setting is global to the machine: keep the block short."""
+    require(os.access(HARDEN, os.W_OK), f"needs a writable {HARDEN}")
+    with open(HARDEN) as f:
+        old = f.read().strip()
+    with open(HARDEN, "w") as f:
+        f.write("2")
+    try:
+        yield
+    finally:
+        with open(HARDEN, "w") as f:
+            f.write(old)
+
+
+def test_hardened_program_is_refused_in_one_line_and_the_original_stays(v2ns, bed, gpus):
+    box = Running(v2ns, bed, gpus, "v2-hardened")
+    with jit_hardened():
+        box.start()  # runc loads the container's program hardened
+    with box:
+        assert box.started.returncode == 0, box.output
+        before = box.program_ids()
+        with pytest.raises(ApplyError) as caught:
+            v2.grant(box.cgroup_dir, [R("c 195:0 rw")])
+        line = caught.value.one_line()
+        assert "is hardened" in line and "register 11" in line and "net.core.bpf_jit_harden to 1" in line
+        assert box.program_ids() == before
+
+
+def test_hook_fails_the_start_with_one_line_when_the_program_is_hardened(gpus):
+    with jit_hardened():
+        result = gpus.run(unique("v2-hardened-hook"), env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode != 0
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    assert "cgroup: device program" in line and "is hardened" in line
+
+
+def test_privileged_container_allowed_everything_is_left_alone(v2ns, bed, gpus):
+    def allow_all(spec):
+        spec["linux"]["resources"]["devices"] = [{"allow": True, "access": "rwm"}]
+
+    with Running(v2ns, bed, gpus, "v2-priv", env=["NVIDIA_VISIBLE_DEVICES=0"], hook_count=1, edit=allow_all) as box:
+        assert box.started.returncode == 0, box.output
+        (shown,) = box.show()["programs"]
+        assert shown["name"] != program.PROGRAM_NAME and rules_of(shown) == [R("a *:* rwm")]
+    assert gpus.log_lines()[-1]["rules_added"] == []
+
+
+def test_cgroup_without_device_program_needs_nothing(v2ns):
+    empty = f"{v2ns.root}/sys/fs/cgroup/{unique('gpuhook-empty')}"
+    os.mkdir(empty)
+    try:
+        grant = v2.grant(empty, [R("c 195:0 rw")])
+        assert list(grant) == [] and grant.swaps == []
+        assert v2.attached_programs(empty) == []
+    finally:
+        os.rmdir(empty)
+
+
+@pytest.mark.parametrize("name", sorted(RULE_SETS))
+def test_kernel_and_bpftool_read_our_programs_as_stored(name):
+    require_root_tools("bpftool")
+    fd = bpf.load(program.encode(program.prepend(RULE_SETS[name], program.DENY_ALL)), program.PROGRAM_NAME)
+    try:
+        prog_id = bpf.program_info(fd).id
+        dump = subprocess.run(["bpftool", "prog", "dump", "xlated", "id", str(prog_id)],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.close(fd)
+    assert dump.splitlines() == golden(name)
+
+
+# --- which hierarchy holds the policy --------------------------------------------------------
+
+# /proc/self/mountinfo inside `unshare -m` after `mount -t cgroup2 cgroup2 /sys/fs/cgroup` on a
+# hybrid host (this machine): the v1 mounts are still listed, but under the new cgroup2 mount.
+HYBRID_WITH_V2_ON_TOP = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+36 31 0:33 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+66 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw
+"""
+HYBRID = "\n".join(HYBRID_WITH_V2_ON_TOP.splitlines()[:4]) + "\n"
+
+
+@pytest.mark.parametrize("mountinfo,devices_path,expected", [
+    (HYBRID, "/", ("v1", "/sys/fs/cgroup/devices")),
+    (HYBRID, "/ctr", ("v1", "/sys/fs/cgroup/devices/ctr")),
+    (HYBRID_WITH_V2_ON_TOP, "/", ("v2", "/sys/fs/cgroup/ctr")),
+])
+def test_policy_is_found_where_the_runtime_put_it(tmp_path, mountinfo, devices_path, expected):
+    from gpuhook.cgroup import hierarchy
+
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "cgroup").write_text(f"9:name=systemd:/\n5:devices:{devices_path}\n0::/ctr\n")
+    place = hierarchy.placement(42, proc=str(tmp_path), mountinfo=mountinfo)
+    assert (place.mode, place.directory) == expected
+
+
+def test_hidden_v1_devices_cgroup_that_restricts_is_an_error_not_a_silent_v2(tmp_path):
+    from gpuhook.cgroup import hierarchy
+    from gpuhook.errors import HostError
+
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "cgroup").write_text("5:devices:/ctr\n0::/ctr\n")
+    with pytest.raises(HostError, match="no devices hierarchy is mounted here"):
+        hierarchy.placement(42, proc=str(tmp_path), mountinfo=HYBRID_WITH_V2_ON_TOP)
+
+
+# --- cgroup show ------------------------------------------------------------------------------
+
+def test_cgroup_show_prints_the_rules_table_and_marks_ours(v2ns, bed, gpus, runc_rules):
+    with Running(v2ns, bed, gpus, "v2-show", env=["NVIDIA_VISIBLE_DEVICES=0"], hook_count=1) as box:
+        assert box.started.returncode == 0, box.output
+        done = v2ns.run([sys.executable, "-m", "gpuhook", "cgroup", "show", "--pid", str(box.pid)])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("cgroup v2  /sys/fs/cgroup/") and f"(cgroup path /{box.id})" in lines[0]
+    assert lines[1].startswith("program ") and "gpuhook_dev" in lines[1] and "attached here" in lines[1]
+    rows = [line.split() for line in lines[3:-1]]
+    assert [row[5] if len(row) > 5 else "" for row in rows] == ["gpuhook"] * 4 + [""] * len(runc_rules)
+    assert rows[-1][:5] == [str(4 + len(runc_rules)), "deny", "a", "*:*", "rwm"]
+    assert lines[-1] == f"systemd: the cgroup /{box.id} is not a scope of the system's systemd"
+
+
+def test_cgroup_show_reads_devices_list_on_v1(tmp_path):
+    cgroup = tmp_path / "docker-1.scope"
+    cgroup.mkdir()
+    (cgroup / "devices.list").write_text("c 1:3 rwm\nc 195:0 rw\nc 136:* rwm\n")
+    done = subprocess.run([sys.executable, "-m", "gpuhook", "cgroup", "show", "--path", str(cgroup), "--json"],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["mode"] == "v1" and report["programs"] is None
+    assert [(r["type"], r["major"], r["minor"], r["access"]) for r in report["rules"]] == [
+        ("c", 1, 3, "rwm"), ("c", 195, 0, "rw"), ("c", 136, None, "rwm")]
+
+
+def test_cgroup_show_needs_exactly_one_of_pid_and_path():
+    done = subprocess.run([sys.executable, "-m", "gpuhook", "cgroup", "show"], capture_output=True, text=True,
+                          timeout=60, cwd="/")
+    assert done.returncode != 0
+    assert done.stderr == "gpuhook: give either --pid PID or --path CGROUP_DIR\n"
+
+
+# --- systemd, against a stand-in systemctl -------------------------------------------------------
+
+FAKE_SYSTEMCTL = r"""#!/bin/sh
+# Stand-in for systemctl: logs its arguments; `show` prints the unit file $DIR/unit plus what
+# set-property added ($DIR/added); set-property fails with $DIR/refuse's text if that exists.
+DIR=$(dirname "$0")
+echo "$*" >> "$DIR/calls"
+for arg; do case "$arg" in
+  show) cat "$DIR/unit" "$DIR/added" 2>/dev/null; exit 0 ;;
+  set-property)
+    if [ -f "$DIR/refuse" ]; then cat "$DIR/refuse" >&2; exit 1; fi
+    for a; do case "$a" in DeviceAllow=*) echo "$a" >> "$DIR/added" ;; esac; done
+    exit 0 ;;
+esac; done
+exit 2
+"""
+
+PROC_DEVICES = "Character devices:\n  1 mem\n136 pts\n195 nvidia-frontend\n509 nvidia-uvm\n\nBlock devices:\n  8 sd\n"
+
+
+class FakeSystemd:
+    """A Systemd wired to a stand-in systemctl, runtime dir, /dev and /proc/devices in a temp dir."""
+
+    def __init__(self, tmp_path, unit_text="", running=True):
+        self.dir = tmp_path / "systemctl"
+        self.dir.mkdir()
+        (self.dir / "systemctl").write_text(FAKE_SYSTEMCTL)
+        (self.dir / "systemctl").chmod(0o755)
+        (self.dir / "unit").write_text(unit_text)
+        runtime = tmp_path / "run-systemd-system"
+        if running:
+            runtime.mkdir()
+        self.dev = tmp_path / "dev"
+        self.dev.mkdir()
+        (tmp_path / "devices").write_text(PROC_DEVICES)
+        self.systemd = systemd.Systemd(systemctl=str(self.dir / "systemctl"), runtime_dir=str(runtime),
+                                       dev_dir=str(self.dev), proc_devices=str(tmp_path / "devices"))
+
+    def calls(self) -> list:
+        try:
+            return (self.dir / "calls").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def node(self, name, major, minor):
+        os.mknod(self.dev / name, 0o20666, os.makedev(major, minor))
+
+
+RUNC_SCOPE_UNIT = ("LoadState=loaded\nDevicePolicy=strict\nDeviceAllow=/dev/char/1:3 rwm\n"
+                   "DeviceAllow=char-pts rwm\n")
+GPU_RULES = [R("c 195:255 rw"), R("c 195:0 rw"), R("c 1:3 rw")]
+SHOW = "--no-pager --no-ask-password show --property=LoadState --property=DevicePolicy --property=DeviceAllow -- "
+
+
+def test_scope_that_restricts_devices_gets_runtime_device_allow_for_what_it_lacks(tmp_path):
+    require_root_tools()  # device nodes for the /dev/char links
+    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT)
+    fake.node("nvidia0", 195, 0)
+    fake.node("nvidiactl", 195, 255)
+    done = fake.systemd.register("/system.slice/docker-abc.scope", GPU_RULES)
+    assert fake.calls() == [
+        SHOW + "docker-abc.scope",
+        "--no-pager --no-ask-password set-property --runtime -- docker-abc.scope "
+        "DeviceAllow=/dev/char/195:255 rw DeviceAllow=/dev/char/195:0 rw",
+    ]
+    assert done.entries == ["/dev/char/195:255 rw", "/dev/char/195:0 rw"] and done.skipped is None
+    assert sorted(done.links) == [f"{fake.dev}/char/195:0", f"{fake.dev}/char/195:255"]
+    assert os.readlink(fake.dev / "char" / "195:0") == "../nvidia0"
+    assert os.readlink(fake.dev / "char" / "195:255") == "../nvidiactl"
+
+
+def test_registering_again_finds_everything_known_and_calls_only_show(tmp_path):
+    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT)
+    fake.systemd.register("/kubepods.slice/cri-containerd-1.scope", GPU_RULES)
+    again = fake.systemd.register("/kubepods.slice/cri-containerd-1.scope", GPU_RULES)
+    assert again.entries == []
+    assert [call.split()[2] for call in fake.calls()] == ["show", "set-property", "show"]
+
+
+@pytest.mark.parametrize("cgroup_path,unit_text,running,why", [
+    ("/docker/abc", RUNC_SCOPE_UNIT, True, "not a scope of the system's systemd"),
+    ("/user.slice/user-1000.slice/user@1000.service/app.slice/c.scope", RUNC_SCOPE_UNIT, True,
+     "not a scope of the system's systemd"),
+    ("/system.slice/docker-abc.scope", RUNC_SCOPE_UNIT, False, "systemd is not running"),
+    ("/system.slice/docker-abc.scope", "LoadState=not-found\n", True, "LoadState=not-found"),
+    ("/system.slice/docker-abc.scope", "LoadState=loaded\nDevicePolicy=auto\n", True, "does not restrict devices"),
+])
+def test_registration_is_skipped_where_systemd_would_not_drop_the_grant(tmp_path, cgroup_path, unit_text,
+                                                                          running, why):
+    fake = FakeSystemd(tmp_path, unit_text, running)
+    done = fake.systemd.register(cgroup_path, GPU_RULES)
+    assert done.entries == [] and why in done.skipped
+    assert not [call for call in fake.calls() if "set-property" in call]  # never switches an allow list on
+
+
+def test_systemd_refusal_is_one_clear_line(tmp_path):
+    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT)
+    (fake.dir / "refuse").write_text("Failed to set unit properties on docker-abc.scope: Access denied\n")
+    with pytest.raises(ApplyError) as caught:
+        fake.systemd.register("/system.slice/docker-abc.scope", GPU_RULES)
+    assert caught.value.one_line() == ("cgroup: systemd did not add DeviceAllow= to docker-abc.scope: "
+                                       "Failed to set unit properties on docker-abc.scope: Access denied")
+
+
+def test_show_marks_allowed_devices_that_systemd_does_not_know(tmp_path):
+    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT)
+    cgroup = tmp_path / "docker-abc.scope"
+    cgroup.mkdir()
+    (cgroup / "devices.list").write_text("c 1:3 rwm\nc 136:* rwm\nc 195:0 rw\n")
+    report = v2.describe(v2.placement_of_directory(str(cgroup), mountinfo=""), systemd=fake.systemd)
+    assert report.systemd.at_risk == [R("c 195:0 rw")]
+    from gpuhook.cli.cgroupcmd import render
+
+    lines = render(report)
+    (gpu_row,) = [line for line in lines if line.startswith("  ") and " 195:0 " in line]
+    assert gpu_row.rstrip().endswith("NOT KNOWN")
+    assert lines[-1] == ("systemd: docker-abc.scope does not know 1 allowed device rule(s); "
+                         "a daemon-reload would take them away: c 195:0 rw")
+    fake.systemd.register("/system.slice/docker-abc.scope", [R("c 195:0 rw")])
+    assert fake.systemd.status("/system.slice/docker-abc.scope", report.allowed()).at_risk == []
+
+
+@pytest.mark.parametrize("entry,rules", [
+    ("/dev/char/195:0 rw", [R("c 195:0 rw")]),
+    ("/dev/block/8:0 r", [R("b 8:0 r")]),
+    ("char-pts rwm", [R("c 136:* rwm")]),
+    ("char-nvidia* rw", [R("c 195:* rw"), R("c 509:* rw")]),
+    ("char-* m", [R("c *:* m")]),
+    ("block-sd", [R("b 8:* rwm")]),
+    ("/dev/no-such-node rw", []),
+])
+def test_device_allow_entries_are_read_as_rules(tmp_path, entry, rules):
+    assert systemd.parse_entry(entry, PROC_DEVICES) == rules
+
+
+@pytest.mark.parametrize("rule,entries", [
+    (R("c 195:0 rw"), ["/dev/char/195:0 rw"]),
+    (R("c 195:* rw"), ["char-nvidia-frontend rw"]),
+    (R("c 77:* r"), ["char-77 r"]),
+    (R("a *:* m"), ["char-* m", "block-* m"]),
+])
+def test_rules_become_the_device_allow_entries_systemd_understands(rule, entries):
+    assert systemd.device_entries(rule, PROC_DEVICES) == entries
+
+
+# --- the hook with systemd in the picture (stand-in systemctl, private namespace) ----------------
+
+HOOK_SYSTEMCTL = r"""#!/bin/sh
+# Stand-in systemctl bind-mounted over the real one in a private namespace: logs its
+# arguments to LOG; `show` reports a scope that restricts devices, as runc's systemd driver
+# leaves it; set-property fails with REFUSE's text if that file exists.
+echo "$*" >> LOG
+for arg; do case "$arg" in
+  show) printf 'LoadState=loaded\nDevicePolicy=strict\nDeviceAllow=/dev/char/1:3 rwm\nDeviceAllow=char-pts rwm\n'
+        exit 0 ;;
+  set-property) if [ -f REFUSE ]; then cat REFUSE >&2; exit 1; fi; exit 0 ;;
+esac; done
+exit 2
+"""
+
+
+@pytest.fixture
+def systemd_host(tmp_path, sim_host, probe):
+    """GPU containers in a namespace that looks like a systemd host to gpuhook: cgroup2 at
+    /sys/fs/cgroup, /run/systemd/system present (on a tmpfs over /run, so the host's /run is
+    untouched) and the stand-in over /usr/bin/systemctl."""
+    from conftest import GpuContainers
+
+    require_root_tools("unshare", "nsenter", "runc")
+    require(os.path.isfile("/usr/bin/systemctl"), "needs /usr/bin/systemctl to mount the stand-in over")
+    fake = tmp_path / "systemctl"
+    fake.write_text(HOOK_SYSTEMCTL.replace("LOG", str(tmp_path / "calls")).replace("REFUSE", str(tmp_path / "refuse")))
+    fake.chmod(0o755)
+    setup = ("mount -t cgroup2 cgroup2 /sys/fs/cgroup && mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/system "
+             f"&& mount --bind {fake} /usr/bin/systemctl && echo ready && exec sleep infinity")
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", setup],
+                              stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=testbed.RUN_ENV)
+    try:
+        require(holder.stdout.readline() == b"ready\n", "cannot set up the systemd-like namespace")
+        box = testbed.Testbed(str(tmp_path / "bed"), wrapper=Namespace(holder).wrapper)
+        containers = GpuContainers(box, sim_host, probe, tmp_path)
+        containers.calls = tmp_path / "calls"
+        containers.refuse = tmp_path / "refuse"
+        yield containers
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def scope_named(name):
+    def edit(spec):
+        # runc's cgroupfs driver with a path that ends in a scope, as the systemd driver makes.
+        spec["linux"]["cgroupsPath"] = f"/{name}.scope"
+    return edit
+
+
+def test_hook_registers_the_granted_devices_with_the_containers_scope(systemd_host):
+    name = unique("v2-scope")
+    result = systemd_host.run(name, env=["NVIDIA_VISIBLE_DEVICES=0"], edit=scope_named(name))
+    assert result.returncode == 0, result.stderr
+    assert result.probes()["/dev/nvidia0"]["read"] == "ENXIO"
+    entries = " ".join(f"DeviceAllow=/dev/char/{r.major}:{r.minor} rw" for r in planned_rules(systemd_host.sim, 0))
+    assert systemd_host.calls.read_text().splitlines() == [
+        SHOW + f"{name}.scope",
+        f"--no-pager --no-ask-password set-property --runtime -- {name}.scope {entries}",
+    ]
+
+
+def test_hook_fails_the_start_in_one_line_when_systemd_refuses(systemd_host):
+    name = unique("v2-scope-refused")
+    systemd_host.refuse.write_text(f"Failed to set unit properties on {name}.scope: Access denied\n")
+    result = systemd_host.run(name, env=["NVIDIA_VISIBLE_DEVICES=0"], edit=scope_named(name))
+    assert result.returncode != 0
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    assert f"cgroup: systemd did not add DeviceAllow= to {name}.scope: Failed to set unit properties" in line
+    assert [call.split()[2] for call in systemd_host.calls.read_text().splitlines()] == ["show", "set-property"]
