@@ -42,10 +42,39 @@ class RequestError(GpuhookError):
     exit_code = 3
 
 
+class RequirementError(RequestError):
+    """The image's NVIDIA_REQUIRE_* constraints are malformed or this host does not meet them.
+
+    `variable` names the environment variable, `constraint` the condition that failed (or is
+    malformed), `host` what the host has, as text.
+    """
+
+    def __init__(self, message: str, hint: str | None = None, variable: str = "", constraint: str = "",
+                 host: str = ""):
+        super().__init__(message, hint)
+        self.variable = variable
+        self.constraint = constraint
+        self.host = host
+
+
 class HostError(GpuhookError):
     """The host (driver files, /proc, cgroups, NVML) could not be read as needed."""
 
     exit_code = 4
+
+
+class NvmlError(HostError):
+    """An NVML call failed. `call` names the NVML function, `gpu` the GPU it was about (UUID,
+    index or bus id as the caller knew it; None for system calls), `code` NVML's return code
+    (None when the library could not even be loaded)."""
+
+    def __init__(self, call: str, reason: str, gpu: str | None = None, code: int | None = None,
+                 hint: str | None = None):
+        where = f" for GPU {gpu}" if gpu is not None else ""
+        super().__init__(f"NVML {call}{where} failed: {reason}", hint)
+        self.call = call
+        self.gpu = gpu
+        self.code = code
 
 
 class ApplyError(GpuhookError):

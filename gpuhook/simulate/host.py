@@ -5,12 +5,17 @@ The GPU is the only fake in gpuhook's tests and demo; everything around it is re
     DIR/driver/   driver root: real ELF libraries per capability (built with the system C
                   compiler, NVIDIA's sonames and versioned file names), an ld cache made by
                   the host's ldconfig, static binaries (nvidia-smi, ...), GSP firmware, the
-                  persistenced socket
-    DIR/dev/      device nodes with NVIDIA's numbers (major 195; nvidia-uvm on a free major)
+                  persistenced socket. libnvidia-ml is a working simulated NVML
+                  (csrc/nvml_sim.c) and nvidia-smi can reset a simulated GPU.
+    DIR/dev/      device nodes with NVIDIA's numbers (major 195; nvidia-uvm and nvidia-caps
+                  on free majors; nvidia-caps/nvidia-capN for MIG hosts)
     DIR/proc/     devices, driver/nvidia/{version,params,registry}, one
-                  driver/nvidia/gpus/<bus>/information per GPU
+                  driver/nvidia/gpus/<bus>/information per GPU; for MIG hosts
+                  driver/nvidia-caps/mig-minors and driver/nvidia/capabilities/
+    DIR/nvml.json     the simulated NVML's state: GPUs, MIG devices, faults, latencies
+                      (gpuhook.simulate.nvml edits it; docs/simulated-host.md)
     DIR/config.toml   points gpuhook at all of the above
-    DIR/host.json     what was built (GPUs, UUIDs, majors), for tests and tools
+    DIR/host.json     what was built (GPUs, UUIDs, majors, MIG devices), for tests and tools
 
 Opening a simulated node in a container gives ENXIO when the device cgroup allows it (no
 driver behind the number) and EPERM when it does not: the observable difference tests use.
@@ -25,13 +30,40 @@ import subprocess
 import uuid as uuidlib
 
 from gpuhook.discover import LIBRARIES, MULTIARCH
-from gpuhook.errors import GpuhookError
+from gpuhook.nvml import BRANDS
+from gpuhook.simulate import SimulationError
+from gpuhook.simulate import nvml as simnvml
 
 NVIDIA_MAJOR = 195
 DEFAULT_DRIVER_VERSION = "550.54.15"
 DEFAULT_MODEL = "NVIDIA H100 80GB HBM3"
+DEFAULT_BRAND = "nvidia"  # what NVML reports for an H100
+# What the simulated GPUs report besides their model name (an H100 80GB SXM5).
+COMPUTE_CAPABILITY = "9.0"
+PCI_DEVICE_ID = 0x233010DE  # device 0x2330, vendor NVIDIA (0x10de)
+PCI_SUBSYSTEM_ID = 0x16C110DE
+MEMORY_TOTAL = 81559 * (1 << 20)
 MARKER = "host.json"
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+NVML_SOURCES = ("nvml_sim.c", "simstate.c", "simjson.c")
+TOOL_SOURCES = ("tool.c", "simstate.c", "simjson.c")
+
+# The CUDA version each driver branch supports (NVIDIA's CUDA release notes, table 3).
+CUDA_BY_BRANCH = {
+    470: "11.4", 510: "11.6", 515: "11.7", 520: "11.8", 525: "12.0", 530: "12.1", 535: "12.2",
+    545: "12.3", 550: "12.4", 555: "12.5", 560: "12.6", 565: "12.7", 570: "12.8", 575: "12.9",
+    580: "13.0",
+}
+
+# MIG (issue 4): an H100 has 7 compute slices; a profile "<slices>g.<GiB>gb" takes some.
+MIG_SLICES = 7
+DEFAULT_MIG_LAYOUT = ("3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb")
+# /proc/driver/nvidia-caps/mig-minors as the driver writes it: config 1, monitor 2, then per
+# GPU minor 15 GPU instance slots of 9 minors (the GI's access, then 8 compute instances).
+MIG_CONFIG_MINOR = 1
+MIG_MONITOR_MINOR = 2
+MIG_GPU_INSTANCES = 15
+MIG_COMPUTE_INSTANCES = 8
 
 # Sonames as NVIDIA ships them: "1"-style ABI versions, or the full driver version ("V").
 SONAME_SUFFIX = {
@@ -48,10 +80,6 @@ SONAME_SUFFIX = {
 TOOLS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
          "nvidia-cuda-mps-server")
 BUILD_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
-
-
-class SimulationError(GpuhookError):
-    exit_code = 2
 
 
 def _run(argv, what):
@@ -75,6 +103,37 @@ def free_major(taken_text: str, avoid=()) -> int:
         if major not in taken:
             return major
     raise SimulationError("no free character device major for the simulated nvidia-uvm")
+
+
+def cuda_version_for(driver_version: str) -> str:
+    """The CUDA version a driver branch supports, e.g. 12.4 for 550.x."""
+    branch = int(driver_version.split(".")[0])
+    try:
+        return CUDA_BY_BRANCH[branch]
+    except KeyError:
+        raise SimulationError(f"gpuhook does not know which CUDA version driver branch {branch} supports",
+                              "pass --cuda-version") from None
+
+
+def mig_layout(profiles) -> tuple:
+    """Validate MIG profile names ("1g.10gb", ...) for one GPU; returns (profile, slices, GiB) each."""
+    layout = []
+    for profile in profiles:
+        slices, _, memory = profile.partition("g.")
+        if not (slices.isdigit() and memory.endswith("gb") and memory[:-2].isdigit()) or not 1 <= int(slices) <= 7:
+            raise SimulationError(f"MIG profile {profile!r} is not like 1g.10gb (1 to 7 slices)")
+        layout.append((profile, int(slices), int(memory[:-2])))
+    if not layout:
+        raise SimulationError("a MIG layout needs at least one profile")
+    if sum(slices for _, slices, _ in layout) > MIG_SLICES:
+        raise SimulationError(f"MIG layout {','.join(profiles)} needs more than the GPU's {MIG_SLICES} slices")
+    return tuple(layout)
+
+
+def mig_minor(gpu_minor: int, gpu_instance: int, compute_instance: int | None = None) -> int:
+    """The nvidia-caps minor of gpu<M>/gi<G>/access (compute_instance None) or .../ci<C>/access."""
+    base = MIG_MONITOR_MINOR + 1 + (gpu_minor * MIG_GPU_INSTANCES + gpu_instance) * (1 + MIG_COMPUTE_INSTANCES)
+    return base if compute_instance is None else base + 1 + compute_instance
 
 
 def gpu_records(count: int, seed: str, model: str) -> list[dict]:
@@ -136,8 +195,15 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
 
 
 def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VERSION,
-          model: str = DEFAULT_MODEL, seed: str = "default", machine: str | None = None) -> dict:
-    """Create the simulated host under `directory` (replacing an earlier one there)."""
+          model: str = DEFAULT_MODEL, seed: str = "default", machine: str | None = None,
+          cuda_version: str | None = None, brand: str = DEFAULT_BRAND, mig: dict | None = None,
+          nvml_latency_ms: int = 0, nvml_init_latency_ms: int = 0) -> dict:
+    """Create the simulated host under `directory` (replacing an earlier one there).
+
+    `cuda_version` defaults to the driver branch's; `mig` maps GPU indices to MIG layouts
+    (lists of profiles; empty for DEFAULT_MIG_LAYOUT) for GPUs that start in MIG mode;
+    `nvml_latency_ms` is slept in every simulated NVML call, `nvml_init_latency_ms` in nvmlInit.
+    """
     if os.geteuid() != 0:
         raise SimulationError("simulate needs root: it creates device nodes and runs ldconfig -r")
     if not 1 <= gpus <= 64:
@@ -145,6 +211,20 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
     parts = driver_version.split(".")
     if len(parts) < 2 or not all(p.isdigit() for p in parts):
         raise SimulationError(f"--driver-version must look like 550.54.15, not {driver_version!r}")
+    cuda_version = cuda_version or cuda_version_for(driver_version)
+    major, _, minor = cuda_version.partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        raise SimulationError(f"--cuda-version must look like 12.4, not {cuda_version!r}")
+    if brand not in BRANDS:
+        raise SimulationError(f"--brand must be one of {', '.join(BRANDS)}, not {brand!r}")
+    layouts = {}
+    for index, profiles in (mig or {}).items():
+        if not 0 <= index < gpus:
+            raise SimulationError(f"--mig names GPU {index}, but there are {gpus} GPU(s)")
+        layouts[index] = mig_layout(profiles or DEFAULT_MIG_LAYOUT)
+    for name, value in (("--nvml-latency-ms", nvml_latency_ms), ("--nvml-init-latency-ms", nvml_init_latency_ms)):
+        if not 0 <= value <= simnvml.MAX_LATENCY_MS:
+            raise SimulationError(f"{name} must be between 0 and {simnvml.MAX_LATENCY_MS}, not {value}")
     machine = machine or os.uname().machine
     multiarch = MULTIARCH.get(machine)
     if multiarch is None:
@@ -158,11 +238,12 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
 
     driver = f"{directory}/driver"
     libdir = f"{driver}/usr/lib/{multiarch}"
+    state_file = simnvml.state_path(directory)
     os.makedirs(libdir)
-    _build_libraries(libdir, driver_version)
+    _build_libraries(libdir, driver_version, state_file)
     _write(f"{driver}/etc/ld.so.conf", f"/usr/lib/{multiarch}\n")
     _run(["ldconfig", "-r", driver], "ldconfig for the simulated driver root")
-    _build_tools(f"{driver}/usr/bin", driver_version)
+    _build_tools(f"{driver}/usr/bin", driver_version, state_file)
     firmware = f"{driver}/lib/firmware/nvidia/{driver_version}"
     os.makedirs(firmware)
     for name in ("gsp_ga10x.bin", "gsp_tu10x.bin"):
@@ -187,6 +268,8 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
     _write(f"{proc}/driver/nvidia/registry", "Binary: \"\"\n")
     for gpu in records:
         _write(f"{proc}/driver/nvidia/gpus/{gpu['bus_id']}/information", _information(gpu))
+        gpu["brand"] = brand
+        gpu["mig_devices"] = _mig_devices(gpu, layouts.get(gpu["index"], ()), seed)
 
     dev = f"{directory}/dev"
     os.makedirs(dev)
@@ -199,6 +282,13 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
             os.mknod(f"{dev}/{name}", stat.S_IFCHR | 0o666, os.makedev(major, minor))
     finally:
         os.umask(old_umask)
+    if layouts:
+        _write_mig_caps(directory, records, caps_major)
+
+    nvml_library = f"{libdir}/libnvidia-ml.so.1"
+    state = simnvml.new_state(driver_version, cuda_version, [_gpu_state(g, g["index"] in layouts) for g in records],
+                              call_latency_ms=nvml_latency_ms, init_latency_ms=nvml_init_latency_ms)
+    simnvml.save(state_file, state)
 
     config_text = (
         "# Written by `gpuhook simulate`: points gpuhook at the simulated host in this directory.\n"
@@ -207,37 +297,116 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
         f'proc-root = "{proc}"\n'
         f'log-file = "{directory}/gpuhook.log"\n'
         f'state-dir = "{directory}/run"\n'
+        f'nvml-library = "{nvml_library}"\n'
     )
     _write(f"{directory}/config.toml", config_text)
     host = {
         "directory": directory,
         "driver_version": driver_version,
         "machine": machine,
+        "cuda_version": cuda_version,
         "majors": {"nvidia": NVIDIA_MAJOR, "nvidia-uvm": uvm_major, "nvidia-caps": caps_major},
         "gpus": records,
         "config": f"{directory}/config.toml",
+        "nvml_state": state_file,
+        "nvml_library": nvml_library,
     }
     _write(f"{directory}/{MARKER}", json.dumps(host, indent=2) + "\n")
     return host
 
 
-def _build_libraries(libdir: str, version: str) -> None:
+def _c_string(text: str) -> str:
+    """`text` as a C string literal for a -D option (paths may hold quotes or backslashes)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _build_libraries(libdir: str, version: str, state_file: str) -> None:
     for stems in LIBRARIES.values():
         for stem in stems:
             suffix = SONAME_SUFFIX[stem]
             soname = f"{stem}.so.{version if suffix == 'V' else suffix}"
-            _run(["gcc", "-shared", "-fPIC", "-O1", "-o", f"{libdir}/{stem}.so.{version}",
-                  f"-Wl,-soname,{soname}", f'-DSIM_LIBRARY="{stem}"', f'-DSIM_DRIVER_VERSION="{version}"',
-                  f"{CSRC}/driverlib.c"], f"building {stem}")
+            argv = ["gcc", "-shared", "-fPIC", "-O1", "-o", f"{libdir}/{stem}.so.{version}", f"-Wl,-soname,{soname}"]
+            if stem == "libnvidia-ml":
+                # The one driver library that works: a simulated NVML exporting only NVML's API.
+                argv += ["-O2", "-pthread", "-fvisibility=hidden", f"-DSIM_STATE_PATH={_c_string(state_file)}"]
+                argv += [f"{CSRC}/{name}" for name in NVML_SOURCES]
+            else:
+                argv += [f'-DSIM_LIBRARY="{stem}"', f'-DSIM_DRIVER_VERSION="{version}"', f"{CSRC}/driverlib.c"]
+            _run(argv, f"building {stem}")
 
 
-def _build_tools(bindir: str, version: str) -> None:
+def _build_tools(bindir: str, version: str, state_file: str) -> None:
     os.makedirs(bindir)
     first = f"{bindir}/{TOOLS[0]}"
-    _run(["gcc", "-static", "-O2", "-s", "-o", first, f'-DSIM_DRIVER_VERSION="{version}"', f"{CSRC}/tool.c"],
+    _run(["gcc", "-static", "-O2", "-s", "-o", first, f'-DSIM_DRIVER_VERSION="{version}"',
+          f"-DSIM_STATE_PATH={_c_string(state_file)}"] + [f"{CSRC}/{name}" for name in TOOL_SOURCES],
          "building the simulated nvidia-smi")
     for name in TOOLS[1:]:
         shutil.copy2(first, f"{bindir}/{name}")
+
+
+def _mig_devices(gpu: dict, layout: tuple, seed: str) -> list:
+    """MIG devices for `layout`: one GPU instance per profile (ids 1, 2, ... in order; a real
+    driver picks them by placement) with one compute instance (id 0) each."""
+    devices = []
+    for index, (profile, _slices, gib) in enumerate(layout):
+        gi, ci = index + 1, 0
+        devices.append({
+            "index": index,
+            "uuid": "MIG-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL,
+                                               f"gpuhook-sim/{seed}/{gpu['index']}/gi{gi}/ci{ci}")),
+            "gpu_instance_id": gi,
+            "compute_instance_id": ci,
+            "profile": profile,
+            "memory_total": gib << 30,
+            "caps": {"gpu_instance": mig_minor(gpu["minor"], gi), "compute_instance": mig_minor(gpu["minor"], gi, ci)},
+        })
+    return devices
+
+
+def _gpu_state(gpu: dict, mig_mode: bool) -> dict:
+    return simnvml.gpu_state(
+        gpu["uuid"], gpu["model"], gpu["minor"], "0000" + gpu["bus_id"].upper(),
+        brand=gpu["brand"], pci_device_id=PCI_DEVICE_ID, pci_subsystem_id=PCI_SUBSYSTEM_ID,
+        compute_capability=COMPUTE_CAPABILITY, memory_total=MEMORY_TOTAL, mig_capable=True,
+        mig_mode=mig_mode, mig_mode_pending=mig_mode,
+        mig_devices=[
+            {k: d[k] for k in ("gpu_instance_id", "compute_instance_id", "uuid", "profile", "memory_total")}
+            for d in gpu["mig_devices"]
+        ],
+    )
+
+
+def _write_mig_caps(directory: str, gpus: list, caps_major: int) -> None:
+    """The driver's MIG capability table and files, and nvidia-modprobe's device nodes for
+    the MIG devices that exist (docs/reference section 4)."""
+    lines = [f"config {MIG_CONFIG_MINOR}", f"monitor {MIG_MONITOR_MINOR}"]
+    for gpu in gpus:
+        for gi in range(MIG_GPU_INSTANCES):
+            lines.append(f"gpu{gpu['minor']}/gi{gi}/access {mig_minor(gpu['minor'], gi)}")
+            lines += [f"gpu{gpu['minor']}/gi{gi}/ci{ci}/access {mig_minor(gpu['minor'], gi, ci)}"
+                      for ci in range(MIG_COMPUTE_INSTANCES)]
+    _write(f"{directory}/proc/driver/nvidia-caps/mig-minors", "\n".join(lines) + "\n", 0o444)
+
+    capabilities = f"{directory}/proc/driver/nvidia/capabilities"
+    nodes = [("mig/config", MIG_CONFIG_MINOR, 0o400), ("mig/monitor", MIG_MONITOR_MINOR, 0o444)]
+    for gpu in gpus:
+        for device in gpu["mig_devices"]:
+            gi, ci = device["gpu_instance_id"], device["compute_instance_id"]
+            nodes.append((f"gpu{gpu['minor']}/mig/gi{gi}/access", device["caps"]["gpu_instance"], 0o444))
+            nodes.append((f"gpu{gpu['minor']}/mig/gi{gi}/ci{ci}/access", device["caps"]["compute_instance"], 0o444))
+    caps_dev = f"{directory}/dev/nvidia-caps"
+    os.makedirs(caps_dev, exist_ok=True)
+    old_umask = os.umask(0)
+    try:
+        for name, minor, mode in nodes:
+            _write(f"{capabilities}/{name}", f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n",
+                   0o444)
+            node = f"{caps_dev}/nvidia-cap{minor}"
+            if not os.path.exists(node):
+                os.mknod(node, stat.S_IFCHR | mode, os.makedev(caps_major, minor))
+    finally:
+        os.umask(old_umask)
 
 
 def _make_socket(path: str) -> None:

@@ -1,0 +1,271 @@
+"""NVIDIA_REQUIRE_* image requirements, with NVIDIA's semantics (docs/reference section 3).
+
+CUDA images state what they need from the host driver, e.g. a CUDA 12.2 image::
+
+    NVIDIA_REQUIRE_CUDA="cuda>=12.2 brand=tesla,driver>=470,driver<471 brand=unknown,..."
+
+The rules, learnt from NVIDIA's implementations (libnvidia-container's src/cli/dsl.c and
+configure.c, which nvidia-container-cli applies; the container toolkit's
+internal/config/image/cuda_image.go, which collects the variables):
+
+- Every variable named NVIDIA_REQUIRE_* except NVIDIA_REQUIRE_JETPACK* is a requirement; all
+  must hold (AND). Empty ones are ignored. NVIDIA_DISABLE_REQUIRE set to a true value
+  (1, t, T, true, TRUE, True) skips them all.
+- A legacy image (CUDA_VERSION set, NVIDIA_REQUIRE_CUDA unset or empty) requires
+  cuda>=MAJOR.MINOR of its CUDA_VERSION.
+- Within one requirement, space-separated alternatives are OR'ed; the comma-separated
+  constraints of an alternative are AND'ed. Evaluation is left to right and stops at the
+  first alternative that holds (and, inside one, at the first constraint that fails), so a
+  malformed constraint after a satisfied alternative is never looked at, as in NVIDIA's.
+- A constraint is KEY OP VALUE. Keys (case-insensitive): cuda (the CUDA version the driver
+  supports, "12.4"), driver (the driver version, "550.54.15"), arch (the GPU's compute
+  capability, "9.0"), brand (the GPU's brand, "tesla"). Operators: = != < <= > >=
+  (NVIDIA has no "=="; it is a malformed constraint there and here).
+- cuda, driver and arch compare as versions: digits and dots only, numerically component by
+  component, missing trailing components count as 0 (12.2 = 12.2.0). brand compares as text,
+  case-insensitively, with = and != only.
+- arch and brand are per GPU: every requirement must hold for every GPU the container gets.
+  A container given no GPU satisfies arch and brand constraints, and a fact the host could
+  not provide (None) satisfies its constraints too; NVIDIA does both.
+
+Pure and standard-library only: the caller supplies the host's facts (`HostFacts`), which
+come from NVML through the host inventory cache.
+"""
+
+from collections import namedtuple
+
+from gpuhook.errors import HostError, RequirementError
+
+PREFIX = "NVIDIA_REQUIRE_"
+EXCLUDED_PREFIX = "NVIDIA_REQUIRE_JETPACK"  # Jetson host-mount lists, not constraints
+DISABLE = "NVIDIA_DISABLE_REQUIRE"
+REQUIRE_CUDA = "NVIDIA_REQUIRE_CUDA"
+LEGACY = "CUDA_VERSION"
+TRUE_VALUES = frozenset({"1", "t", "T", "true", "TRUE", "True"})  # Go's strconv.ParseBool
+
+KEYS = ("cuda", "driver", "arch", "brand")
+VERSION_KEYS = frozenset({"cuda", "driver", "arch"})
+OPERATORS = ("=", "!=", "<", "<=", ">", ">=")
+OPERATOR_CHARS = "<>=!"
+SYNTAX_HINT = ("constraints are KEY OP VALUE with keys cuda, driver, arch, brand and operators "
+               "= != < <= > >=; a space separates alternatives, a comma joins conditions")
+CUDA_HINT = "update the host's driver, or use an image built for an earlier CUDA version"
+
+
+class GpuFacts(namedtuple("GpuFacts", "label arch brand")):
+    """What arch and brand constraints are checked against for one GPU. `label` names the GPU
+    in messages ("GPU 0 GPU-..."); `arch` is the compute capability ("8.0"), `brand` a token
+    such as "tesla"; None means unknown (and satisfies the constraint)."""
+
+    __slots__ = ()
+
+
+class HostFacts(namedtuple("HostFacts", "cuda_version driver_version gpus")):
+    """The host's side of the comparison. `gpus` holds the GPUs the container gets (empty:
+    none); versions are strings ("12.4", "550.54.15") or None when unknown."""
+
+    __slots__ = ()
+
+    def __new__(cls, cuda_version, driver_version, gpus=()):
+        return super().__new__(cls, cuda_version, driver_version, tuple(gpus))
+
+
+class Constraint(namedtuple("Constraint", "text key operator value problem")):
+    """One KEY OP VALUE condition as written. `problem` says why it is malformed (None if not);
+    a malformed constraint is an error only when evaluation reaches it."""
+
+    __slots__ = ()
+
+
+class Requirement(namedtuple("Requirement", "variable text alternatives")):
+    """One NVIDIA_REQUIRE_* variable: `alternatives` is a tuple of alternatives, each a tuple
+    of Constraints that must all hold."""
+
+    __slots__ = ()
+
+
+def disabled(env) -> bool:
+    """Whether the image turned requirement checks off (NVIDIA_DISABLE_REQUIRE)."""
+    return env.get(DISABLE) in TRUE_VALUES
+
+
+def collect(env) -> tuple:
+    """The requirements an environment (name -> value) states, in variable-name order.
+    Empty when there are none or NVIDIA_DISABLE_REQUIRE is set: no host facts are needed."""
+    if disabled(env):
+        return ()
+    found = [
+        parse(name, value)
+        for name, value in sorted(env.items())
+        if name.startswith(PREFIX) and not name.startswith(EXCLUDED_PREFIX) and value.strip(" ")
+    ]
+    legacy = env.get(LEGACY, "")
+    if legacy and not env.get(REQUIRE_CUDA):
+        found.append(parse(f"{LEGACY} (legacy image without {REQUIRE_CUDA})",
+                           f"cuda>={_legacy_major_minor(legacy)}"))
+    return tuple(found)
+
+
+def evaluate(env, host: HostFacts) -> None:
+    """Check every requirement in `env` against `host`; raise RequirementError naming the
+    variable, the constraint that failed and what the host has, or the malformed constraint."""
+    for requirement in collect(env):
+        check(requirement, host)
+
+
+def check(requirement: Requirement, host: HostFacts) -> None:
+    """Check one parsed requirement against the host, for each of its GPUs (see the module
+    docstring); raise RequirementError if it does not hold."""
+    for gpu in host.gpus or (None,):
+        failures = _failures(requirement, host, gpu)
+        if failures:
+            raise _unsatisfied(requirement, host, gpu, failures)
+
+
+def parse(variable: str, text: str) -> Requirement:
+    """Split a requirement into alternatives and constraints (malformed ones are kept, marked)."""
+    alternatives = []
+    for term in text.split(" "):
+        constraints = tuple(_parse_constraint(part) for part in term.split(",") if part)
+        if constraints:
+            alternatives.append(constraints)
+    return Requirement(variable, text, tuple(alternatives))
+
+
+def _parse_constraint(text: str) -> Constraint:
+    end = len(text)
+    for i, char in enumerate(text):
+        if char in OPERATOR_CHARS:
+            end = i
+            break
+    key, rest = text[:end], text[end:]
+    op_end = len(rest) - len(rest.lstrip(OPERATOR_CHARS))
+    operator, value = rest[:op_end], rest[op_end:]
+    problem = None
+    if not key:
+        problem = "no key before the operator"
+    elif not operator:
+        problem = "no operator (= != < <= > >=)"
+    elif operator not in OPERATORS:
+        problem = f"unknown operator {operator!r}"
+    elif not value:
+        problem = "no value after the operator"
+    elif key.lower() not in KEYS:
+        problem = f"unknown key {key!r} (keys are cuda, driver, arch, brand)"
+    return Constraint(text, key.lower(), operator, value, problem)
+
+
+def _failures(requirement: Requirement, host: HostFacts, gpu) -> list:
+    """[] if some alternative holds, else (alternative, failing constraint) per alternative."""
+    failures = []
+    for alternative in requirement.alternatives:
+        for constraint in alternative:
+            if not _holds(requirement, constraint, host, gpu):
+                failures.append((alternative, constraint))
+                break
+        else:
+            return []
+    return failures
+
+
+def _host_value(key: str, host: HostFacts, gpu):
+    if key == "cuda":
+        return host.cuda_version
+    if key == "driver":
+        return host.driver_version
+    if gpu is None:
+        return None
+    return gpu.arch if key == "arch" else gpu.brand
+
+
+def _holds(requirement: Requirement, constraint: Constraint, host: HostFacts, gpu) -> bool:
+    if constraint.problem:
+        raise _malformed(requirement, constraint, constraint.problem)
+    have = _host_value(constraint.key, host, gpu)
+    if have is None:
+        return True
+    if constraint.key not in VERSION_KEYS:
+        if constraint.operator not in ("=", "!="):
+            raise _malformed(requirement, constraint, f"brand compares only with = and !=, not {constraint.operator}")
+        return (have.lower() == constraint.value.lower()) == (constraint.operator == "=")
+    want = _version(constraint.value)
+    if want is None:
+        raise _malformed(requirement, constraint, f"{constraint.value!r} is not a version (digits and dots)")
+    mine = _version(have)
+    if mine is None:
+        raise HostError(f"{requirement.variable}: cannot check {constraint.text}: the host's {constraint.key} "
+                        f"version {have!r} is not numeric")
+    order = (mine > want) - (mine < want)
+    return {"=": order == 0, "!=": order != 0, "<": order < 0, "<=": order <= 0,
+            ">": order > 0, ">=": order >= 0}[constraint.operator]
+
+
+def _version(text: str):
+    """A version as a comparable tuple with trailing zeros dropped; None if not digits and dots."""
+    if not text or not text[0].isdigit() or any(c not in "0123456789." for c in text):
+        return None
+    parts = [int(p) for p in text.split(".") if p]
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def compare_versions(a: str, b: str) -> int:
+    """-1, 0 or 1 as version `a` is below, equal to or above `b` (NVIDIA's numeric rules)."""
+    va, vb = _version(a), _version(b)
+    if va is None or vb is None:
+        raise ValueError(f"not a version: {a if va is None else b!r}")
+    return (va > vb) - (va < vb)
+
+
+def _legacy_major_minor(version: str) -> str:
+    """MAJOR.MINOR of a CUDA_VERSION, read as a semantic version as NVIDIA's toolkit does."""
+    core = version[1:] if version.startswith("v") else version
+    core, plus, build = core.partition("+")
+    core, dash, prerelease = core.partition("-")
+    parts = core.split(".")
+    valid = (
+        1 <= len(parts) <= 3
+        and all(p.isdigit() and p.isascii() and (p == "0" or not p.startswith("0")) for p in parts)
+        and (not (dash or plus) or len(parts) == 3)
+        and all(_semver_identifiers(x) for x, present in ((prerelease, dash), (build, plus)) if present)
+    )
+    if not valid:
+        raise RequirementError(f"{LEGACY}={version!r} is not a valid version",
+                               "a legacy CUDA image's CUDA_VERSION looks like 12.2.0", variable=LEGACY,
+                               constraint=version)
+    return f"{int(parts[0])}.{int(parts[1]) if len(parts) > 1 else 0}"
+
+
+def _semver_identifiers(text: str) -> bool:
+    return all(part and all(c.isascii() and (c.isalnum() or c == "-") for c in part) for part in text.split("."))
+
+
+def _describe_host(host: HostFacts, gpu) -> str:
+    facts = [f"cuda {host.cuda_version or 'unknown'}", f"driver {host.driver_version or 'unknown'}"]
+    if gpu is not None:
+        facts.append(f"{gpu.label}: brand {gpu.brand or 'unknown'}, arch {gpu.arch or 'unknown'}")
+    return ", ".join(facts)
+
+
+def _malformed(requirement: Requirement, constraint: Constraint, problem: str) -> RequirementError:
+    return RequirementError(
+        f"{requirement.variable}: malformed constraint {constraint.text!r}: {problem}", SYNTAX_HINT,
+        variable=requirement.variable, constraint=constraint.text)
+
+
+def _unsatisfied(requirement: Requirement, host: HostFacts, gpu, failures: list) -> RequirementError:
+    alternative, constraint = failures[0]
+    have = _host_value(constraint.key, host, gpu)
+    where = f" on {gpu.label}" if gpu is not None and constraint.key in ("arch", "brand") else ""
+    message = f"{requirement.variable} is not satisfied: {constraint.text} is false, the host has " \
+              f"{constraint.key} {have}{where}"
+    if len(alternative) > 1:
+        message += f" (in {','.join(c.text for c in alternative)})"
+    others = len(failures) - 1
+    if others:
+        message += f"; none of the other {others} alternative{'s' if others > 1 else ''} holds either"
+    host_text = _describe_host(host, gpu)
+    message += f" [host: {host_text}]"
+    hint = CUDA_HINT if constraint.key in ("cuda", "driver") else None
+    return RequirementError(message, hint, variable=requirement.variable, constraint=constraint.text, host=host_text)

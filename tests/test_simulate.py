@@ -1,0 +1,272 @@
+"""`gpuhook simulate`: the simulated NVML's build, MIG capability files, options and the state helpers."""
+
+import json
+import multiprocessing
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from gpuhook import config as cfg
+from gpuhook import ldcache
+from gpuhook.simulate import SimulationError
+from gpuhook.simulate import host as simhost
+from gpuhook.simulate import nvml as simnvml
+
+from conftest import REPO, require_root_tools
+
+CSRC = os.path.join(REPO, "gpuhook", "simulate", "csrc")
+
+
+@pytest.fixture(scope="module")
+def mig_host(tmp_path_factory):
+    require_root_tools("gcc", "ldconfig")
+    return simhost.build(str(tmp_path_factory.mktemp("mig") / "host"), gpus=3, mig={0: ["1g.10gb", "2g.20gb"], 2: []},
+                         driver_version="535.104.05", brand="tesla", nvml_latency_ms=3, nvml_init_latency_ms=4)
+
+
+def test_the_nvml_library_is_in_the_ld_cache_under_its_soname(sim_host):
+    libdir = os.path.dirname(sim_host["nvml_library"])
+    real = f"{libdir}/libnvidia-ml.so.{sim_host['driver_version']}"
+    assert os.path.realpath(sim_host["nvml_library"]) == real
+    cache = ldcache.read(f"{sim_host['directory']}/driver/etc/ld.so.cache")
+    entries = [e for e in cache if e.soname == "libnvidia-ml.so.1"]
+    assert [e.path for e in entries] == [sim_host["nvml_library"][len(sim_host["directory"]) + len("/driver"):]]
+    require_root_tools("readelf")
+    dynamic = subprocess.run(["readelf", "-d", real], capture_output=True, text=True, check=True).stdout
+    assert "Library soname: [libnvidia-ml.so.1]" in dynamic
+
+
+def test_config_and_state_point_at_the_simulated_nvml(sim_host):
+    config = cfg.load(sim_host["config"])
+    assert config.nvml_library == sim_host["nvml_library"]
+    assert sim_host["nvml_state"] == f"{sim_host['directory']}/nvml.json"
+    state = simnvml.load(sim_host["nvml_state"])
+    assert (state["driver_version"], state["cuda_version"]) == (sim_host["driver_version"], sim_host["cuda_version"])
+    assert [(g["uuid"], g["minor"], g["bus_id"].lower()) for g in state["gpus"]] == \
+           [(g["uuid"], g["minor"], "0000" + g["bus_id"]) for g in sim_host["gpus"]]
+    gpu = state["gpus"][0]
+    assert (gpu["brand"], gpu["mig_capable"], gpu["mig_mode"], gpu["memory_total"]) == \
+           ("nvidia", True, False, simhost.MEMORY_TOTAL)
+
+
+def test_a_host_without_mig_has_no_mig_capability_files(sim_host):
+    assert not os.path.exists(f"{sim_host['directory']}/proc/driver/nvidia-caps")
+    assert not os.path.exists(f"{sim_host['directory']}/dev/nvidia-caps")
+
+
+def test_options_reach_the_nvml_state(mig_host):
+    state = simnvml.load(mig_host["nvml_state"])
+    assert (state["cuda_version"], state["call_latency_ms"], state["init_latency_ms"]) == ("12.2", 3, 4)
+    assert {g["brand"] for g in state["gpus"]} == {"tesla"}
+    assert [g["mig_mode"] for g in state["gpus"]] == [True, False, True]
+    assert [d["profile"] for d in state["gpus"][0]["mig_devices"]] == ["1g.10gb", "2g.20gb"]
+    assert [d["profile"] for d in state["gpus"][2]["mig_devices"]] == list(simhost.DEFAULT_MIG_LAYOUT)
+    ids = [(d["gpu_instance_id"], d["compute_instance_id"], d["memory_total"]) for d in state["gpus"][0]["mig_devices"]]
+    assert ids == [(1, 0, 10 << 30), (2, 0, 20 << 30)]
+
+
+def test_mig_minors_lists_every_slot_as_the_driver_does(mig_host):
+    with open(f"{mig_host['directory']}/proc/driver/nvidia-caps/mig-minors") as f:
+        lines = f.read().splitlines()
+    assert lines[:5] == ["config 1", "monitor 2", "gpu0/gi0/access 3", "gpu0/gi0/ci0/access 4", "gpu0/gi0/ci1/access 5"]
+    table = dict(line.rsplit(" ", 1) for line in lines)
+    assert table["gpu0/gi1/access"] == "12" and table["gpu0/gi1/ci0/access"] == "13"
+    assert table["gpu1/gi0/access"] == "138" and table["gpu2/gi14/ci7/access"] == str(3 + 3 * 135 - 1)
+    assert len(lines) == 2 + 3 * 15 * 9
+    assert len(set(table.values())) == len(lines)  # every minor once
+    assert all(re.fullmatch(r"(config|monitor|gpu\d+/gi\d+(/ci\d+)?/access) \d+", line) for line in lines)
+
+
+def test_capability_nodes_exist_for_the_mig_devices_that_exist(mig_host):
+    caps_major = mig_host["majors"]["nvidia-caps"]
+    directory = mig_host["directory"]
+    expected = {1: 0o400, 2: 0o444}
+    for gpu in mig_host["gpus"]:
+        for device in gpu["mig_devices"]:
+            expected[device["caps"]["gpu_instance"]] = 0o444
+            expected[device["caps"]["compute_instance"]] = 0o444
+            gi, ci = device["gpu_instance_id"], device["compute_instance_id"]
+            minor = device["caps"]["compute_instance"]
+            with open(f"{directory}/proc/driver/nvidia/capabilities/gpu{gpu['minor']}/mig/gi{gi}/ci{ci}/access") as f:
+                assert f.read() == f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+    assert mig_host["gpus"][0]["mig_devices"][0]["caps"] == {"gpu_instance": 12, "compute_instance": 13}
+    found = {}
+    for name in os.listdir(f"{directory}/dev/nvidia-caps"):
+        st = os.stat(f"{directory}/dev/nvidia-caps/{name}")
+        assert stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == caps_major
+        assert name == f"nvidia-cap{os.minor(st.st_rdev)}"
+        found[os.minor(st.st_rdev)] = stat.S_IMODE(st.st_mode)
+    assert found == expected
+    with open(f"{directory}/proc/devices") as f:
+        assert f"{caps_major} nvidia-caps" in f.read()
+
+
+@pytest.mark.parametrize("driver,cuda", [("550.54.15", "12.4"), ("535.104.05", "12.2"), ("470.82.01", "11.4"),
+                                         ("525.60.13", "12.0"), ("580.65.06", "13.0")])
+def test_the_cuda_version_follows_the_driver_branch(driver, cuda):
+    assert simhost.cuda_version_for(driver) == cuda
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"driver_version": "999.1"}, "does not know which CUDA version driver branch 999 supports"),
+    ({"cuda_version": "12"}, "--cuda-version must look like 12.4, not '12'"),
+    ({"brand": "radeon"}, "--brand must be one of"),
+    ({"mig": {5: []}}, "--mig names GPU 5, but there are 2 GPU(s)"),
+    ({"mig": {0: ["4g.40gb", "4g.40gb"]}}, "needs more than the GPU's 7 slices"),
+    ({"mig": {0: ["big"]}}, "MIG profile 'big' is not like 1g.10gb"),
+    ({"nvml_latency_ms": -1}, "--nvml-latency-ms must be between"),
+])
+def test_bad_options_are_refused_before_anything_is_built(tmp_path, kwargs, message):
+    require_root_tools()
+    with pytest.raises(SimulationError) as err:
+        simhost.build(str(tmp_path / "host"), **kwargs)
+    assert message in err.value.one_line()
+    assert not os.path.exists(tmp_path / "host")
+
+
+def test_the_command_line(tmp_path):
+    require_root_tools("gcc", "ldconfig")
+    directory = str(tmp_path / "host")
+    done = subprocess.run([sys.executable, "-m", "gpuhook", "simulate", directory, "--gpus", "2",
+                           "--mig", "1=1g.10gb,1g.10gb", "--cuda-version", "12.6", "--brand", "geforce",
+                           "--nvml-latency-ms", "5"],
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr
+    with open(f"{directory}/host.json") as f:
+        built = json.load(f)
+    assert f"driver 550.54.15 (CUDA 12.6)" in done.stdout
+    assert f"MIG 1:1  {built['gpus'][1]['mig_devices'][1]['uuid']}  1g.10gb  GI 2 CI 0" in done.stdout
+    assert f"NVML state (edit to inject faults): {directory}/nvml.json" in done.stdout
+    state = simnvml.load(f"{directory}/nvml.json")
+    assert (state["cuda_version"], state["call_latency_ms"], state["gpus"][0]["brand"]) == ("12.6", 5, "geforce")
+    bad = subprocess.run([sys.executable, "-m", "gpuhook", "simulate", str(tmp_path / "other"), "--mig", "x"],
+                         capture_output=True, text=True, timeout=60, cwd="/")
+    assert bad.returncode == 2 and bad.stderr.startswith("gpuhook: --mig 'x': expected a GPU index")
+
+
+@pytest.mark.parametrize("sources", [("nvml_sim.c", "simstate.c", "simjson.c"), ("tool.c", "simstate.c", "simjson.c")])
+def test_the_c_sources_compile_without_warnings(tmp_path, sources):
+    require_root_tools("gcc")
+    shared = ["-shared", "-fPIC", "-pthread"] if sources[0] == "nvml_sim.c" else []
+    done = subprocess.run(["gcc", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-O2", *shared,
+                           "-o", str(tmp_path / "out"), '-DSIM_STATE_PATH="/x/nvml.json"',
+                           '-DSIM_DRIVER_VERSION="1.0"', *[f"{CSRC}/{s}" for s in sources]],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def c_field_lists() -> dict:
+    with open(f"{CSRC}/simstate.c") as f:
+        text = f.read()
+    lists = {}
+    for name in ("top_keys", "gpu_keys", "process_keys", "mig_keys"):
+        body = re.search(rf"{name}\[\] = \{{(.*?)NULL", text, re.S).group(1)
+        lists[name] = re.findall(r'"([a-z_]+)"', body)
+    return lists
+
+
+def test_python_and_c_accept_the_same_fields():
+    lists = c_field_lists()
+    assert lists["top_keys"] == list(simnvml.HOST_FIELDS)
+    assert lists["gpu_keys"] == list(simnvml.GPU_FIELDS)
+    assert lists["process_keys"] == list(simnvml.PROCESS_FIELDS)
+    assert lists["mig_keys"] == list(simnvml.MIG_FIELDS)
+
+
+def test_the_brands_of_c_and_python_agree():
+    with open(f"{CSRC}/simstate.c") as f:
+        body = re.search(r"sim_brand_names\[\] = \{(.*?)\};", f.read(), re.S).group(1)
+    assert tuple(re.findall(r'"([a-z]+)"', body)) == simnvml.BRANDS
+
+
+def test_the_documentation_lists_every_field():
+    with open(os.path.join(REPO, "docs", "simulated-host.md")) as f:
+        doc = f.read()
+    for fields in (simnvml.HOST_FIELDS, simnvml.GPU_FIELDS, simnvml.PROCESS_FIELDS, simnvml.MIG_FIELDS):
+        for name in fields:
+            assert f"| `{name}` |" in doc, f"docs/simulated-host.md does not document {name}"
+
+
+# ---- the state helpers ------------------------------------------------------------------
+
+def small_state(path) -> str:
+    gpus = [simnvml.gpu_state(f"GPU-{i}", "NVIDIA H100 80GB HBM3", i, f"00000000:{0x18 + i:02X}:00.0", brand="nvidia")
+            for i in range(2)]
+    simnvml.save(str(path), simnvml.new_state("550.54.15", "12.4", gpus))
+    return str(path)
+
+
+def test_a_new_gpu_record_is_healthy(tmp_path):
+    gpu = simnvml.load(small_state(tmp_path / "s.json"))["gpus"][0]
+    assert gpu["compute_processes"] == [] and gpu["lost"] is False and gpu["ecc_volatile_uncorrected"] == 0
+    assert not gpu["retired_pages_pending"] and not gpu["remapped_rows_pending"] and gpu["reset_count"] == 0
+
+
+def test_set_gpu_by_index_or_uuid_and_add_process(tmp_path):
+    path = small_state(tmp_path / "s.json")
+    simnvml.set_gpu(path, 1, lost=True)
+    simnvml.set_gpu(path, "GPU-0", ecc_volatile_uncorrected=4)
+    simnvml.add_process(path, "GPU-1", pid=42, used_memory=7, kind="graphics", stale=True)
+    state = simnvml.load(path)
+    assert state["gpus"][1]["lost"] and state["gpus"][0]["ecc_volatile_uncorrected"] == 4
+    assert state["gpus"][1]["graphics_processes"] == [{"pid": 42, "used_memory": 7, "stale": True}]
+    assert sorted(os.listdir(tmp_path)) == ["s.json", "s.json.lock"]  # no temporary files left
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda s: s["gpus"][0].update(colour="red"), "gpus[0].colour: unknown field"),
+    (lambda s: s["gpus"][0].update(brand="radeon"), "gpus[0].brand: must be one of"),
+    (lambda s: s["gpus"][0].update(minor=1), "gpus[1].minor: same as gpus[0]"),
+    (lambda s: s["gpus"][1].update(uuid="GPU-0"), "gpus[1].uuid: same as gpus[0]"),
+    (lambda s: s["gpus"][1].update(bus_id="0000:18:00.0"), "gpus[1].bus_id: same as gpus[0]"),
+    (lambda s: s["gpus"][0].update(mig_capable=False, mig_mode=True), "gpus[0].mig_mode: needs \"mig_capable\": true"),
+    (lambda s: s["gpus"][0].update(compute_processes=[{"used_memory": 1}]), "compute_processes[0].pid: is required"),
+    (lambda s: s["gpus"][0].update(mig_devices=[{"gpu_instance_id": 15, "uuid": "MIG-x", "profile": "1g.10gb"}]),
+     "mig_devices[0].gpu_instance_id: must be a whole number from 0 to 14"),
+    (lambda s: s.update(cuda_version="12"), "cuda_version: must look like 12.4"),
+    (lambda s: s.update(call_latency_ms=True), "call_latency_ms: must be a whole number"),
+    (lambda s: s.pop("gpus"), "gpus: is required"),
+])
+def test_invalid_changes_are_refused_and_leave_the_file_alone(tmp_path, change, message):
+    path = small_state(tmp_path / "s.json")
+    with open(path) as f:
+        before = f.read()
+    with pytest.raises(SimulationError, match=re.escape(message)):
+        simnvml.update(path, change)
+    with open(path) as f:
+        assert f.read() == before
+
+
+def test_unknown_helper_fields_and_gpus_are_errors(tmp_path):
+    path = small_state(tmp_path / "s.json")
+    with pytest.raises(SimulationError, match="unknown gpu field 'ecc_uncorrected'"):
+        simnvml.set_gpu(path, 0, ecc_uncorrected=1)
+    with pytest.raises(SimulationError, match="no simulated GPU with index 2"):
+        simnvml.set_gpu(path, 2, lost=True)
+    with pytest.raises(SimulationError, match="no simulated GPU 'GPU-9'"):
+        simnvml.set_gpu(path, "GPU-9", lost=True)
+    with pytest.raises(SimulationError, match="unknown host field 'gpus'"):
+        simnvml.set_host(path, gpus=[])
+    with pytest.raises(SimulationError, match="not valid JSON"):
+        (tmp_path / "bad.json").write_text("{")
+        simnvml.load(str(tmp_path / "bad.json"))
+
+
+def _bump(path: str, times: int) -> None:
+    for _ in range(times):
+        simnvml.update(path, lambda s: s["gpus"][0].update(reset_count=s["gpus"][0]["reset_count"] + 1))
+
+
+def test_concurrent_updates_lose_nothing(tmp_path):
+    path = small_state(tmp_path / "s.json")
+    workers = [multiprocessing.get_context("fork").Process(target=_bump, args=(path, 40)) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert [w.exitcode for w in workers] == [0, 0, 0, 0]
+    assert simnvml.load(path)["gpus"][0]["reset_count"] == 160
