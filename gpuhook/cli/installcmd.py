@@ -1,0 +1,79 @@
+"""`gpuhook install TARGET` and `gpuhook uninstall TARGET`: register gpuhook with a runtime."""
+
+import click
+
+from gpuhook import config as cfg
+from gpuhook import install
+
+TARGET = click.argument("target", type=click.Choice(install.TARGETS), metavar="TARGET")
+BUNDLE = click.argument("bundle", required=False, metavar="[BUNDLE]")
+HOOKS_DIR = click.option("--hooks-dir", metavar="DIR",
+                         help=f"podman, crio: the hooks dir [default: {install.ADMIN_HOOKS_DIR}].")
+OUTPUT = click.option("--output", "spec_path", metavar="FILE",
+                      help=f"containerd: the base runtime spec to write [default: {install.CONTAINERD_SPEC}].")
+CONTAINERD_CONFIG = click.option("--containerd-config", metavar="FILE",
+                                 help=f"containerd: its config file [default: {install.CONTAINERD_CONFIG}].")
+DRY_RUN = click.option("--dry-run", is_flag=True, help="Print the change as a unified diff; change nothing.")
+
+TARGETS_HELP = (
+    "TARGET is podman or crio (an oci-hooks file, gpuhook.json, in the hooks dir), containerd "
+    "(a base runtime spec with gpuhook's hook, and config.toml's runc runtime pointed at it) or "
+    "runc-bundle (gpuhook's hook in BUNDLE/config.json). "
+)
+
+
+def _render(plan: install.InstallPlan, dry_run: bool) -> None:
+    if dry_run:
+        click.echo(install.render_diff(plan), nl=False)
+        return
+    for line in install.apply(plan):
+        click.echo(line)
+    for note in plan.notes:
+        click.echo(f"note: {note}")
+
+
+@click.command(name="install", help=(
+    "Register gpuhook with a container runtime, for the gpuhook installation running this "
+    "command (its interpreter and gpuhook/launch.py). " + TARGETS_HELP +
+    "Re-running changes nothing; a file gpuhook changes for the first time is first copied "
+    f"to FILE{install.BACKUP_SUFFIX}; `gpuhook uninstall` takes the change back."
+))
+@TARGET
+@BUNDLE
+@HOOKS_DIR
+@click.option("--annotated", is_flag=True, help=(
+    "podman, crio: run the hook only for containers with a CDI annotation naming nvidia.com/gpu "
+    "(cdi.k8s.io/...); containers that ask by environment variable or volume mount get no GPU."))
+@OUTPUT
+@CONTAINERD_CONFIG
+@click.option("--base-spec", metavar="FILE",
+              help="containerd: start from this spec instead of `ctr oci spec` (or the existing --output).")
+@click.option("--python", metavar="PATH",
+              help="Interpreter the runtime starts (absolute, not a shim) [default: the running one].")
+@click.option("--config", "config_path", metavar="FILE",
+              help=f"Configuration file the hook reads, passed as --config [default: ${cfg.ENV_VAR}, "
+                   f"else the hook reads {cfg.DEFAULT_PATH}].")
+@DRY_RUN
+def install_command(target, bundle, hooks_dir, annotated, spec_path, containerd_config, base_spec, python,
+                    config_path, dry_run):
+    plan = install.plan_install(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
+                                containerd_config=containerd_config, base_spec=base_spec, python=python,
+                                config_path=config_path, annotated=annotated)
+    _render(plan, dry_run)
+
+
+@click.command(name="uninstall", help=(
+    "Take back what `gpuhook install TARGET` added: restore a file it replaced from its "
+    f"{install.BACKUP_SUFFIX} copy, delete a file it created, remove the lines or hook entries it "
+    "added to a shared file. Give the same paths as to install. " + TARGETS_HELP
+))
+@TARGET
+@BUNDLE
+@HOOKS_DIR
+@OUTPUT
+@CONTAINERD_CONFIG
+@DRY_RUN
+def uninstall_command(target, bundle, hooks_dir, spec_path, containerd_config, dry_run):
+    plan = install.plan_uninstall(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
+                                  containerd_config=containerd_config)
+    _render(plan, dry_run)

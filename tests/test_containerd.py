@@ -1,0 +1,112 @@
+"""containerd with the base spec and config edit `gpuhook install containerd` makes (issue 6).
+
+A containerd daemon of the test's own (private config, root, state and sockets) loads the
+edited config; `ctr run --config` starts a container from the installed base spec, and runc
+runs gpuhook from it. The CRI plugin reads base_runtime_spec at start, so its status shows
+whether containerd accepted the file the config points at.
+"""
+
+import copy
+import json
+import tomllib
+
+import pytest
+
+from conftest import require_root_tools
+from helpers.runtimes import gpu_nodes, gpuhook_cli, other_gpu_node, read_json
+
+from gpuhook import testbed
+
+pytestmark = pytest.mark.root
+
+CRI = "io.containerd.grpc.v1.cri"
+OTHER = "/dev/other-gpu"
+
+
+@pytest.fixture
+def containerd(tmp_path):
+    require_root_tools("containerd", "ctr", "runc")
+    daemon = testbed.Containerd(str(tmp_path / "containerd"))
+    daemon.write_config()
+    yield daemon
+    daemon.stop()
+
+
+def runc_runtime(dump: str) -> dict:
+    return tomllib.loads(dump)["plugins"][CRI]["containerd"]["runtimes"]["runc"]
+
+
+def container_spec(base: dict, rootfs: str, name: str, script: str, env=()) -> dict:
+    """A full spec for `ctr run --config`: the installed base spec plus process and root."""
+    spec = copy.deepcopy(base)
+    spec["process"]["args"] = ["/bin/busybox", "sh", "-c", script]
+    spec["process"]["env"] = ["PATH=/bin", *env]
+    spec["root"] = {"path": rootfs}
+    spec["linux"]["cgroupsPath"] = f"/gpuhook-test-{name}"  # a leaf: runc removes it on delete
+    return spec
+
+
+def test_installed_base_spec_is_loaded_by_cri_and_runs_gpuhook(containerd, gpus, tmp_path):
+    spec_path = str(tmp_path / "gpuhook-base-spec.json")
+    dump_before = containerd.config_dump()
+    with open(containerd.config_path) as f:
+        config_before = f.read()
+
+    gpuhook_cli("install", "containerd", "--output", spec_path, "--containerd-config", containerd.config_path,
+                "--config", gpus.config)
+
+    # The effective configuration changed in exactly gpuhook's setting: runc's options table
+    # becomes empty, which holds the same zero values.
+    before, after = runc_runtime(dump_before), runc_runtime(containerd.config_dump())
+    assert after["base_runtime_spec"] == spec_path and after["runtime_type"] == "io.containerd.runc.v2"
+    assert all(value in ("", 0, False) for value in before["options"].values())
+    strip = ("base_runtime_spec", "options")
+    assert {k: v for k, v in after.items() if k not in strip} == {k: v for k, v in before.items() if k not in strip}
+    whole_before, whole_after = tomllib.loads(dump_before), tomllib.loads(containerd.config_dump())
+    for doc in (whole_before, whole_after):
+        del doc["plugins"][CRI]["containerd"]["runtimes"]["runc"], doc["imports"]
+    assert whole_after == whole_before  # every other setting, Debian's CNI bin_dir included
+
+    containerd.start()
+    assert containerd.plugin_status(CRI.rsplit(".", 1)[0], "cri") == "ok"
+
+    base = read_json(spec_path)
+    (hook,) = base["hooks"]["prestart"]
+    assert hook["args"][-2:] == ["--config", gpus.config]
+    script = f"{other_gpu_node(1)}\n/bin/probe /dev/nvidia0 /dev/nvidia1 /dev/nvidiactl {OTHER}"
+    rootfs = gpus.bed.rootfs(str(tmp_path / "rootfs-gpu"), files={"/bin/probe": gpus.probe})
+    run_spec = tmp_path / "run-gpu.json"
+    run_spec.write_text(json.dumps(container_spec(base, rootfs, "ctr-gpu", script, ["NVIDIA_VISIBLE_DEVICES=0"])))
+    result = containerd.run(str(run_spec), "ctr-gpu")
+    assert result.returncode == 0, result.stderr
+    p = result.probes()
+    assert gpu_nodes(p) == {"/dev/nvidia0"} and p["/dev/nvidia0"]["read"] == "ENXIO"
+    assert p["/dev/nvidiactl"]["read"] == "ENXIO" and p[OTHER]["read"] == "EPERM"
+    (line,) = gpus.log_lines()
+    assert line["container"] == "ctr-gpu" and line["gpus"] == [gpus.uuid(0)]
+
+    rootfs = gpus.bed.rootfs(str(tmp_path / "rootfs-plain"), files={"/bin/probe": gpus.probe})
+    run_spec = tmp_path / "run-plain.json"
+    run_spec.write_text(json.dumps(container_spec(base, rootfs, "ctr-plain", "/bin/probe /dev/nvidia0 /dev/nvidiactl")))
+    result = containerd.run(str(run_spec), "ctr-plain")
+    assert result.returncode == 0, result.stderr
+    assert not any(item["exists"] for item in result.probes().values())
+    assert len(gpus.log_lines()) == 1
+
+    containerd.stop()
+    gpuhook_cli("uninstall", "containerd", "--output", spec_path, "--containerd-config", containerd.config_path)
+    with open(containerd.config_path) as f:
+        assert f.read() == config_before
+    assert not (tmp_path / "gpuhook-base-spec.json").exists()
+    assert containerd.config_dump() == dump_before
+
+
+def test_cri_fails_when_the_base_spec_is_missing(containerd, tmp_path):
+    """The control for the test above: an ok CRI status means containerd read the spec."""
+    missing = str(tmp_path / "missing.json")
+    containerd.write_config(containerd.default_config() +
+                            f'\n[plugins."{CRI}".containerd.runtimes.runc]\n'
+                            '  runtime_type = "io.containerd.runc.v2"\n'
+                            f'  base_runtime_spec = "{missing}"\n')
+    containerd.start()
+    assert containerd.plugin_status(CRI.rsplit(".", 1)[0], "cri") == "error"

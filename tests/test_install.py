@@ -1,0 +1,488 @@
+"""`gpuhook install` / `gpuhook uninstall` on files in temp dirs: every target's dry run,
+idempotence, backups, uninstall taking back exactly what install added, and bad input."""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from conftest import REPO, require
+from helpers.runtimes import gpuhook_cli
+
+from gpuhook import install
+from gpuhook.errors import ConfigError
+
+LAUNCHER = os.path.join(REPO, "gpuhook", "launch.py")
+CRI_RUNC = install.RUNC_TABLE_PATH
+
+
+def snapshot(root) -> dict:
+    """Every file under `root`: relative path -> bytes."""
+    found = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(base, name)
+            found[os.path.relpath(path, root)] = open(path, "rb").read()
+    return found
+
+
+def write(path, text) -> str:
+    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def sim_config(tmp_path, deadline=None) -> str:
+    return write(tmp_path / "gpuhook.toml", "" if deadline is None else f"deadline-seconds = {deadline}\n")
+
+
+def apply_install(target, **options):
+    return install.apply(install.plan_install(target, environ={}, **options))
+
+
+def apply_uninstall(target, **options):
+    return install.apply(install.plan_uninstall(target, **options))
+
+
+def one_line_error(done, *fragments):
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("gpuhook: "), done.stderr
+    for fragment in fragments:
+        assert fragment in done.stderr, done.stderr
+
+
+def dig(doc, path):
+    for key in path:
+        doc = doc[key]
+    return doc
+
+
+# --- podman and CRI-O --------------------------------------------------------------------
+
+
+def test_podman_hooks_file_runs_this_installation_with_fast_flags_and_a_minimal_env(tmp_path):
+    config = sim_config(tmp_path)
+    apply_install("podman", hooks_dir=str(tmp_path / "hooks.d"), config_path=config)
+    path = tmp_path / "hooks.d" / "gpuhook.json"
+    assert json.loads(path.read_text()) == {
+        "version": "1.0.0",
+        "hook": {"path": sys.executable,
+                 "args": ["python3", "-I", "-S", LAUNCHER, "prestart", "--config", config],
+                 "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+                 "timeout": 30},
+        "when": {"always": True},
+        "stages": ["prestart"],
+    }
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_dry_run_prints_the_exact_new_file_and_changes_nothing(tmp_path):
+    hooks_dir = tmp_path / "hooks.d"
+    config = sim_config(tmp_path)
+    done = gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config, "--dry-run")
+    assert not hooks_dir.exists()
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["--- /dev/null", f"+++ {hooks_dir}/gpuhook.json"]
+    shown = [line[1:] for line in lines[3:] if line.startswith("+")]
+    gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config)
+    assert (hooks_dir / "gpuhook.json").read_text().splitlines() == shown
+
+
+def test_install_twice_changes_nothing_the_second_time(tmp_path):
+    hooks_dir = tmp_path / "hooks.d"
+    config = sim_config(tmp_path)
+    gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config)
+    before = snapshot(tmp_path)
+    mtime = (hooks_dir / "gpuhook.json").stat().st_mtime_ns
+    done = gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config)
+    assert done.stdout.splitlines()[0] == f"unchanged {hooks_dir}/gpuhook.json"
+    assert snapshot(tmp_path) == before and (hooks_dir / "gpuhook.json").stat().st_mtime_ns == mtime
+    dry = gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config, "--dry-run")
+    assert dry.stdout.splitlines()[0] == f"# {hooks_dir}/gpuhook.json: unchanged"
+
+
+def test_a_users_hooks_file_is_backed_up_and_uninstall_restores_it(tmp_path):
+    hooks_dir = tmp_path / "hooks.d"
+    mine = '{"version": "1.0.0", "hook": {"path": "/usr/local/bin/my-hook"}, "when": {"always": true}, ' \
+           '"stages": ["prestart"]}'
+    write(hooks_dir / "gpuhook.json", mine)
+    write(hooks_dir / "other.json", "{}")
+    done = apply_install("podman", hooks_dir=str(hooks_dir))
+    assert f"backed up {hooks_dir}/gpuhook.json to {hooks_dir}/gpuhook.json.gpuhook-bak" in done
+    assert (hooks_dir / "gpuhook.json.gpuhook-bak").read_text() == mine
+    assert (hooks_dir / "other.json").read_text() == "{}"
+    assert install.is_gpuhook_entry(json.loads((hooks_dir / "gpuhook.json").read_text())["hook"])
+
+    apply_uninstall("podman", hooks_dir=str(hooks_dir))
+    assert snapshot(hooks_dir) == {"gpuhook.json": mine.encode(), "other.json": b"{}"}
+
+
+def test_reinstalling_over_gpuhooks_own_file_needs_no_backup_and_uninstall_deletes_it(tmp_path):
+    hooks_dir = str(tmp_path / "hooks.d")
+    apply_install("podman", hooks_dir=hooks_dir)
+    done = apply_install("podman", hooks_dir=hooks_dir, config_path=sim_config(tmp_path, deadline=50))
+    assert done == [f"updated {hooks_dir}/gpuhook.json"]
+    assert json.loads(open(f"{hooks_dir}/gpuhook.json").read())["hook"]["timeout"] == 55  # deadline + 5
+    assert apply_uninstall("podman", hooks_dir=hooks_dir) == [f"removed {hooks_dir}/gpuhook.json"]
+    assert os.listdir(hooks_dir) == []
+    plan = install.plan_uninstall("podman", hooks_dir=hooks_dir)
+    assert plan.changes == () and "nothing to remove" in plan.notes[0]
+
+
+def test_uninstall_leaves_a_hooks_file_that_does_not_run_gpuhook_alone(tmp_path):
+    path = write(tmp_path / "hooks.d" / "gpuhook.json", '{"hook": {"path": "/bin/true"}}')
+    done = gpuhook_cli("uninstall", "podman", "--hooks-dir", str(tmp_path / "hooks.d"), check=False)
+    one_line_error(done, f"{path} does not run gpuhook; leaving it alone")
+    assert open(path).read() == '{"hook": {"path": "/bin/true"}}'
+
+
+def test_annotated_variant_runs_only_for_nvidia_cdi_annotations(tmp_path):
+    apply_install("crio", hooks_dir=str(tmp_path), annotated=True)
+    doc = json.loads((tmp_path / "gpuhook.json").read_text())
+    assert doc["when"] == {"annotations": {r"^cdi\.k8s\.io/.*$": r"nvidia\.com/gpu="}}
+    assert "always" not in doc["when"]
+
+
+def test_crio_and_admin_dir_notes_say_what_the_runtime_reads(tmp_path):
+    packaged = write(tmp_path / "share" / "gpuhook.json", "{}")
+    hook = install.Hook(sys.executable, LAUNCHER)
+    plan = install.plan_hooks_d("crio", str(tmp_path / "etc"), hook, package_hooks_dir=str(tmp_path / "share"))
+    assert any("hooks_dir" in note and str(tmp_path / "etc") in note for note in plan.notes)
+    plan = install.plan_hooks_d("podman", install.ADMIN_HOOKS_DIR, hook, package_hooks_dir=str(tmp_path / "share"))
+    assert f"{install.ADMIN_HOOKS_DIR}/gpuhook.json overrides the packaged {packaged} (same file name)" in plan.notes
+
+
+def test_the_hooks_file_takes_its_config_from_the_environment_as_an_absolute_path(tmp_path, monkeypatch):
+    sim_config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    hook = install.this_installation(environ={"GPUHOOK_CONFIG": "gpuhook.toml"})
+    assert hook.entry()["args"][-2:] == ["--config", str(tmp_path / "gpuhook.toml")]
+    assert install.this_installation(environ={}).config is None
+
+
+def test_a_missing_or_invalid_config_stops_install_before_anything_is_written(tmp_path):
+    done = gpuhook_cli("install", "podman", "--hooks-dir", str(tmp_path / "h"), "--config",
+                       str(tmp_path / "missing.toml"), check=False)
+    one_line_error(done, f"config file {tmp_path}/missing.toml does not exist")
+    with pytest.raises(ConfigError, match="deadline-seconds"):
+        install.this_installation(config_path=write(tmp_path / "bad.toml", "deadline-seconds = -1\n"))
+    assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d: write(d / "shim", "#!/usr/bin/env bash\nexec python3 \"$@\"\n"), "is a script (a pyenv shim?)"),
+    (lambda d: "/bin/true", "is not Python 3.11 or newer"),
+    (lambda d: "python3", "is not an absolute path"),
+    (lambda d: str(d / "nonexistent"), "No such file or directory"),
+])
+def test_the_interpreter_must_be_an_absolute_python_binary(tmp_path, make, message):
+    python = make(tmp_path)
+    if python.startswith(str(tmp_path)) and os.path.exists(python):
+        os.chmod(python, 0o755)
+    done = gpuhook_cli("install", "podman", "--hooks-dir", str(tmp_path / "h"), "--python", python, check=False)
+    one_line_error(done, message)
+    assert not (tmp_path / "h").exists()
+
+
+def test_shipped_hooks_files_are_what_the_packages_register():
+    for name, annotated in (("gpuhook.json", False), ("gpuhook-annotated.json", True)):
+        with open(os.path.join(REPO, "hooks.d", name)) as f:
+            shipped = f.read()
+        assert shipped == install.render_json(install.hooks_d_document(install.packaged_hook(), annotated)), name
+        hook = json.loads(shipped)["hook"]
+        assert hook["path"] == "/usr/bin/python3" and hook["timeout"] == 30
+        assert hook["args"] == ["python3", "-I", "-S", "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart"]
+
+
+# --- runc bundles ------------------------------------------------------------------------
+
+USER_HOOK = {"path": "/usr/local/bin/net-setup", "args": ["net-setup", "up"]}
+
+
+def bundle_with_config(tmp_path) -> tuple:
+    """A bundle whose config.json is tab-indented (like `runc spec`) and has its own hooks."""
+    doc = {"ociVersion": "1.0.2-dev", "process": {"args": ["sh"]}, "root": {"path": "rootfs"},
+           "hooks": {"prestart": [USER_HOOK], "poststop": [{"path": "/bin/true"}]}}
+    text = json.dumps(doc, indent="\t") + "\n"
+    return str(tmp_path / "bundle"), write(tmp_path / "bundle" / "config.json", text), text
+
+
+def test_bundle_gets_gpuhook_after_its_own_hooks_keeping_its_layout_and_a_backup(tmp_path):
+    bundle, path, original = bundle_with_config(tmp_path)
+    config = sim_config(tmp_path)
+    apply_install("runc-bundle", bundle=bundle, config_path=config)
+    text = open(path).read()
+    doc = json.loads(text)
+    assert doc["hooks"]["prestart"][0] == USER_HOOK
+    assert doc["hooks"]["prestart"][1] == install.this_installation(config_path=config).entry()
+    assert doc["hooks"]["poststop"] == [{"path": "/bin/true"}]
+    assert text.splitlines()[1].startswith("\t\"") and text.endswith("}\n")
+    assert open(path + ".gpuhook-bak").read() == original
+
+    before = snapshot(tmp_path)
+    assert apply_install("runc-bundle", bundle=bundle, config_path=config) == [f"unchanged {path}"]
+    assert snapshot(tmp_path) == before
+    apply_install("runc-bundle", bundle=bundle)  # another config: the entry is replaced in place
+    prestart = json.loads(open(path).read())["hooks"]["prestart"]
+    assert len(prestart) == 2 and prestart[1]["args"][-1] == "prestart"
+    assert open(path + ".gpuhook-bak").read() == original
+
+    apply_uninstall("runc-bundle", bundle=bundle)
+    assert snapshot(bundle) == {"config.json": original.encode()}
+
+
+def test_bundle_uninstall_keeps_later_user_changes_and_the_backup(tmp_path):
+    bundle, path, original = bundle_with_config(tmp_path)
+    apply_install("runc-bundle", bundle=bundle)
+    doc = json.loads(open(path).read())
+    doc["process"]["args"] = ["sh", "-c", "changed"]
+    write(path, json.dumps(doc, indent="\t") + "\n")
+    plan = install.plan_uninstall("runc-bundle", bundle=bundle)
+    assert any("changed since gpuhook install" in note for note in plan.notes)
+    install.apply(plan)
+    doc = json.loads(open(path).read())
+    assert doc["process"]["args"] == ["sh", "-c", "changed"] and doc["hooks"]["prestart"] == [USER_HOOK]
+    assert open(path + ".gpuhook-bak").read() == original
+
+
+def test_bundle_without_hooks_gets_them_and_loses_them_again(tmp_path):
+    bundle = str(tmp_path / "b")
+    original = '{"ociVersion": "1.0.2", "root": {"path": "rootfs"}}'
+    write(f"{bundle}/config.json", original)
+    apply_install("runc-bundle", bundle=bundle)
+    assert len(json.loads(open(f"{bundle}/config.json").read())["hooks"]["prestart"]) == 1
+    apply_uninstall("runc-bundle", bundle=bundle)
+    assert snapshot(bundle) == {"config.json": original.encode()}
+
+
+@pytest.mark.parametrize("setup,args,message", [
+    (None, [], "runc-bundle needs the bundle directory"),
+    (None, ["{tmp}/nonexistent"], "is not a directory"),
+    (lambda d: os.makedirs(d / "b"), ["{tmp}/b"], "has no config.json (create it with `runc spec`)"),
+    (lambda d: write(d / "b" / "config.json", "{nope"), ["{tmp}/b"], "config.json: not valid JSON"),
+    (lambda d: write(d / "b" / "config.json", "[]"), ["{tmp}/b"], "config.json: expected a JSON object"),
+    (lambda d: write(d / "b" / "config.json", '{"hooks": []}'), ["{tmp}/b"], "'hooks' is not an object"),
+    (lambda d: write(d / "b" / "config.json", '{"hooks": {"prestart": {}}}'), ["{tmp}/b"],
+     "'hooks.prestart' is not a list"),
+])
+def test_bad_bundles_are_one_line_errors_and_nothing_changes(tmp_path, setup, args, message):
+    if setup is not None:
+        setup(tmp_path)
+    before = snapshot(tmp_path)
+    done = gpuhook_cli("install", "runc-bundle", *[a.format(tmp=tmp_path) for a in args], check=False)
+    one_line_error(done, message)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("args,message", [
+    (["containerd", "--hooks-dir", "/x"], "--hooks-dir does not apply to containerd (only to podman, crio)"),
+    (["podman", "/some/bundle"], "BUNDLE does not apply to podman (only to runc-bundle)"),
+    (["runc-bundle", "/b", "--output", "/x"], "--output does not apply to runc-bundle (only to containerd)"),
+    (["podman", "--annotated", "--base-spec", "/x"], "--base-spec does not apply to podman"),
+    (["docker"], "Invalid value for 'TARGET'"),
+])
+def test_options_for_another_target_are_errors(args, message):
+    one_line_error(gpuhook_cli("install", *args, check=False), message)
+
+
+def test_a_write_failure_is_a_one_line_error_and_leaves_the_old_file(tmp_path):
+    hooks_dir = tmp_path / "hooks.d"
+    write(hooks_dir / "gpuhook.json", "{}")
+    (hooks_dir / "gpuhook.json.gpuhook-tmp").mkdir()  # where the new content would be written
+    done = gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), check=False)
+    one_line_error(done, f"cannot change {hooks_dir}/gpuhook.json.gpuhook-tmp: Is a directory",
+                   "done before the failure: backed up")
+    assert (hooks_dir / "gpuhook.json").read_text() == "{}"
+
+
+# --- containerd --------------------------------------------------------------------------
+
+DEBIAN_CONFIG = """\
+version = 2
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    [plugins."io.containerd.grpc.v1.cri".cni]
+      bin_dir = "/usr/lib/cni"
+      conf_dir = "/etc/cni/net.d"
+  [plugins."io.containerd.internal.v1.opt"]
+    path = "/var/lib/containerd/opt"
+"""
+# The shape `containerd config default` writes: the runc table with an empty base spec.
+GENERATED_CONFIG = """\
+version = 2
+root = "/var/lib/containerd"
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    sandbox_image = "registry.k8s.io/pause:3.6"
+    [plugins."io.containerd.grpc.v1.cri".containerd]
+      default_runtime_name = "runc"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes]
+        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+          base_runtime_spec = ""  # kept as is
+          runtime_type = "io.containerd.runc.v2"
+          [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+            SystemdCgroup = true
+"""
+HEADER_ONLY_CONFIG = """\
+version = 2
+[plugins.'io.containerd.grpc.v1.cri'.containerd.runtimes.runc]   # single quotes, a comment
+  runtime_type = "io.containerd.runc.v2"
+"""
+COMMENTS_ONLY_CONFIG = "# containerd reads this file\n# (nothing set yet)\n"
+BASE_SPEC = {"ociVersion": "1.0.2-dev", "process": {"cwd": "/"}, "root": {"path": "rootfs"},
+             "linux": {"namespaces": [{"type": "pid"}]}}
+
+
+def containerd_paths(tmp_path) -> dict:
+    base = write(tmp_path / "base.json", json.dumps(BASE_SPEC, indent=4) + "\n")
+    return {"spec_path": str(tmp_path / "etc" / "gpuhook-base-spec.json"),
+            "containerd_config": str(tmp_path / "etc" / "config.toml"), "base_spec": base}
+
+
+@pytest.mark.parametrize("original,added_runtime_type", [
+    (DEBIAN_CONFIG, True), (GENERATED_CONFIG, False), (HEADER_ONLY_CONFIG, False),
+    (COMMENTS_ONLY_CONFIG, True), (None, True),
+], ids=["debian", "config-default", "header-only", "comments-only", "missing"])
+def test_containerd_config_gets_exactly_the_base_spec_setting_and_loses_it_again(
+        tmp_path, original, added_runtime_type):
+    paths = containerd_paths(tmp_path)
+    config = paths["containerd_config"]
+    if original is not None:
+        write(config, original)
+    apply_install("containerd", **paths)
+    text = open(config).read()
+    new = tomllib.loads(text)
+    expected = tomllib.loads(original or "")
+    runc = expected
+    for key in CRI_RUNC:
+        runc = runc.setdefault(key, {})
+    runc["base_runtime_spec"] = paths["spec_path"]
+    if added_runtime_type:
+        runc["runtime_type"] = "io.containerd.runc.v2"
+    expected.setdefault("version", 2)
+    assert new == expected
+    for line in (original or "").splitlines():
+        if "base_runtime_spec" not in line:
+            assert line + "\n" in text  # the user's lines and comments stay as they were
+    assert json.loads(open(paths["spec_path"]).read()) == install.with_hook(
+        BASE_SPEC, install.this_installation(environ={}).entry(), "test")
+    assert os.path.exists(config + ".gpuhook-bak") == (original is not None)
+
+    before = snapshot(tmp_path)
+    assert all(line.startswith("unchanged") for line in apply_install("containerd", **paths))
+    assert snapshot(tmp_path) == before
+
+    apply_uninstall("containerd", spec_path=paths["spec_path"], containerd_config=config)
+    expected_files = {"base.json"} | ({"etc/config.toml"} if original is not None else set())
+    assert set(snapshot(tmp_path)) == expected_files
+    if original is not None:
+        assert open(config).read() == original
+
+
+def test_containerd_changed_line_keeps_the_original_after_the_mark(tmp_path):
+    paths = containerd_paths(tmp_path)
+    write(paths["containerd_config"], GENERATED_CONFIG)
+    apply_install("containerd", **paths)
+    (line,) = [x for x in open(paths["containerd_config"]) if "base_runtime_spec" in x]
+    assert line == (f'          base_runtime_spec = "{paths["spec_path"]}"  '
+                    '# changed by gpuhook install, was: base_runtime_spec = ""  # kept as is\n')
+
+
+def test_containerd_default_spec_comes_from_ctr(tmp_path):
+    require(shutil.which("ctr") is not None, "needs ctr (containerd)")
+    paths = containerd_paths(tmp_path)
+    del paths["base_spec"]
+    apply_install("containerd", **paths)
+    spec = json.loads(open(paths["spec_path"]).read())
+    default = json.loads(subprocess.run(["ctr", "oci", "spec"], capture_output=True, check=True).stdout)
+    assert install.without_hook(spec) == default
+    assert install.has_gpuhook(spec)
+
+
+def test_containerd_refuses_to_replace_another_base_spec_but_adds_to_it(tmp_path):
+    paths = containerd_paths(tmp_path)
+    theirs = write(tmp_path / "etc" / "their-spec.json", json.dumps(BASE_SPEC) + "\n")
+    config = write(paths["containerd_config"], DEBIAN_CONFIG.replace(
+        "  [plugins.\"io.containerd.internal.v1.opt\"]",
+        f"    [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n"
+        f"      base_runtime_spec = \"{theirs}\"\n  [plugins.\"io.containerd.internal.v1.opt\"]"))
+    config_text = open(config).read()
+    done = gpuhook_cli("install", "containerd", "--output", paths["spec_path"], "--containerd-config", config,
+                       check=False)
+    one_line_error(done, f'already uses base_runtime_spec = "{theirs}"', f"--output {theirs}")
+
+    apply_install("containerd", spec_path=theirs, containerd_config=config)
+    assert open(config).read() == config_text
+    assert install.has_gpuhook(json.loads(open(theirs).read()))
+    assert open(theirs + ".gpuhook-bak").read() == json.dumps(BASE_SPEC) + "\n"
+    apply_uninstall("containerd", spec_path=theirs, containerd_config=config)
+    assert open(theirs).read() == json.dumps(BASE_SPEC) + "\n" and not os.path.exists(theirs + ".gpuhook-bak")
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[plugins.cri]\nsandbox_image = "x"\n', "containerd config version 1: gpuhook edits version 2"),
+    ("version = 3\n", "containerd config version 3"),
+    ("version = 2\n[plugins\n", "invalid TOML"),
+    ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\nruntimes.runc.runtime_type = "x"\n',
+     "cannot add base_runtime_spec safely"),
+])
+def test_containerd_configs_gpuhook_cannot_edit_are_errors_that_say_what_to_add(tmp_path, text, message):
+    paths = containerd_paths(tmp_path)
+    write(paths["containerd_config"], text)
+    before = snapshot(tmp_path)
+    done = gpuhook_cli("install", "containerd", "--output", paths["spec_path"], "--containerd-config",
+                       paths["containerd_config"], "--base-spec", paths["base_spec"], check=False)
+    one_line_error(done, message)
+    assert snapshot(tmp_path) == before
+
+
+# --- dry runs are the exact change ---------------------------------------------------------
+
+
+def scenario_podman(tmp_path):
+    write(tmp_path / "hooks.d" / "gpuhook.json", '{"hook": {"path": "/usr/local/bin/theirs"}}\n')
+    return ["podman", "--hooks-dir", str(tmp_path / "hooks.d")]
+
+
+def scenario_bundle(tmp_path):
+    bundle_with_config(tmp_path)
+    return ["runc-bundle", str(tmp_path / "bundle")]
+
+
+def scenario_containerd(tmp_path):
+    paths = containerd_paths(tmp_path)
+    write(paths["containerd_config"], GENERATED_CONFIG)
+    return ["containerd", "--output", paths["spec_path"], "--containerd-config", paths["containerd_config"]]
+
+
+def apply_with_patch(diff: str, real: str, copy: str) -> None:
+    """Apply a dry run's diff, written for files under `real`, to the same files under `copy`."""
+    diff = diff.replace(f"--- {real}/", "--- a/").replace(f"+++ {real}/", "+++ b/")
+    subprocess.run(["patch", "--silent", "-p1", "-d", copy], input=diff, text=True, check=True)
+
+
+@pytest.mark.parametrize("scenario", [scenario_podman, scenario_bundle, scenario_containerd])
+def test_a_dry_run_diff_patched_in_gives_what_install_and_uninstall_do(tmp_path, scenario):
+    require(shutil.which("patch") is not None, "needs patch")
+    real, copy = tmp_path / "real", tmp_path / "copy"
+    real.mkdir()
+    args = scenario(real)
+    base_spec = ["--base-spec", str(real / "base.json")] if args[0] == "containerd" else []
+    not_backups = lambda files: {k: v for k, v in files.items() if not k.endswith(".gpuhook-bak")}  # noqa: E731
+    for command, extra in (("install", base_spec), ("uninstall", [])):
+        shutil.copytree(real, copy)
+        before = snapshot(real)
+        dry = gpuhook_cli(command, *args, *extra, "--dry-run").stdout
+        assert snapshot(real) == before
+        gpuhook_cli(command, *args, *extra)
+        apply_with_patch(dry, str(real), str(copy))
+        assert not_backups(snapshot(copy)) == not_backups(snapshot(real))
+        shutil.rmtree(copy)

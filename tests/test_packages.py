@@ -1,0 +1,245 @@
+"""The .deb and the .rpm (issue 6): generated files, builds, lintian, and the installed .deb.
+
+SLOW, about half a minute: the tests marked `root` below build both packages from the working
+tree (packaging/build-deb, packaging/build-rpm), run lintian, install the .deb on this machine
+with dpkg, start podman containers with nothing but the installed files, then remove and
+purge the package. CI runs them (scripts/test); to leave them out locally: `-k 'not packages'`.
+They refuse to run (and fail under GPUHOOK_STRICT) where a gpuhook package is already
+installed, and always purge the package they installed.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from conftest import REPO, require, require_root_tools, sim_config_values
+from helpers.runtimes import PodmanGpus, gpu_nodes, other_gpu_node
+
+from gpuhook import __version__, config as cfg, install
+
+RENDER = os.path.join(REPO, "packaging", "render.py")
+VENDOR = os.path.join(REPO, "packaging", "vendor", "nvidia-ml-py")
+SITE = "/usr/lib/python3/dist-packages"
+CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+
+def render(*args) -> str:
+    return subprocess.run([sys.executable, RENDER, *args], capture_output=True, text=True, check=True).stdout
+
+
+def run(*argv, check=True, timeout=300, **kwargs):
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=CLEAN_ENV, cwd="/", **kwargs)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def source_package_files() -> set:
+    """Paths of gpuhook's package files in the source tree, relative to site-packages."""
+    found = set()
+    for base, dirs, files in os.walk(os.path.join(REPO, "gpuhook")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        found |= {os.path.relpath(os.path.join(base, f), REPO) for f in files if not f.endswith(".pyc")}
+    return found
+
+
+# --- generated files (fast, no root) -----------------------------------------------------
+
+
+def test_default_config_lists_every_key_commented_out_at_its_default():
+    text = render("config")
+    assert tomllib.loads(text) == {}  # all commented: the file itself changes nothing
+    for key in cfg.KEYS:
+        assert f"# {key.name} = " in text, key.dotted
+        assert " ".join(key.doc.split()[:6]) in " ".join(text.replace("# ", " ").split()), key.dotted
+    uncommented = re.sub(r"(?m)^# (\[[\w-]+\]|[\w-]+ = .*)$", r"\1", text)
+    assert cfg.from_mapping(tomllib.loads(uncommented)).as_dict() == cfg.defaults().as_dict()
+
+
+def test_manual_page_documents_every_command_option_and_key():
+    page = render("manpage")
+    assert page.startswith(".TH GPUHOOK 1 ") and f"gpuhook {__version__}" in page.splitlines()[0]
+    from gpuhook.cli import COMMANDS
+
+    for name in COMMANDS:
+        assert f".SS gpuhook {name} " in page, name
+    for option in ("\\-\\-hooks\\-dir", "\\-\\-annotated", "\\-\\-containerd\\-config", "\\-\\-dry\\-run"):
+        assert option in page
+    for key in cfg.KEYS:
+        assert key.dotted.replace("-", "\\-") in page
+    require(shutil.which("man") is not None, "needs man (man-db)")
+    formatted = run("man", "--warnings", "-l", "-Tutf8", "-", input=page)
+    assert formatted.stderr == "" and "gpuhook install" in formatted.stdout
+
+
+def test_vendored_pynvml_is_the_pinned_upstream_file():
+    with open(os.path.join(VENDOR, "SHA256SUMS")) as f:
+        digest, name = f.read().split()
+    with open(os.path.join(VENDOR, name), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == digest
+    with open(os.path.join(VENDOR, "LICENSE")) as f:
+        assert "NVIDIA Corporation" in f.read()
+
+
+def test_package_versions_are_gpuhooks_version():
+    with open(os.path.join(REPO, "packaging", "deb", "debian", "changelog")) as f:
+        assert f.readline().startswith(f"gpuhook ({__version__}) ")
+    with open(os.path.join(REPO, "packaging", "rpm", "gpuhook.spec")) as f:
+        assert re.search(rf"(?m)^Version:\s+{re.escape(__version__)}$", f.read())
+
+
+# --- the packages (slow, root) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    """Both packages, built once from the working tree: {"deb": path, "rpm": path}."""
+    require_root_tools("dpkg-buildpackage", "dh_python3", "rpmbuild", "lintian")
+    out = tmp_path_factory.mktemp("packages")
+    built = {}
+    for script, kind in (("build-deb", "deb"), ("build-rpm", "rpm")):
+        done = run(os.path.join(REPO, "packaging", script), str(out))
+        (built[kind],) = [p for p in done.stdout.split() if p.endswith(f".{kind}")]
+    return built
+
+
+@pytest.mark.root
+def test_deb_holds_the_whole_package_the_generated_files_and_pynvml(packages, tmp_path):
+    run("dpkg-deb", "-x", packages["deb"], str(tmp_path))
+    installed = {os.path.relpath(os.path.join(b, f), f"{tmp_path}{SITE}")
+                 for b, _, files in os.walk(f"{tmp_path}{SITE}/gpuhook") for f in files}
+    assert source_package_files() <= installed | {"gpuhook/_vendor/pynvml.py"}
+    with open(f"{tmp_path}{SITE}/gpuhook/_vendor/pynvml.py", "rb") as f, open(f"{VENDOR}/pynvml.py", "rb") as g:
+        assert f.read() == g.read()
+    with open(f"{tmp_path}/usr/share/containers/oci/hooks.d/gpuhook.json") as f, \
+            open(os.path.join(REPO, "hooks.d", "gpuhook.json")) as g:
+        assert f.read() == g.read()
+    with open(f"{tmp_path}/etc/gpuhook/config.toml") as f:
+        assert f.read() == render("config")
+    for path in ("/usr/bin/gpuhook", "/usr/share/man/man1/gpuhook.1.gz",
+                 "/usr/share/doc/gpuhook/examples/gpuhook-annotated.json"):
+        assert os.path.exists(tmp_path / path.lstrip("/")), path
+    with open(f"{tmp_path}/usr/share/doc/gpuhook/copyright") as f:
+        copyright_text = f.read()
+    assert "License: BSD-3-clause" in copyright_text and "NVIDIA Corporation" in copyright_text
+
+    fields = run("dpkg-deb", "--field", packages["deb"], "Version", "Depends", "Architecture").stdout
+    assert f"Version: {__version__}" in fields and "Architecture: all" in fields
+    for dependency in ("python3 (>= 3.11)", "python3-click", "python3-psutil", "python3-jsonschema"):
+        assert dependency in fields
+    assert run("dpkg-deb", "--info", packages["deb"], "conffiles").stdout.split() == ["/etc/gpuhook/config.toml"]
+
+
+@pytest.mark.root
+def test_lintian_reports_no_errors(packages):
+    done = run("lintian", "--no-tag-display-limit", packages["deb"], check=False)
+    errors = [line for line in done.stdout.splitlines() if line.startswith("E:")]
+    assert errors == [], done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.root
+def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
+    files = set(run("rpm", "-qpl", packages["rpm"]).stdout.split())
+    site = next(p for p in files if p.endswith("/gpuhook/launch.py")).rsplit("/gpuhook/", 1)[0]
+    for path in source_package_files():
+        assert f"{site}/{path}" in files, path
+    assert f"{site}/gpuhook/_vendor/pynvml.py" in files
+    assert {"/usr/bin/gpuhook", "/usr/share/containers/oci/hooks.d/gpuhook.json", "/etc/gpuhook/config.toml"} <= files
+    assert any(p.startswith(f"{site}/gpuhook/__pycache__/entry.") for p in files)  # byte-compiled
+    assert run("rpm", "-qpc", packages["rpm"]).stdout.split() == ["/etc/gpuhook/config.toml"]
+    requires = run("rpm", "-qpR", packages["rpm"]).stdout
+    for dependency in ("python3 >= 3.11", "python3-click", "python3-psutil", "python3-jsonschema"):
+        assert dependency in requires
+    assert run("rpm", "-qp", "--queryformat", "%{VERSION}", packages["rpm"]).stdout == __version__
+
+    payload = tmp_path / "payload.tar.gz"
+    with open(packages["rpm"], "rb") as rpm_file, open(payload, "wb") as out:
+        subprocess.run(["rpm2archive", "-"], stdin=rpm_file, stdout=out, check=True)
+    run("tar", "-xzf", str(payload), "-C", str(tmp_path))
+    with open(tmp_path / "usr/share/containers/oci/hooks.d/gpuhook.json") as f:
+        hook = json.load(f)["hook"]
+    assert hook["path"] == "/usr/bin/python3" and hook["args"][3] == f"{site}/gpuhook/launch.py"
+
+
+def dpkg_status(package: str = "gpuhook") -> str:
+    return run("dpkg-query", "-W", "-f", "${Status}", package, check=False).stdout
+
+
+@pytest.fixture
+def installed_deb(packages):
+    """The .deb installed with dpkg (apt-get -f install fetches missing dependencies); the
+    package is purged and directories the test made in /etc are removed afterwards."""
+    require_root_tools("dpkg", "apt-get", "podman")
+    require(dpkg_status() in ("", "unknown ok not-installed"), "a gpuhook package is already installed here")
+    admin_dir_existed = os.path.isdir(install.ADMIN_HOOKS_DIR)
+    try:
+        if run("dpkg", "-i", packages["deb"], check=False).returncode != 0:
+            run("apt-get", "-f", "install", "-y", "-q", env={**CLEAN_ENV, "DEBIAN_FRONTEND": "noninteractive"})
+        assert dpkg_status() == "install ok installed"
+        yield packages["deb"]
+    finally:
+        run("dpkg", "--purge", "gpuhook", check=False)
+        if not admin_dir_existed:
+            for path in (install.ADMIN_HOOKS_DIR, os.path.dirname(install.ADMIN_HOOKS_DIR)):
+                if os.path.isdir(path) and not os.listdir(path):
+                    os.rmdir(path)
+
+
+@pytest.mark.root
+def test_installed_deb_runs_podman_containers_and_removes_cleanly(installed_deb, bed, sim_host, probe, tmp_path):
+    # The command and the package come from the installed files, not from this tree.
+    assert run("/usr/bin/gpuhook", "--version").stdout.strip() == f"gpuhook, version {__version__}"
+    where = run("/usr/bin/python3", "-c", "import gpuhook, gpuhook._vendor.pynvml as p; print(gpuhook.__file__, p.__file__)")
+    assert where.stdout.split() == [f"{SITE}/gpuhook/__init__.py", f"{SITE}/gpuhook/_vendor/pynvml.py"]
+    assert os.path.exists(f"{SITE}/gpuhook/__pycache__/entry.cpython-{sys.version_info[0]}{sys.version_info[1]}.pyc")
+
+    # The packaged hooks.d file reads the packaged /etc/gpuhook/config.toml: point it at the
+    # simulated host (this also makes it a modified conffile for the removal check below).
+    gpus = PodmanGpus(bed, sim_host, probe, tmp_path, install.PACKAGE_HOOKS_DIR)
+    try:
+        addition = "\n".join(f"{k} = {json.dumps(v)}" for k, v in sim_config_values(sim_host, gpus.log).items())
+        with open(cfg.DEFAULT_PATH, "a") as f:
+            f.write(f"\n# test_packages: the simulated host\n{addition}\n")
+        shown = json.loads(run("/usr/bin/gpuhook", "config", "--json").stdout)
+        assert shown["source"] == cfg.DEFAULT_PATH and shown["values"]["log-file"] == gpus.log
+
+        result = gpus.run("deb-gpu1", env=["NVIDIA_VISIBLE_DEVICES=1"], before=other_gpu_node(0),
+                          paths=["/dev/other-gpu"])
+        assert result.returncode == 0, result.stderr
+        p = result.probes()
+        assert gpu_nodes(p) == {"/dev/nvidia1"} and p["/dev/nvidia1"]["read"] == "ENXIO"
+        assert p["/dev/other-gpu"]["read"] == "EPERM"
+        result = gpus.run("deb-plain")
+        assert result.returncode == 0, result.stderr
+        assert not any(item["exists"] for path, item in result.probes().items() if path.startswith("/dev/nvidia"))
+        assert [line["decision"] for line in gpus.log_lines()] == ["gpus injected"]
+    finally:
+        gpus.podman.close()
+
+    # gpuhook install from the package registers exactly what the package ships.
+    admin_file = f"{install.ADMIN_HOOKS_DIR}/{install.HOOK_FILE_NAME}"
+    run("/usr/bin/gpuhook", "install", "podman")
+    with open(admin_file) as f, open(f"{install.PACKAGE_HOOKS_DIR}/{install.HOOK_FILE_NAME}") as g:
+        assert f.read() == g.read()
+
+    with open(cfg.DEFAULT_PATH) as f:
+        modified = f.read()
+    removal = run("dpkg", "-r", "gpuhook")
+    assert dpkg_status() == "deinstall ok config-files"
+    assert "removed /etc/containers/oci/hooks.d/gpuhook.json" in removal.stderr  # by the prerm
+    for gone in (admin_file, f"{install.PACKAGE_HOOKS_DIR}/{install.HOOK_FILE_NAME}", "/usr/bin/gpuhook",
+                 f"{SITE}/gpuhook"):
+        assert not os.path.exists(gone), gone
+    with open(cfg.DEFAULT_PATH) as f:
+        assert f.read() == modified  # a conffile: kept, changes and all
+
+    run("dpkg", "--purge", "gpuhook")
+    assert dpkg_status() in ("", "unknown ok not-installed") and not os.path.exists(os.path.dirname(cfg.DEFAULT_PATH))

@@ -1,0 +1,122 @@
+"""podman runs gpuhook from the hooks.d file `gpuhook install podman` writes (issue 6).
+
+Containers start from a busybox rootfs with podman's own storage, on the simulated GPU host.
+Device access is checked by errno inside the container: ENXIO = the device cgroup allows the
+node (no driver behind it), EPERM = denied.
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import LIBDIR, require_root_tools
+from helpers.runtimes import PodmanGpus, gpu_nodes, gpuhook_cli, other_gpu_node, read_json
+
+pytestmark = pytest.mark.root
+
+OTHER = "/dev/other-gpu"
+
+
+def install_podman(hooks_dir, config, *extra):
+    return gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config, *extra)
+
+
+@pytest.fixture
+def make_podman_gpus(bed, sim_host, probe, tmp_path):
+    """PodmanGpus on the simulated host with `hooks_dir` as podman's only hooks dir."""
+    require_root_tools("podman")
+    made = []
+
+    def make(hooks_dir):
+        made.append(PodmanGpus(bed, sim_host, probe, tmp_path, str(hooks_dir)))
+        return made[-1]
+
+    yield make
+    for gpus in made:
+        gpus.podman.close()
+
+
+@pytest.fixture
+def podman_gpus(make_podman_gpus, tmp_path):
+    gpus = make_podman_gpus(tmp_path / "hooks.d")
+    install_podman(tmp_path / "hooks.d", gpus.config)
+    return gpus
+
+
+def test_installed_hooks_file_runs_gpuhook_for_podman(podman_gpus):
+    hook = read_json(f"{podman_gpus.podman.hooks_dir}/gpuhook.json")
+    assert hook["when"] == {"always": True} and hook["stages"] == ["prestart"]
+    assert hook["hook"]["args"][1:3] == ["-I", "-S"] and hook["hook"]["args"][-2:] == ["--config", podman_gpus.config]
+
+    result = podman_gpus.run("gpu0", env=["NVIDIA_VISIBLE_DEVICES=0"], before=other_gpu_node(1),
+                             paths=[OTHER, f"{LIBDIR}/libcuda.so.1"])
+    assert result.returncode == 0, result.stderr
+    p = result.probes()
+    assert gpu_nodes(p) == {"/dev/nvidia0"}
+    assert p["/dev/nvidia0"]["read"] == "ENXIO" and p["/dev/nvidiactl"]["read"] == "ENXIO"
+    assert p[OTHER]["read"] == "EPERM"  # GPU 1 exists on the host but is not this container's
+    assert p[f"{LIBDIR}/libcuda.so.1"]["type"] == "reg"
+    (line,) = podman_gpus.log_lines()
+    assert line["decision"] == "gpus injected" and line["gpus"] == [podman_gpus.uuid(0)]
+
+
+def test_podman_container_without_request_is_untouched(podman_gpus):
+    result = podman_gpus.run("plain", env=["CUDA_HOME=/usr/local/cuda"])
+    assert result.returncode == 0, result.stderr
+    p = result.probes()
+    assert not any(item["exists"] for path, item in p.items() if path.startswith("/dev/nvidia"))
+    assert not os.path.exists(f"{result.rootfs}{LIBDIR}")
+    assert podman_gpus.log_lines() == []
+
+
+def test_cdi_annotations_and_legacy_cuda_images_reach_the_hook_through_podman(podman_gpus):
+    annotations = {"cdi.k8s.io/gpuhook-test_req": f"nvidia.com/gpu={podman_gpus.uuid(2)}"}
+    result = podman_gpus.run("cdi", annotations=annotations)
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {"/dev/nvidia2"}
+    result = podman_gpus.run("legacy", env=["CUDA_VERSION=12.2.0"])
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {f"/dev/nvidia{i}" for i in range(4)}
+
+
+def test_annotated_variant_runs_only_for_cdi_annotations(podman_gpus, tmp_path):
+    install_podman(tmp_path / "hooks.d", podman_gpus.config, "--annotated")
+    annotations = {"cdi.k8s.io/gpuhook-test_req": "nvidia.com/gpu=1"}
+    result = podman_gpus.run("annotated", annotations=annotations, before=other_gpu_node(0), paths=[OTHER])
+    assert result.returncode == 0, result.stderr
+    p = result.probes()
+    assert gpu_nodes(p) == {"/dev/nvidia1"} and p["/dev/nvidia1"]["read"] == "ENXIO"
+    assert p[OTHER]["read"] == "EPERM"
+    # The documented trade-off: podman never starts the hook for an env-only request.
+    result = podman_gpus.run("env-only", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == set()
+    assert [line["decision"] for line in podman_gpus.log_lines()] == ["gpus injected"]
+
+
+def refused_by_the_users_hook(result) -> bool:
+    return result.returncode != 0 and "error running hook #0: error running hook: exit status 1" in result.stderr
+
+
+def test_a_replaced_user_hooks_file_is_backed_up_where_podman_ignores_it_and_restored(
+        make_podman_gpus, tmp_path):
+    hooks_dir = tmp_path / "hooks.d"
+    hooks_dir.mkdir()
+    # The user's own gpuhook.json: a hook that fails every container start.
+    failing = {"version": "1.0.0", "hook": {"path": "/bin/false"}, "when": {"always": True},
+               "stages": ["prestart"]}
+    (hooks_dir / "gpuhook.json").write_text(json.dumps(failing))
+    gpus = make_podman_gpus(hooks_dir)
+    assert refused_by_the_users_hook(gpus.run("before-install"))
+
+    install_podman(hooks_dir, gpus.config)
+    assert json.loads((hooks_dir / "gpuhook.json.gpuhook-bak").read_text()) == failing
+    result = gpus.run("installed", env=["NVIDIA_VISIBLE_DEVICES=3"])
+    assert result.returncode == 0, result.stderr  # the backup is not a *.json file: not run
+    assert gpu_nodes(result.probes()) == {"/dev/nvidia3"}
+
+    gpuhook_cli("uninstall", "podman", "--hooks-dir", str(hooks_dir))
+    assert sorted(os.listdir(hooks_dir)) == ["gpuhook.json"]
+    assert json.loads((hooks_dir / "gpuhook.json").read_text()) == failing
+    assert refused_by_the_users_hook(gpus.run("after-uninstall"))
