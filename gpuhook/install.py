@@ -91,8 +91,12 @@ class Hook:
     timeout: int = 30
 
     def entry(self) -> dict:
-        """The OCI hook entry {path, args, env, timeout}; args[0] is argv[0]."""
-        args = ["python3", "-I", "-S", self.launcher, STAGE]
+        """The OCI hook entry {path, args, env, timeout}; args[0] is argv[0].
+
+        argv[0] is the interpreter's full path, not "python3": Python derives sys.executable
+        from a bare argv[0] by searching PATH, which finds the system interpreter instead of a
+        venv's and so loses the venv's site-packages (pynvml, psutil)."""
+        args = [self.python, "-I", "-S", self.launcher, STAGE]
         if self.config:
             args += ["--config", self.config]
         return {"path": self.python, "args": args, "env": list(HOOK_ENV), "timeout": self.timeout}

@@ -55,11 +55,12 @@ def hook_entry(config_path: str, stage: str = "prestart", python: str | None = N
                timeout: int = 30) -> dict:
     """A runc hook entry that runs gpuhook the way hooks.d/gpuhook.json does."""
     launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch.py")
-    # sys.executable as is (not resolved): a venv's bin/python3 is how Python finds the venv.
+    # sys.executable as is (not resolved), also as argv[0]: a venv's bin/python3 is how
+    # Python finds the venv, and a bare "python3" argv[0] would be looked up in PATH instead.
     python = python or sys.executable
     return {
         "path": python,
-        "args": ["python3", "-I", "-S", launcher, stage, "--config", config_path],
+        "args": [python, "-I", "-S", launcher, stage, "--config", config_path],
         "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
         "timeout": timeout,
     }

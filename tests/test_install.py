@@ -73,7 +73,7 @@ def test_podman_hooks_file_runs_this_installation_with_fast_flags_and_a_minimal_
     assert json.loads(path.read_text()) == {
         "version": "1.0.0",
         "hook": {"path": sys.executable,
-                 "args": ["python3", "-I", "-S", LAUNCHER, "prestart", "--config", config],
+                 "args": [sys.executable, "-I", "-S", LAUNCHER, "prestart", "--config", config],
                  "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
                  "timeout": 30},
         "when": {"always": True},
@@ -197,7 +197,8 @@ def test_shipped_hooks_files_are_what_the_packages_register():
         assert shipped == install.render_json(install.hooks_d_document(install.packaged_hook(), annotated)), name
         hook = json.loads(shipped)["hook"]
         assert hook["path"] == "/usr/bin/python3" and hook["timeout"] == 30
-        assert hook["args"] == ["python3", "-I", "-S", "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart"]
+        assert hook["args"] == ["/usr/bin/python3", "-I", "-S", "/usr/lib/python3/dist-packages/gpuhook/launch.py",
+                                "prestart"]
 
 
 # --- runc bundles ------------------------------------------------------------------------

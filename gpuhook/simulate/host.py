@@ -410,9 +410,14 @@ def _write_mig_caps(directory: str, gpus: list, caps_major: int) -> None:
 
 
 def _make_socket(path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    # A socket path is limited to 107 bytes; bind through a descriptor of its directory so a
+    # simulated host can live anywhere.
+    dirfd = os.open(directory, os.O_PATH | os.O_DIRECTORY)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(path)
+        sock.bind(f"/proc/self/fd/{dirfd}/{name}")
     finally:
         sock.close()
+        os.close(dirfd)
