@@ -74,6 +74,13 @@ def read_proc_files(mask: ProcMask) -> dict:
         if name == "params":
             data = _no_device_files(data)
         files[name] = data.decode("utf-8", "surrogateescape")
+    for name in mask.capabilities:
+        path = f"{mask.source_dir}/capabilities/{name}"
+        try:
+            with open(path, "rb") as f:
+                files[f"capabilities/{name}"] = f.read(1 << 16).decode("utf-8", "surrogateescape")
+        except OSError as err:
+            raise HostError(f"cannot read {path}: {err.strerror}") from err
     return files
 
 
@@ -391,6 +398,12 @@ class _Work:
             top = safepath.open_in_root(self.root, ProcMask.target, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 for name, text in files.items():
+                    parts = name.split("/")
+                    for depth in range(1, len(parts)):  # capabilities/gpu0/mig/...: a fresh tmpfs
+                        try:
+                            os.mkdir("/".join(parts[:depth]), 0o555, dir_fd=top)
+                        except FileExistsError:
+                            pass
                     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444, dir_fd=top)
                     try:
                         os.write(fd, text.encode("utf-8", "surrogateescape"))

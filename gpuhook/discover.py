@@ -67,11 +67,26 @@ class HostFile(namedtuple("HostFile", "host_path container_path capability kind"
 
 
 class Inventory(namedtuple(
-    "Inventory", "driver_version gpus majors libraries binaries firmware ipc proc_driver_dir",
+    "Inventory", "driver_version gpus majors libraries binaries firmware ipc proc_driver_dir "
+                 "mig_minors capabilities",
+    defaults=({}, ()),
 )):
-    """What the host offers. `majors` maps /proc/devices names (nvidia, nvidia-uvm, ...) to majors."""
+    """What the host offers. `majors` maps /proc/devices names (nvidia, nvidia-uvm, ...) to
+    majors; `mig_minors` maps nvidia-caps names ("config", "gpu0/gi1/access") to minors;
+    `capabilities` lists the driver's capability files ("gpu0/mig/gi1/ci0/access"), which
+    exist for each MIG instance."""
 
     __slots__ = ()
+
+    def mig_instances(self, gpu_minor: int) -> tuple:
+        """(gpu instance, compute instance) ids with capability files for GPU `gpu_minor`."""
+        found = []
+        prefix = f"gpu{gpu_minor}/mig/"
+        for path in self.capabilities:
+            parts = path[len(prefix):].split("/") if path.startswith(prefix) else []
+            if len(parts) == 3 and parts[0].startswith("gi") and parts[1].startswith("ci") and parts[2] == "access":
+                found.append((int(parts[0][2:]), int(parts[1][2:])))
+        return tuple(sorted(found))
 
 
 def _read(path: str, what: str, limit: int = 1 << 20) -> str:
@@ -275,6 +290,31 @@ def ipc(driver_root: str) -> tuple:
     return tuple(found)
 
 
+def mig_minors(proc_root: str) -> dict:
+    """The driver's nvidia-caps minor table (/proc/driver/nvidia-caps/mig-minors), or {}."""
+    path = f"{proc_root}/driver/nvidia-caps/mig-minors"
+    try:
+        text = _read(path, "MIG minor table")
+    except FileNotFoundError:
+        return {}
+    table = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].isdigit():
+            table[fields[0]] = int(fields[1])
+    return table
+
+
+def capabilities(proc_root: str) -> tuple:
+    """Relative paths of the files under /proc/driver/nvidia/capabilities (MIG access files)."""
+    base = f"{proc_root}/driver/nvidia/capabilities"
+    found = []
+    for directory, _, files in os.walk(base):
+        rel = directory[len(base):].lstrip("/")
+        found += [f"{rel}/{name}" if rel else name for name in files]
+    return tuple(sorted(found))
+
+
 def inventory(config) -> Inventory:
     """Everything the plan needs to know about the host, read from files only."""
     proc_root = config.proc_root
@@ -288,6 +328,8 @@ def inventory(config) -> Inventory:
         firmware=firmware(config.driver_root, version),
         ipc=ipc(config.driver_root),
         proc_driver_dir=f"{proc_root}/driver/nvidia",
+        mig_minors=mig_minors(proc_root),
+        capabilities=capabilities(proc_root),
     )
 
 
@@ -310,6 +352,8 @@ def inventory_from_dict(doc: dict) -> Inventory:
         firmware=tuple(HostFile(**f) for f in doc["firmware"]),
         ipc=tuple(HostFile(**f) for f in doc["ipc"]),
         proc_driver_dir=doc["proc_driver_dir"],
+        mig_minors={str(k): int(v) for k, v in doc["mig_minors"].items()},
+        capabilities=tuple(str(p) for p in doc["capabilities"]),
     )
 
 

@@ -11,7 +11,9 @@ import time
 
 from gpuhook import config as cfg
 from gpuhook import discover, journal, oci
+from gpuhook import requirements as reqs
 from gpuhook.inventory import load as load_inventory
+from gpuhook.inventory import nvml_facts
 from gpuhook import request as req
 from gpuhook.errors import GpuhookError, InputError
 from gpuhook.plan import empty_plan, make_plan
@@ -22,15 +24,36 @@ INTERNAL_ERROR = 70
 
 
 def build_plan(state, spec, config):
-    """The plan for one container: pure data, nothing changed."""
+    """The plan for one container: pure data, nothing changed.
+
+    NVML is consulted only when something needs it (NVIDIA_REQUIRE_* constraints, MIG
+    requests, a host with MIG instances), and then through the inventory cache.
+    """
     request = req.resolve(spec, state.annotations, config)
     if request.empty:
         return empty_plan(state, spec, request)
     inventory = load_inventory(config)
-    gpus = req.select_gpus(request, inventory.gpus)
-    facts = discover.container_facts(spec.rootfs, config)
-    return make_plan(state, spec, request, gpus, inventory, config, facts,
+    requirements = () if reqs.disabled(spec.env) else reqs.collect(spec.env)
+    facts, source = None, None
+    if requirements or request.names_mig or inventory.capabilities:
+        facts, source = nvml_facts(config, inventory)
+    selection = req.select(request, inventory.gpus, facts)
+    if requirements:
+        reqs.evaluate(spec.env, host_facts(inventory, facts, selection))
+    container = discover.container_facts(spec.rootfs, config)
+    plan = make_plan(state, spec, request, selection, inventory, config, container,
                      lambda path: discover.host_node(config, path))
+    return plan._replace(notes=plan.notes + (source,)) if source else plan
+
+
+def host_facts(inventory, facts, selection) -> "reqs.HostFacts":
+    """What NVIDIA_REQUIRE_* constraints are checked against: the CUDA and driver versions
+    and, per GPU the container gets, its compute capability and brand."""
+    gpus = []
+    for gpu in selection.gpus:
+        known = facts.gpus.get(gpu.uuid) if facts else None
+        gpus.append(reqs.GpuFacts(f"GPU {gpu.index} {gpu.uuid}", known and known.arch, known and known.brand))
+    return reqs.HostFacts(facts.cuda_version if facts else None, inventory.driver_version, gpus)
 
 
 def read_container(state_bytes: bytes, spec_bytes: bytes | None = None, base_dir: str | None = None):

@@ -4,16 +4,54 @@ Reading the host the expensive way (parsing the driver root's ld cache, resolvin
 library, NVML queries) happens once per host state. The cache key is made of everything
 that content depends on, all cheap to read on every start: the driver version
 (/proc/driver/nvidia/version), the boot id, the roots in the configuration, the list of GPU
-directories in /proc/driver/nvidia/gpus, the nvidia lines of /proc/devices and the identity
-of the driver root's ld cache. IPC sockets are never cached: a daemon can come and go.
+directories in /proc/driver/nvidia/gpus, the driver's MIG capability files (they change
+when MIG instances are made or destroyed), the nvidia lines of /proc/devices and the
+identity of the driver root's ld cache. IPC sockets are never cached: a daemon can come
+and go.
+
+The NVML part (CUDA version, each GPU's brand, compute capability and MIG layout) is read
+only when something needs it (NVIDIA_REQUIRE_* constraints, MIG requests, a MIG host) and
+then kept in the same file under the same key: a start on an unchanged host loads no NVML.
 """
 
 import os
+from collections import namedtuple
 
 from gpuhook import cache, discover
 
-FORMAT = 1
+FORMAT = 2
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+class MigDevice(namedtuple("MigDevice", "index uuid gpu_instance_id compute_instance_id name")):
+    """A MIG device as requests name it: `index` is NVML's MIG device index on its GPU."""
+
+    __slots__ = ()
+
+
+class GpuFacts(namedtuple("GpuFacts", "uuid brand arch mig_mode mig_devices")):
+    """What NVML says about one GPU: brand token, compute capability, MIG mode and devices."""
+
+    __slots__ = ()
+
+
+class NvmlFacts(namedtuple("NvmlFacts", "cuda_version gpus")):
+    """The NVML side of the inventory; `gpus` maps GPU UUIDs to GpuFacts."""
+
+    __slots__ = ()
+
+    def as_dict(self) -> dict:
+        return {"cuda_version": self.cuda_version,
+                "gpus": {uuid: dict(g._asdict(), mig_devices=[m._asdict() for m in g.mig_devices])
+                         for uuid, g in self.gpus.items()}}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "NvmlFacts":
+        gpus = {}
+        for uuid, g in doc["gpus"].items():
+            devices = tuple(MigDevice(**m) for m in g["mig_devices"])
+            gpus[uuid] = GpuFacts(g["uuid"], g["brand"], g["arch"], g["mig_mode"], devices)
+        return cls(doc["cuda_version"], gpus)
 
 
 def cache_path(config) -> str:
@@ -44,24 +82,63 @@ def fingerprint(config, driver_version: str) -> dict:
         "format": FORMAT,
         "boot_id": _read_text(BOOT_ID).strip(),
         "driver_version": driver_version,
-        "roots": [config.driver_root, config.device_root, proc],
+        "roots": [config.driver_root, config.device_root, proc, config.nvml_library],
         "gpu_dirs": gpu_dirs,
+        "capabilities": list(discover.capabilities(proc)),
         "devices": devices,
         "ld_cache": ld_cache,
     }
 
 
-def load(config) -> "discover.Inventory":
-    """The host inventory: from the cache when the host is unchanged, else read and cached."""
+def _cached(config):
+    """(key, cached document or None) for the host as it is now."""
     version = discover.driver_version(config.proc_root)
     key = fingerprint(config, version)
-    path = cache_path(config)
-    cached = cache.read(path)
-    if isinstance(cached, dict) and cached.get("key") == key:
+    doc = cache.read(cache_path(config))
+    if isinstance(doc, dict) and doc.get("key") == key:
+        return key, doc
+    return key, None
+
+
+def load(config) -> "discover.Inventory":
+    """The host inventory: from the cache when the host is unchanged, else read and cached."""
+    key, doc = _cached(config)
+    if doc is not None:
         try:
-            return discover.inventory_from_dict(cached["inventory"])._replace(ipc=discover.ipc(config.driver_root))
-        except (KeyError, TypeError, ValueError):
+            return discover.inventory_from_dict(doc["inventory"])._replace(ipc=discover.ipc(config.driver_root))
+        except (KeyError, TypeError, ValueError, AttributeError):
             pass  # damaged or from another version: rebuild below
     inventory = discover.inventory(config)
-    cache.write(path, {"key": key, "inventory": discover.inventory_to_dict(inventory)})
+    cache.write(cache_path(config), {"key": key, "inventory": discover.inventory_to_dict(inventory)})
     return inventory
+
+
+CACHED = "NVML facts from the inventory cache"
+QUERIED = "NVML queried; inventory cache refreshed"
+
+
+def nvml_facts(config, inventory) -> tuple:
+    """(NvmlFacts, where they came from: CACHED or QUERIED) for this host."""
+    key, doc = _cached(config)
+    if doc is not None and isinstance(doc.get("nvml"), dict):
+        try:
+            return NvmlFacts.from_dict(doc["nvml"]), CACHED
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass
+    from gpuhook import nvml
+
+    with nvml.Session(nvml.library_path(config)) as session:
+        seen = session.inventory()
+    facts = NvmlFacts(seen.cuda_version, {
+        gpu.uuid: GpuFacts(gpu.uuid, gpu.brand, gpu.arch, bool(gpu.mig_mode), tuple(
+            MigDevice(m.index, m.uuid, m.gpu_instance_id, m.compute_instance_id, m.name)
+            for m in gpu.mig_devices or ()))
+        for gpu in seen.gpus if not gpu.lost
+    })
+    if any(gpu.lost for gpu in seen.gpus):
+        return facts, QUERIED  # a lost GPU is a moment's state, not the host's: never cache it
+    if doc is None:
+        doc = {"key": key, "inventory": discover.inventory_to_dict(inventory)}
+    doc["nvml"] = facts.as_dict()
+    cache.write(cache_path(config), doc)
+    return facts, QUERIED

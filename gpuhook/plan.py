@@ -10,6 +10,7 @@ from collections import namedtuple
 from gpuhook import request as req
 from gpuhook.cgroup.devices import char_device
 from gpuhook.discover import LIBRARIES
+from gpuhook.errors import HostError
 
 # Mount options, as in `mount -o`; the apply layer maps them to MS_* flags.
 RO_LIB = ("ro", "nosuid", "nodev")
@@ -38,9 +39,11 @@ class Symlink(namedtuple("Symlink", "path target")):
     __slots__ = ()
 
 
-class ProcMask(namedtuple("ProcMask", "source_dir gpu_buses")):
+class ProcMask(namedtuple("ProcMask", "source_dir gpu_buses capabilities", defaults=((),))):
     """Cover the container's /proc/driver/nvidia with a read-only tmpfs holding a copy of
-    `params` with ModifyDeviceFiles: 0, `version`, `registry`, and only its own GPUs' dirs."""
+    `params` with ModifyDeviceFiles: 0, `version`, `registry`, only its own GPUs' dirs, and
+    the capability files of its own MIG devices (relative paths under capabilities/; CUDA
+    reads the nvidia-caps minors from them)."""
 
     __slots__ = ()
 
@@ -55,8 +58,11 @@ class LdCacheUpdate(namedtuple("LdCacheUpdate", "ldconfig directories")):
 
 class Plan(namedtuple("Plan", (
     "container_id pid rootfs wants channel capabilities gpus "
-    "nodes mounts symlinks rules proc_mask ldcache notes"
-))):
+    "nodes mounts symlinks rules proc_mask ldcache notes migs"
+), defaults=((),))):
+    """`gpus` are the GPUs whose node the container gets (whole GPUs and MIG parents);
+    `migs` the MIG devices (request.MigTarget)."""
+
     __slots__ = ()
 
     @property
@@ -72,6 +78,10 @@ class Plan(namedtuple("Plan", (
             "channel": self.channel,
             "capabilities": sorted(self.capabilities),
             "gpus": [g._asdict() for g in self.gpus],
+            "mig_devices": [{"id": m.label, "uuid": m.device.uuid, "gpu": m.gpu.uuid,
+                             "gpu_instance": m.device.gpu_instance_id,
+                             "compute_instance": m.device.compute_instance_id, "profile": m.device.name}
+                            for m in self.migs],
             "device_nodes": [dict(n._asdict(), mode=f"{n.mode:04o}") for n in self.nodes],
             "mounts": [dict(m._asdict(), options=list(m.options)) for m in self.mounts],
             "symlinks": [s._asdict() for s in self.symlinks],
@@ -80,6 +90,7 @@ class Plan(namedtuple("Plan", (
                 "target": ProcMask.target,
                 "source_dir": self.proc_mask.source_dir,
                 "gpu_buses": list(self.proc_mask.gpu_buses),
+                "capabilities": list(self.proc_mask.capabilities),
             },
             "ldcache": None if self.ldcache is None else {
                 "ldconfig": self.ldcache.ldconfig,
@@ -94,13 +105,15 @@ def empty_plan(state, spec, request) -> Plan:
                 (), (), (), (), None, None, request.notes)
 
 
-def make_plan(state, spec, request, gpus, inventory, config, container, node_info) -> Plan:
+def make_plan(state, spec, request, selection, inventory, config, container, node_info) -> Plan:
     """Build the plan.
 
+    `selection` is request.Selection (GPUs, MIG devices, MIG capabilities);
     `container` is discover.ContainerFacts (library dirs, glibc or not); `node_info(path)`
-    returns the host node's (mode, uid, gid) or None; both come from discovery so this
+    returns the host node's (mode, uid, gid) or None; all come from discovery so this
     stays pure.
     """
+    gpus = selection.gpus
     if request.empty:
         return empty_plan(state, spec, request)
     caps = request.capabilities
@@ -117,6 +130,17 @@ def make_plan(state, spec, request, gpus, inventory, config, container, node_inf
     if "display" in caps:
         wanted_nodes.append(("/dev/nvidia-modeset", nvidia, MODESET_MINOR))
     wanted_nodes += [(gpu.node, nvidia, gpu.minor) for gpu in gpus]
+
+    cap_names = _mig_capabilities(selection, inventory)
+    if cap_names:
+        caps_major = inventory.majors.get("nvidia-caps")
+        if caps_major is None:
+            raise HostError("MIG devices need the nvidia-caps device major, which /proc/devices does not list")
+        for name in cap_names:
+            minor = inventory.mig_minors.get(_minor_key(name))
+            if minor is None:
+                raise HostError(f"the driver's MIG minor table has no entry for {_minor_key(name)}")
+            wanted_nodes.append((f"/dev/nvidia-caps/nvidia-cap{minor}", caps_major, minor))
 
     nodes = []
     for path, major, minor in wanted_nodes:
@@ -147,8 +171,11 @@ def make_plan(state, spec, request, gpus, inventory, config, container, node_inf
             options = MPS_OPTIONS if item.kind == "dir" else IPC_OPTIONS
             mounts.append(BindMount(item.host_path, item.container_path, item.kind, options))
 
-    rules = tuple(char_device(n.major, n.minor, "rw") for n in nodes)
-    proc_mask = ProcMask(inventory.proc_driver_dir, tuple(g.bus_id for g in gpus))
+    # nvidia-caps nodes are opened read-only (NVIDIA makes them 0444 or 0400): grant reads only.
+    caps_major = inventory.majors.get("nvidia-caps")
+    rules = tuple(char_device(n.major, n.minor, "r" if n.major == caps_major else "rw") for n in nodes)
+    proc_mask = ProcMask(inventory.proc_driver_dir, tuple(g.bus_id for g in gpus),
+                         tuple(name for name in cap_names if name in inventory.capabilities))
     ldcache = None
     if ld_dirs and container.glibc:
         ldcache = LdCacheUpdate(config.ldconfig, tuple(ld_dirs))
@@ -157,7 +184,33 @@ def make_plan(state, spec, request, gpus, inventory, config, container, node_inf
     return Plan(
         state.id, state.pid, spec.rootfs, request.wants, request.channel, caps, tuple(gpus),
         tuple(nodes), tuple(mounts), tuple(symlinks), rules, proc_mask, ldcache, tuple(notes),
+        tuple(selection.migs),
     )
+
+
+def _mig_capabilities(selection, inventory) -> list:
+    """Capability file names (as under /proc/driver/nvidia/capabilities) the selection needs."""
+    names = []
+    if selection.mig_config:
+        names.append("mig/config")
+    if selection.mig_monitor:
+        names.append("mig/monitor")
+    for target in selection.migs:
+        gi, ci = target.device.gpu_instance_id, target.device.compute_instance_id
+        names.append(f"gpu{target.gpu.minor}/mig/gi{gi}/access")
+        names.append(f"gpu{target.gpu.minor}/mig/gi{gi}/ci{ci}/access")
+    unique = []
+    for name in names:
+        if name not in unique:
+            unique.append(name)
+    return unique
+
+
+def _minor_key(capability: str) -> str:
+    """The mig-minors key of a capability file: "gpu0/mig/gi1/access" -> "gpu0/gi1/access"."""
+    if capability.startswith("mig/"):
+        return capability[len("mig/"):]
+    return capability.replace("/mig/", "/", 1)
 
 
 def render_text(plan: Plan) -> str:
@@ -171,6 +224,10 @@ def render_text(plan: Plan) -> str:
     lines.append(f"request: {plan.wants} via {plan.channel}")
     lines.append(f"capabilities: {','.join(sorted(plan.capabilities))}")
     lines.append(f"gpus: {gpus}")
+    if plan.migs:
+        lines.append("mig devices: " + ", ".join(
+            f"{m.label} {m.device.uuid} ({m.device.name}, gi {m.device.gpu_instance_id} ci "
+            f"{m.device.compute_instance_id})" for m in plan.migs))
     lines.append("device nodes:")
     lines += [f"  {n.path:<28} c {n.major}:{n.minor}  {n.mode:04o} {n.uid}:{n.gid}" for n in plan.nodes]
     lines.append("cgroup rules:")

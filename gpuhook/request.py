@@ -37,14 +37,45 @@ MOUNTS = "volume mounts under " + VOLUME_MOUNT_ROOT
 CDI = "CDI annotations"
 
 
-class Request(namedtuple("Request", "wants ids capabilities channel notes")):
-    """`ids` are the requested device ids as written (indices or UUIDs), deduplicated."""
+class Request(namedtuple("Request", "wants ids capabilities channel notes mig_config mig_monitor",
+                         defaults=((), ()))):
+    """`ids` are the requested device ids as written (indices, UUIDs, GPU:MIG pairs, MIG
+    UUIDs), deduplicated. `mig_config` / `mig_monitor` are the GPU ids (or ("all",)) of
+    NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES, honoured for privileged
+    containers only."""
 
     __slots__ = ()
 
     @property
     def empty(self) -> bool:
         return self.wants == NOTHING
+
+    @property
+    def names_mig(self) -> bool:
+        """Whether matching the request needs the host's MIG layout (from NVML)."""
+        return any(is_mig_id(i) for i in self.ids) or bool(self.mig_config or self.mig_monitor)
+
+
+class MigTarget(namedtuple("MigTarget", "gpu device")):
+    """A requested MIG device: its parent `gpu` (discover.Gpu) and `device` (inventory.MigDevice)."""
+
+    __slots__ = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.gpu.index}:{self.device.index}"
+
+
+class Selection(namedtuple("Selection", "gpus migs mig_config mig_monitor")):
+    """What a request resolves to on this host. `gpus` are the GPUs whose device node the
+    container gets (whole GPUs and MIG parents, once each, in request order); `migs` the MIG
+    devices; `mig_config` / `mig_monitor` whether the container gets those capabilities."""
+
+    __slots__ = ()
+
+
+def is_mig_id(ident: str) -> bool:
+    return ident.upper().startswith("MIG-") or ":" in ident
 
 
 def _nothing(notes=()):
@@ -153,7 +184,7 @@ def resolve(spec, state_annotations: dict, config) -> Request:
         caps = parse_capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES") or None)
         if "NVIDIA_VISIBLE_DEVICES" in env:
             notes.append("NVIDIA_VISIBLE_DEVICES ignored: the runtime's request takes precedence")
-        return _as_request(trusted, caps, " + ".join(channels), notes)
+        return _with_mig_capabilities(_as_request(trusted, caps, " + ".join(channels), notes), spec)
 
     value = env.get("NVIDIA_VISIBLE_DEVICES")
     if value is None:
@@ -172,27 +203,120 @@ def resolve(spec, state_annotations: dict, config) -> Request:
         return _nothing(notes)
     caps_value = env.get("NVIDIA_DRIVER_CAPABILITIES")
     caps = parse_capabilities(caps_value if caps_value else None, legacy=legacy and channel == ENV_LEGACY)
-    return _as_request(ids, caps, channel, notes)
+    return _with_mig_capabilities(_as_request(ids, caps, channel, notes), spec)
+
+
+def _with_mig_capabilities(request: Request, spec) -> Request:
+    """Add NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES: they let a container
+    reconfigure or watch MIG on its GPUs, so only privileged containers may ask (as NVIDIA)."""
+    found = {}
+    for name, field in (("NVIDIA_MIG_CONFIG_DEVICES", "mig_config"), ("NVIDIA_MIG_MONITOR_DEVICES", "mig_monitor")):
+        ids = _split_ids(spec.env.get(name, ""))
+        if not ids or request.empty:
+            continue
+        if not spec.privileged:
+            raise RequestError(f"{name} is only honoured for privileged containers (CAP_SYS_ADMIN in the "
+                               f"bounding set); this one is not")
+        found[field] = ("all",) if "all" in ids else tuple(ids)
+    return request._replace(**found) if found else request
+
+
+def select(request: Request, gpus, facts=None) -> Selection:
+    """Match a request against the host's GPUs (and, for MIG, NVML's facts).
+
+    `facts` (inventory.NvmlFacts) is needed to name MIG devices and to know which GPUs are
+    in MIG mode; without it every GPU counts as a whole GPU. A MIG-mode GPU requested whole
+    is refused (its memory and engines belong to its MIG devices); `all` means every whole
+    GPU and every MIG device. Unknown ids are errors that list what exists.
+    """
+    migs_by_gpu = {}
+    if facts is not None:
+        for gpu in gpus:
+            known = facts.gpus.get(gpu.uuid)
+            if known is not None and known.mig_mode:
+                migs_by_gpu[gpu.uuid] = known.mig_devices
+    whole, migs = [], []
+    if request.wants == ALL:
+        for gpu in gpus:
+            if gpu.uuid in migs_by_gpu:
+                migs += [MigTarget(gpu, device) for device in migs_by_gpu[gpu.uuid]]
+            else:
+                whole.append(gpu)
+    elif request.wants == GPUS:
+        for ident in request.ids:
+            if is_mig_id(ident):
+                target = _match_mig(ident, gpus, migs_by_gpu, request.channel, facts is not None)
+                if target not in migs:
+                    migs.append(target)
+                continue
+            gpu = _match(ident, gpus)
+            if gpu is None:
+                raise RequestError(
+                    f"requested GPU {ident[:80]!r} ({request.channel}) does not exist on this host; "
+                    f"GPUs here: {_available(gpus)}"
+                )
+            if gpu.uuid in migs_by_gpu:
+                devices = ", ".join(f"{gpu.index}:{d.index} ({d.uuid})" for d in migs_by_gpu[gpu.uuid]) or "none"
+                raise RequestError(f"GPU {gpu.index} ({gpu.uuid}) is in MIG mode: request its MIG devices, "
+                                   f"not the whole GPU; MIG devices here: {devices}")
+            if gpu not in whole:
+                whole.append(gpu)
+    parents = list(whole)
+    for target in migs:
+        if target.gpu not in parents:
+            parents.append(target.gpu)
+    config = _capability_gpus(request.mig_config, "NVIDIA_MIG_CONFIG_DEVICES", gpus, parents)
+    monitor = _capability_gpus(request.mig_monitor, "NVIDIA_MIG_MONITOR_DEVICES", gpus, parents)
+    return Selection(tuple(parents), tuple(migs), config, monitor)
+
+
+def _available(gpus) -> str:
+    return ", ".join(f"{g.index} ({g.uuid})" for g in gpus) or "none"
+
+
+def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bool) -> MigTarget:
+    if not have_facts:
+        raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}) but NVML could not be asked for the "
+                           f"MIG layout")
+    every = [(gpu, device) for gpu in gpus for device in migs_by_gpu.get(gpu.uuid, ())]
+    if ident.upper().startswith("MIG-"):
+        for gpu, device in every:
+            if device.uuid.lower() == ident.lower():
+                return MigTarget(gpu, device)
+    else:
+        parent_id, _, mig_index = ident.partition(":")
+        gpu = _match(parent_id, gpus)
+        if gpu is not None and mig_index.isdigit() and mig_index.isascii():
+            if gpu.uuid not in migs_by_gpu:
+                raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}), but GPU {gpu.index} "
+                                   f"({gpu.uuid}) is not in MIG mode")
+            for device in migs_by_gpu[gpu.uuid]:
+                if device.index == int(mig_index):
+                    return MigTarget(gpu, device)
+    here = ", ".join(f"{g.index}:{d.index} ({d.uuid})" for g, d in every) or "none"
+    raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}) does not exist on this host; "
+                       f"MIG devices here: {here}")
+
+
+def _capability_gpus(ids, variable: str, gpus, parents) -> bool:
+    """Check NVIDIA_MIG_{CONFIG,MONITOR}_DEVICES names only GPUs the container gets."""
+    if not ids:
+        return False
+    if ids == ("all",):
+        return True
+    for ident in ids:
+        gpu = _match(ident, gpus)
+        if gpu is None:
+            raise RequestError(f"{variable} names GPU {ident[:80]!r}, which does not exist; GPUs here: "
+                               f"{_available(gpus)}")
+        if gpu not in parents:
+            raise RequestError(f"{variable} names GPU {gpu.index} ({gpu.uuid}), which the container does not get")
+    return True
 
 
 def select_gpus(request: Request, gpus) -> tuple:
-    """The inventory GPUs a request names, in request order. Unknown ids list the real ones."""
-    if request.wants == ALL:
-        return tuple(gpus)
-    if request.wants != GPUS:
-        return ()
-    chosen = []
-    for ident in request.ids:
-        gpu = _match(ident, gpus)
-        if gpu is None:
-            available = ", ".join(f"{g.index} ({g.uuid})" for g in gpus) or "none"
-            raise RequestError(
-                f"requested GPU {ident[:80]!r} ({request.channel}) does not exist on this host; "
-                f"GPUs here: {available}"
-            )
-        if gpu not in chosen:
-            chosen.append(gpu)
-    return tuple(chosen)
+    """The whole GPUs a request names on a host without MIG (see `select`)."""
+    return select(request, gpus).gpus
 
 
 def _match(ident: str, gpus):

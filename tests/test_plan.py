@@ -36,7 +36,7 @@ def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None):
     spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
     config = cfg.from_mapping({})
     r = req.resolve(spec, {}, config)
-    return make_plan(STATE, spec, r, req.select_gpus(r, GPUS), INV, config, container, node_info)
+    return make_plan(STATE, spec, r, req.select(r, GPUS), INV, config, container, node_info)
 
 
 def test_compute_utility_plan():
@@ -88,7 +88,8 @@ def test_missing_uvm_module_is_noted_not_fatal():
     spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
     config = cfg.from_mapping({})
     r = req.resolve(spec, {}, config)
-    plan = make_plan(STATE, spec, r, GPUS[:1], inv, config, GLIBC_IMAGE, lambda p: None)
+    plan = make_plan(STATE, spec, r, req.Selection(GPUS[:1], (), False, False), inv, config, GLIBC_IMAGE,
+                     lambda p: None)
     assert "/dev/nvidia-uvm" not in [n.path for n in plan.nodes]
     assert any("nvidia-uvm is not loaded" in n for n in plan.notes)
 

@@ -6,25 +6,51 @@ import os
 import click
 
 from gpuhook import config as cfg
-from gpuhook import discover
 
 CONFIG_OPTION = click.option("--config", "config_path", metavar="FILE",
                              help=f"Configuration file (default: ${cfg.ENV_VAR} or {cfg.DEFAULT_PATH}).")
 
 
-@click.command(name="list", help="List the host's GPUs (from /proc/driver/nvidia, no NVML).")
+@click.command(name="list", help=(
+    "List the host's GPUs and MIG devices as the hook sees them: /proc/driver/nvidia for "
+    "identity, NVML (through the inventory cache) for brand, compute capability, CUDA version "
+    "and MIG layout. Without NVML the list still shows what /proc says."
+))
 @CONFIG_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def list_gpus(config_path, as_json):
+    from gpuhook.errors import GpuhookError
+    from gpuhook.inventory import load, nvml_facts
+
     config = cfg.load(config_path, os.environ)
-    version = discover.driver_version(config.proc_root)
-    gpus = discover.gpus(config.proc_root)
+    host = load(config)
+    try:
+        (facts, _), problem = nvml_facts(config, host), None
+    except GpuhookError as err:
+        facts, problem = None, err.one_line()
+    rows = []
+    for gpu in host.gpus:
+        known = facts.gpus.get(gpu.uuid) if facts else None
+        rows.append(dict(gpu._asdict(), brand=known and known.brand, arch=known and known.arch,
+                         mig_mode=known and known.mig_mode,
+                         mig_devices=[dict(d._asdict(), id=f"{gpu.index}:{d.index}")
+                                      for d in (known.mig_devices if known and known.mig_mode else ())]))
     if as_json:
-        click.echo(json.dumps({"driver_version": version, "gpus": [g._asdict() for g in gpus]}, indent=2))
+        click.echo(json.dumps({"driver_version": host.driver_version,
+                               "cuda_version": facts.cuda_version if facts else None,
+                               "nvml_error": problem, "gpus": rows}, indent=2))
         return
-    click.echo(f"driver {version}, {len(gpus)} GPU(s)")
-    for g in gpus:
-        click.echo(f"  {g.index}  {g.uuid}  minor {g.minor}  {g.bus_id}  {g.model}")
+    cuda = f", CUDA {facts.cuda_version}" if facts else ""
+    click.echo(f"driver {host.driver_version}{cuda}, {len(rows)} GPU(s)")
+    for row in rows:
+        extra = f"  {row['brand']} sm {row['arch']}" if facts else ""
+        mig = "  MIG on" if row["mig_mode"] else ""
+        click.echo(f"  {row['index']}  {row['uuid']}  minor {row['minor']}  {row['bus_id']}  {row['model']}{extra}{mig}")
+        for device in row["mig_devices"]:
+            click.echo(f"     {device['id']}  {device['uuid']}  {device['name']}  "
+                       f"gi {device['gpu_instance_id']} ci {device['compute_instance_id']}")
+    if problem:
+        click.echo(f"NVML: {problem}", err=True)
 
 
 @click.command(name="config", help="Show the effective configuration: every key, its value, and the source file.")
