@@ -60,6 +60,20 @@ def open_container_mntns(pid: int) -> int:
     return fd
 
 
+def open_container_userns(pid: int):
+    """fd of the container's user namespace, or None when it shares the hook's."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise HostError(f"container process {pid} is gone") from None
+    except OSError as err:
+        raise HostError(f"cannot open the user namespace of process {pid}: {err.strerror}") from err
+    if os.fstat(fd).st_ino == os.stat("/proc/self/ns/user").st_ino:
+        os.close(fd)
+        return None
+    return fd
+
+
 def read_proc_files(mask: ProcMask) -> dict:
     """Contents for the masked /proc/driver/nvidia, read on the host side."""
     files = {}
@@ -99,18 +113,22 @@ def apply(plan, deadline: float) -> Outcome:
     if plan.pid <= 0:
         raise ApplyError("state", "the state has no container pid; gpuhook runs as a prestart or createRuntime hook")
     ns_fd = open_container_mntns(plan.pid)
+    user_fd = None
     try:
+        user_fd = open_container_userns(plan.pid) if plan.userns else None
         proc_files = read_proc_files(plan.proc_mask) if plan.proc_mask else {}
         place = hierarchy.placement(plan.pid)
         added = _grant(place, plan.rules)
         try:
-            report = _run_worker(plan, ns_fd, proc_files, deadline)
+            report = _run_worker(plan, ns_fd, user_fd, proc_files, deadline)
         except BaseException:
             _revoke(place, added)
             raise
         return Outcome(place.mode, added, report.get("notes", []), report.get("steps", 0))
     finally:
         os.close(ns_fd)
+        if user_fd is not None:
+            os.close(user_fd)
 
 
 def _grant(place, rules) -> list:
@@ -147,7 +165,7 @@ def _revoke(place, added) -> None:
         v2.revoke(place.directory, added)
 
 
-def _run_worker(plan, ns_fd: int, proc_files: dict, deadline: float) -> dict:
+def _run_worker(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float) -> dict:
     import mmap
 
     # The worker reports each step it starts through shared memory (no wake-up of this
@@ -159,7 +177,7 @@ def _run_worker(plan, ns_fd: int, proc_files: dict, deadline: float) -> dict:
         code = 1
         try:
             os.close(read_end)
-            code = _worker(plan, ns_fd, proc_files, deadline - CLEANUP_MARGIN, write_end, progress)
+            code = _worker(plan, ns_fd, user_fd, proc_files, deadline - CLEANUP_MARGIN, write_end, progress)
         finally:
             os._exit(code)
     os.close(write_end)
@@ -221,7 +239,7 @@ def _collect(pid: int, read_end: int, deadline: float, progress) -> dict:
     return final
 
 
-def _worker(plan, ns_fd: int, proc_files: dict, deadline: float, out: int, progress) -> int:
+def _worker(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, progress) -> int:
     """Runs in the forked child; returns its exit code. Never raises."""
 
     def send(message: dict) -> None:
@@ -244,12 +262,27 @@ def _worker(plan, ns_fd: int, proc_files: dict, deadline: float, out: int, progr
             work.root = os.open(plan.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as err:
             raise OSError(err.errno, f"rootfs {plan.rootfs} is not a directory in the container's namespace")
+        step = "open host sources"
+        work.open_sources()
+        if user_fd is not None:
+            # Everything from here on runs as the container's root: files it creates belong
+            # to the container, and the mount namespace (owned by its user namespace) lets
+            # that root mount. Host files were opened above, with the host's credentials.
+            step = "enter user namespace"
+            linux.setns(user_fd, linux.CLONE_NEWUSER)
+            try:
+                os.setgroups([])
+            except PermissionError:
+                pass  # setgroups is denied in this namespace: the group list stays as it is
+            os.setresgid(0, 0, 0)
+            os.setresuid(0, 0, 0)
         for step, action in work.steps(proc_files):
             _set_progress(progress, step)
             if time.monotonic() > deadline:
                 raise TimeoutError("deadline passed")
             action()
         work.changes.forget()
+        work.close_sources()
         send({"ok": True, "notes": work.notes, "steps": work.count})
         return 0
     except BaseException as err:  # noqa: BLE001 - the worker reports everything
@@ -275,6 +308,39 @@ class _Work:
         self.mounted: list[str] = []  # container paths we mounted on, in order
         self.notes: list[str] = []
         self.count = 0
+        self.sources: dict = {}  # host path -> O_PATH fd, opened before any change
+        self.ldconfig_fd = -1
+
+    def open_sources(self) -> None:
+        """Open every host file the plan mounts (and the host's ldconfig) up front, with the
+        host's credentials and in the container's mount namespace, where bind mounts need
+        their sources to be."""
+        wanted = [(m.source, m.kind) for m in self.plan.mounts]
+        wanted += [(n.host_path, "device") for n in self.plan.nodes if n.host_path]
+        for path, kind in wanted:
+            if path in self.sources:
+                continue
+            flags = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECTORY if kind == "dir" else 0)
+            try:
+                self.sources[path] = os.open(path, flags)
+            except OSError as err:
+                raise OSError(err.errno, f"host source {path}: {err.strerror}") from None
+        if self.plan.ldcache is not None:
+            path = self.plan.ldcache.ldconfig
+            try:
+                self.ldconfig_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as err:
+                raise OSError(err.errno, f"host ldconfig {path}: {err.strerror}") from None
+            if not stat.S_ISREG(os.fstat(self.ldconfig_fd).st_mode):
+                raise OSError(22, f"host ldconfig {path} is not a regular file")
+
+    def close_sources(self) -> None:
+        for fd in self.sources.values():
+            os.close(fd)
+        self.sources.clear()
+        if self.ldconfig_fd >= 0:
+            os.close(self.ldconfig_fd)
+            self.ldconfig_fd = -1
 
     def steps(self, proc_files):
         plan = self.plan
@@ -290,6 +356,9 @@ class _Work:
             yield "ldconfig", self.ldconfig
 
     def node(self, node) -> None:
+        if node.host_path:
+            self.bind_device(node)
+            return
         parent_path, name = safepath.split(node.path)
         parent = safepath.make_dirs(self.root, parent_path, self.changes)
         try:
@@ -309,41 +378,45 @@ class _Work:
         finally:
             os.close(parent)
 
+    def bind_device(self, node) -> None:
+        """The host's node bind-mounted at the container's path (user namespaces)."""
+        src = self.sources[node.host_path]
+        st = os.fstat(src)
+        if not stat.S_ISCHR(st.st_mode) or st.st_rdev != os.makedev(node.major, node.minor):
+            raise OSError(22, f"host node {node.host_path} is not the character device {node.major}:{node.minor}")
+        self._bind_fd(src, st, node.path, "file", ("nosuid", "noexec"))
+
     def bind(self, mount) -> None:
-        flags = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW
+        src = self.sources[mount.source]
+        src_st = os.fstat(src)
+        if mount.kind == "file" and not stat.S_ISREG(src_st.st_mode):
+            raise OSError(22, f"host source {mount.source} is {safepath.kind_of(src_st.st_mode)}")
+        self._bind_fd(src, src_st, mount.target, mount.kind, mount.options)
+
+    def _bind_fd(self, src: int, src_st, target_path: str, kind: str, options) -> None:
+        """Bind the open host file `src` at `target_path` in the rootfs, then remount it with
+        `options` through a fresh fd of what is now at the target, after checking that it is
+        the mount we just made."""
+        if self._already_mounted(target_path, src_st):
+            return  # the hook ran before for this container
+        if kind == "dir":
+            target = safepath.ensure_dir(self.root, target_path, self.changes)
+        else:
+            target = safepath.ensure_file(self.root, target_path, self.changes)
         try:
-            src = os.open(mount.source, flags | (os.O_DIRECTORY if mount.kind == "dir" else 0))
-        except OSError as err:
-            raise OSError(err.errno, f"host source {mount.source}: {err.strerror}") from None
-        try:
-            src_st = os.fstat(src)
-            if self._already_mounted(mount.target, src_st):
-                return  # the hook ran before for this container
-            if mount.kind == "dir":
-                target = safepath.ensure_dir(self.root, mount.target, self.changes)
-            else:
-                if mount.kind == "file" and not stat.S_ISREG(src_st.st_mode):
-                    raise OSError(22, f"host source {mount.source} is {safepath.kind_of(src_st.st_mode)}")
-                target = safepath.ensure_file(self.root, mount.target, self.changes)
-            try:
-                linux.mount(linux.fd_path(src), linux.fd_path(target), None, linux.MS_BIND)
-            finally:
-                os.close(target)
-            self.mounted.append(mount.target)
-            # Remount read-only through a fresh fd of what is now at the target, after
-            # checking that it is the mount we just made.
-            now = safepath.open_in_root(self.root, mount.target, os.O_PATH, follow_final=False)
-            try:
-                st = os.fstat(now)
-                if (st.st_dev, st.st_ino) != (src_st.st_dev, src_st.st_ino):
-                    raise OSError(16, "changed under us while mounting", mount.target)
-                linux.mount(None, linux.fd_path(now), None,
-                            linux.MS_BIND | linux.MS_REMOUNT | _flags(mount.options))
-            finally:
-                os.close(now)
-            self.count += 1
+            linux.mount(linux.fd_path(src), linux.fd_path(target), None, linux.MS_BIND)
         finally:
-            os.close(src)
+            os.close(target)
+        self.mounted.append(target_path)
+        now = safepath.open_in_root(self.root, target_path, os.O_PATH, follow_final=False)
+        try:
+            st = os.fstat(now)
+            if (st.st_dev, st.st_ino) != (src_st.st_dev, src_st.st_ino):
+                raise OSError(16, "changed under us while mounting", target_path)
+            linux.mount(None, linux.fd_path(now), None, linux.MS_BIND | linux.MS_REMOUNT | _flags(options))
+        finally:
+            os.close(now)
+        self.count += 1
 
     def _already_mounted(self, target: str, src_st) -> bool:
         try:
@@ -436,20 +509,12 @@ class _Work:
         ldc = self.plan.ldcache
         etc = safepath.make_dirs(self.root, "/etc", self.changes)
         os.close(etc)
-        try:
-            binary = os.open(ldc.ldconfig, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as err:
-            raise OSError(err.errno, f"host ldconfig {ldc.ldconfig}: {err.strerror}") from None
-        try:
-            if not stat.S_ISREG(os.fstat(binary).st_mode):
-                raise OSError(22, f"host ldconfig {ldc.ldconfig} is not a regular file")
-            # -r chroots into the rootfs by fd (a path could be swapped); -X leaves the
-            # image's own links alone (we made ours).
-            argv = ["ldconfig", "-X", "-r", linux.fd_path(self.root), *ldc.directories]
-            timeout = max(0.1, self.deadline - time.monotonic())
-            result = child.run(argv, timeout, env={}, executable=binary, pass_fds=(self.root, binary))
-        finally:
-            os.close(binary)
+        # -r chroots into the rootfs by fd (a path could be swapped); -X leaves the image's
+        # own links alone (we made ours). The binary is the host's, opened before any change.
+        argv = ["ldconfig", "-X", "-r", linux.fd_path(self.root), *ldc.directories]
+        timeout = max(0.1, self.deadline - time.monotonic())
+        result = child.run(argv, timeout, env={}, executable=self.ldconfig_fd,
+                           pass_fds=(self.root, self.ldconfig_fd))
         if result.timed_out:
             raise TimeoutError(f"host ldconfig did not finish within {timeout:.1f}s; killed")
         if result.status != 0:
@@ -469,4 +534,5 @@ class _Work:
                 problems.append(f"cannot unmount {target}: {err.strerror}")
         self.mounted.clear()
         problems += self.changes.undo()
+        self.close_sources()
         return problems

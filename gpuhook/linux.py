@@ -12,6 +12,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 SIGKILL = 9  # as signal.SIGKILL, without importing signal (and enum) on the hook's path
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2

@@ -23,8 +23,10 @@ CONTROL_MINOR = 255
 MODESET_MINOR = 254
 
 
-class DeviceNode(namedtuple("DeviceNode", "path major minor mode uid gid")):
-    """A character device to create in the container's /dev."""
+class DeviceNode(namedtuple("DeviceNode", "path major minor mode uid gid host_path", defaults=(None,))):
+    """A character device for the container's /dev: made with mknod, or, for a container in
+    a user namespace (where a node on its /dev could not be opened), `host_path` is the
+    host's node, bind-mounted in its place (as runc does for its own devices there)."""
 
     __slots__ = ()
 
@@ -58,10 +60,11 @@ class LdCacheUpdate(namedtuple("LdCacheUpdate", "ldconfig directories")):
 
 class Plan(namedtuple("Plan", (
     "container_id pid rootfs wants channel capabilities gpus "
-    "nodes mounts symlinks rules proc_mask ldcache notes migs"
-), defaults=((),))):
+    "nodes mounts symlinks rules proc_mask ldcache notes migs userns"
+), defaults=((), False))):
     """`gpus` are the GPUs whose node the container gets (whole GPUs and MIG parents);
-    `migs` the MIG devices (request.MigTarget)."""
+    `migs` the MIG devices (request.MigTarget); `userns` whether the container has a user
+    namespace (the apply layer then works as the container's root, and binds device nodes)."""
 
     __slots__ = ()
 
@@ -83,6 +86,7 @@ class Plan(namedtuple("Plan", (
                              "compute_instance": m.device.compute_instance_id, "profile": m.device.name}
                             for m in self.migs],
             "device_nodes": [dict(n._asdict(), mode=f"{n.mode:04o}") for n in self.nodes],
+            "user_namespace": self.userns,
             "mounts": [dict(m._asdict(), options=list(m.options)) for m in self.mounts],
             "symlinks": [s._asdict() for s in self.symlinks],
             "cgroup_rules": [r.as_dict() for r in self.rules],
@@ -142,10 +146,15 @@ def make_plan(state, spec, request, selection, inventory, config, container, nod
                 raise HostError(f"the driver's MIG minor table has no entry for {_minor_key(name)}")
             wanted_nodes.append((f"/dev/nvidia-caps/nvidia-cap{minor}", caps_major, minor))
 
+    userns = "user" in spec.namespaces
     nodes = []
     for path, major, minor in wanted_nodes:
         info = node_info(path) or (DEFAULT_NODE_MODE, 0, 0)
-        nodes.append(DeviceNode(path, major, minor, *info))
+        host_path = config.device_root + path[len("/dev"):] if userns else None
+        nodes.append(DeviceNode(path, major, minor, *info, host_path))
+    if userns:
+        notes.append("user namespace: device nodes are bind-mounted from the host, files are made as the "
+                     "container's root")
 
     lib64, lib32 = container.lib64, container.lib32
     mounts, symlinks = [], []
@@ -184,7 +193,7 @@ def make_plan(state, spec, request, selection, inventory, config, container, nod
     return Plan(
         state.id, state.pid, spec.rootfs, request.wants, request.channel, caps, tuple(gpus),
         tuple(nodes), tuple(mounts), tuple(symlinks), rules, proc_mask, ldcache, tuple(notes),
-        tuple(selection.migs),
+        tuple(selection.migs), userns,
     )
 
 
@@ -229,7 +238,8 @@ def render_text(plan: Plan) -> str:
             f"{m.label} {m.device.uuid} ({m.device.name}, gi {m.device.gpu_instance_id} ci "
             f"{m.device.compute_instance_id})" for m in plan.migs))
     lines.append("device nodes:")
-    lines += [f"  {n.path:<28} c {n.major}:{n.minor}  {n.mode:04o} {n.uid}:{n.gid}" for n in plan.nodes]
+    lines += [f"  {n.path:<28} c {n.major}:{n.minor}  {n.mode:04o} {n.uid}:{n.gid}"
+              + (f"  (bind of {n.host_path})" if n.host_path else "") for n in plan.nodes]
     lines.append("cgroup rules:")
     lines += [f"  allow {r.v1_line()}" for r in plan.rules]
     lines.append("mounts:")

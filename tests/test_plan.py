@@ -31,8 +31,9 @@ STATE = oci.State("1.0.2", "c1", "creating", 77, "/b", {})
 GLIBC_IMAGE = ContainerFacts("/usr/lib64", "/usr/lib", True)
 
 
-def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None):
-    doc = {"root": {"path": "rootfs"}, "process": {"env": env}}
+def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None, namespaces=()):
+    doc = {"root": {"path": "rootfs"}, "process": {"env": env},
+           "linux": {"namespaces": [{"type": t} for t in namespaces]}}
     spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
     config = cfg.from_mapping({})
     r = req.resolve(spec, {}, config)
@@ -100,7 +101,8 @@ def test_plan_renders_as_text_and_json():
     assert "request: all via env NVIDIA_VISIBLE_DEVICES" in text and "/dev/nvidia3" in text
     doc = json.loads(json.dumps(plan.as_dict()))
     assert doc["device_nodes"][0] == {"path": "/dev/nvidiactl", "major": 195, "minor": 255, "mode": "0666",
-                                      "uid": 0, "gid": 0}
+                                      "uid": 0, "gid": 0, "host_path": None}
+    assert doc["user_namespace"] is False
     assert doc["cgroup_rules"][0] == {"type": "c", "major": 195, "minor": 255, "access": "rw", "allow": True}
     assert [g["uuid"] for g in doc["gpus"]] == ["GPU-a", "GPU-b"]
 
@@ -109,6 +111,15 @@ def test_image_without_glibc_gets_no_ld_cache_update():
     plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0"], container=ContainerFacts("/usr/lib64", "/usr/lib", False))
     assert plan.ldcache is None and any("no glibc" in n for n in plan.notes)
     assert "/usr/lib64/libcuda.so.550.54.15" in [m.target for m in plan.mounts]
+
+
+def test_user_namespaced_container_gets_device_nodes_bound_from_the_host():
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=1"], namespaces=("mount", "user"))
+    assert plan.userns is True
+    assert [(n.path, n.host_path) for n in plan.nodes] == [
+        ("/dev/nvidiactl", "/dev/nvidiactl"), ("/dev/nvidia-uvm", "/dev/nvidia-uvm"),
+        ("/dev/nvidia-uvm-tools", "/dev/nvidia-uvm-tools"), ("/dev/nvidia3", "/dev/nvidia3")]
+    assert all(n.host_path is None for n in plan_for(["NVIDIA_VISIBLE_DEVICES=1"]).nodes)
 
 
 def test_empty_request_plans_nothing():
