@@ -46,15 +46,21 @@ def _flags(options) -> int:
     return flags
 
 
-def open_container_mntns(pid: int) -> int:
-    """fd of the container's mount namespace; refuses the hook's own namespace."""
+def _open_namespace(pid: int, kind: str, what: str):
+    """(fd of process `pid`'s namespace `kind`, whether the hook shares it)."""
     try:
-        fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise HostError(f"container process {pid} is gone") from None
     except OSError as err:
-        raise HostError(f"cannot open the mount namespace of process {pid}: {err.strerror}") from err
-    if os.fstat(fd).st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+        raise HostError(f"cannot open the {what} namespace of process {pid}: {err.strerror}") from err
+    return fd, os.fstat(fd).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino
+
+
+def open_container_mntns(pid: int) -> int:
+    """fd of the container's mount namespace; refuses the hook's own namespace."""
+    fd, shared = _open_namespace(pid, "mnt", "mount")
+    if shared:
         os.close(fd)
         raise HostError(f"process {pid} shares the hook's mount namespace: it is not a container being created")
     return fd
@@ -62,13 +68,8 @@ def open_container_mntns(pid: int) -> int:
 
 def open_container_userns(pid: int):
     """fd of the container's user namespace, or None when it shares the hook's."""
-    try:
-        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise HostError(f"container process {pid} is gone") from None
-    except OSError as err:
-        raise HostError(f"cannot open the user namespace of process {pid}: {err.strerror}") from err
-    if os.fstat(fd).st_ino == os.stat("/proc/self/ns/user").st_ino:
+    fd, shared = _open_namespace(pid, "user", "user")
+    if shared:
         os.close(fd)
         return None
     return fd

@@ -205,48 +205,41 @@ def split(path: str) -> tuple[str, str]:
     return "/" + "/".join(parts[:-1]), parts[-1]
 
 
+def _ensure(root_fd: int, path: str, changes: Changes, create, is_kind) -> int:
+    """O_PATH fd of `path`, made by `create(name, parent_fd)` if missing; whatever is there
+    must pass `is_kind(mode)`, and its final component is never followed."""
+    parent_path, name = split(path)
+    parent = make_dirs(root_fd, parent_path, changes)
+    try:
+        try:
+            create(name, parent)
+            changes.add("dir" if is_kind is stat.S_ISDIR else "file", parent, name)
+        except FileExistsError:
+            pass
+        fd = os.open(name, _PATH | os.O_NOFOLLOW, dir_fd=parent)
+        st = os.fstat(fd)
+        if not is_kind(st.st_mode):
+            os.close(fd)
+            raise OSError(errno.EEXIST, f"exists and is {kind_of(st.st_mode)}", path)
+        return fd
+    finally:
+        os.close(parent)
+
+
 def ensure_file(root_fd: int, path: str, changes: Changes, mode: int = 0o644) -> int:
     """O_PATH fd of the regular file `path` (created empty if missing): a bind-mount target.
 
     A symlink, directory, FIFO, socket or device at `path` is refused, never followed.
     """
-    parent_path, name = split(path)
-    parent = make_dirs(root_fd, parent_path, changes)
-    try:
-        try:
-            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | _CLOEXEC, mode, dir_fd=parent)
-            os.close(fd)
-            changes.add("file", parent, name)
-        except FileExistsError:
-            pass
-        fd = os.open(name, _PATH | os.O_NOFOLLOW, dir_fd=parent)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise OSError(errno.EEXIST, f"exists and is {kind_of(st.st_mode)}", path)
-        return fd
-    finally:
-        os.close(parent)
+    def create(name, parent):
+        os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | _CLOEXEC, mode, dir_fd=parent))
+
+    return _ensure(root_fd, path, changes, create, stat.S_ISREG)
 
 
 def ensure_dir(root_fd: int, path: str, changes: Changes) -> int:
-    """O_PATH fd of directory `path`; its final component must not be a symlink."""
-    parent_path, name = split(path)
-    parent = make_dirs(root_fd, parent_path, changes)
-    try:
-        try:
-            os.mkdir(name, 0o755, dir_fd=parent)
-            changes.add("dir", parent, name)
-        except FileExistsError:
-            pass
-        fd = os.open(name, _PATH | os.O_NOFOLLOW, dir_fd=parent)
-        st = os.fstat(fd)
-        if not stat.S_ISDIR(st.st_mode):
-            os.close(fd)
-            raise OSError(errno.EEXIST, f"exists and is {kind_of(st.st_mode)}", path)
-        return fd
-    finally:
-        os.close(parent)
+    """O_PATH fd of directory `path` (created if missing); its final component must not be a symlink."""
+    return _ensure(root_fd, path, changes, lambda name, parent: os.mkdir(name, 0o755, dir_fd=parent), stat.S_ISDIR)
 
 
 def resolve_host(root: str, path: str) -> str:
