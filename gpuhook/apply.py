@@ -143,6 +143,9 @@ def _grant(place, rules) -> list:
         added = v2.grant(place.directory, rules)
     # systemd re-applies a scope's device list on daemon-reload and would drop what it does
     # not know (issue 3); a refusal undoes the grant, so the start fails with nothing half-done.
+    # Only a scope can be systemd's (cgroupfs-driver containers never are): skip the import.
+    if not place.cgroup_path.rstrip("/").endswith(".scope"):
+        return added
     from gpuhook.cgroup import systemd
 
     try:
@@ -311,6 +314,15 @@ class _Work:
         self.count = 0
         self.sources: dict = {}  # host path -> O_PATH fd, opened before any change
         self.ldconfig_fd = -1
+        self.dirs: dict = {}  # container dir -> O_PATH fd, resolved (or made) once
+
+    def parent(self, path: str) -> tuple:
+        """(fd of `path`'s directory, made if missing and then kept open, file name)."""
+        parent_path, name = safepath.split(path)
+        fd = self.dirs.get(parent_path)
+        if fd is None:
+            fd = self.dirs[parent_path] = safepath.make_dirs(self.root, parent_path, self.changes)
+        return fd, name
 
     def open_sources(self) -> None:
         """Open every host file the plan mounts (and the host's ldconfig) up front, with the
@@ -336,9 +348,10 @@ class _Work:
                 raise OSError(22, f"host ldconfig {path} is not a regular file")
 
     def close_sources(self) -> None:
-        for fd in self.sources.values():
+        for fd in list(self.sources.values()) + list(self.dirs.values()):
             os.close(fd)
         self.sources.clear()
+        self.dirs.clear()
         if self.ldconfig_fd >= 0:
             os.close(self.ldconfig_fd)
             self.ldconfig_fd = -1
@@ -360,24 +373,19 @@ class _Work:
         if node.host_path:
             self.bind_device(node)
             return
-        parent_path, name = safepath.split(node.path)
-        parent = safepath.make_dirs(self.root, parent_path, self.changes)
+        parent, name = self.parent(node.path)
+        want = os.makedev(node.major, node.minor)
         try:
-            want = os.makedev(node.major, node.minor)
-            try:
-                os.mknod(name, stat.S_IFCHR | node.mode, want, dir_fd=parent)
-            except FileExistsError:
-                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
-                    return  # already there (the hook ran before, or the spec made it)
-                raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}"
-                                  + (f" {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if stat.S_ISCHR(st.st_mode) else ""),
-                              node.path) from None
-            self.changes.add("file", parent, name)
-            os.chown(name, node.uid, node.gid, dir_fd=parent, follow_symlinks=False)
-            self.count += 1
-        finally:
-            os.close(parent)
+            os.mknod(name, stat.S_IFCHR | node.mode, want, dir_fd=parent)
+        except FileExistsError:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
+                return  # already there (the hook ran before, or the spec made it)
+            numbers = f" {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if stat.S_ISCHR(st.st_mode) else ""
+            raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}{numbers}", node.path) from None
+        self.changes.add("file", parent, name)
+        os.chown(name, node.uid, node.gid, dir_fd=parent, follow_symlinks=False)
+        self.count += 1
 
     def bind_device(self, node) -> None:
         """The host's node bind-mounted at the container's path (user namespaces)."""
@@ -400,10 +408,11 @@ class _Work:
         the mount we just made."""
         if self._already_mounted(target_path, src_st):
             return  # the hook ran before for this container
+        parent, _ = self.parent(target_path)
         if kind == "dir":
-            target = safepath.ensure_dir(self.root, target_path, self.changes)
+            target = safepath.ensure_dir(self.root, target_path, self.changes, parent_fd=parent)
         else:
-            target = safepath.ensure_file(self.root, target_path, self.changes)
+            target = safepath.ensure_file(self.root, target_path, self.changes, parent_fd=parent)
         try:
             linux.mount(linux.fd_path(src), linux.fd_path(target), None, linux.MS_BIND)
         finally:
@@ -431,28 +440,24 @@ class _Work:
             os.close(fd)
 
     def symlink(self, link) -> None:
-        parent_path, name = safepath.split(link.path)
-        parent = safepath.make_dirs(self.root, parent_path, self.changes)
+        parent, name = self.parent(link.path)
         try:
-            try:
-                os.symlink(link.target, name, dir_fd=parent)
-                self.changes.add("file", parent, name)
-            except FileExistsError:
-                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                if not stat.S_ISLNK(st.st_mode):
-                    raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}", link.path) from None
-                old = os.readlink(name, dir_fd=parent)
-                if old == link.target:
-                    return
-                # The image has its own link by that name (a stub or an older driver's):
-                # point it at the host driver, atomically, and remember the old target.
-                temp = f".{name}.gpuhook"
-                os.symlink(link.target, temp, dir_fd=parent)
-                os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
-                self.changes.add_relink(parent, name, old)
-            self.count += 1
-        finally:
-            os.close(parent)
+            os.symlink(link.target, name, dir_fd=parent)
+            self.changes.add("file", parent, name)
+        except FileExistsError:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if not stat.S_ISLNK(st.st_mode):
+                raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}", link.path) from None
+            old = os.readlink(name, dir_fd=parent)
+            if old == link.target:
+                return
+            # The image has its own link by that name (a stub or an older driver's): point
+            # it at the host driver, atomically, and remember the old target.
+            temp = f".{name}.gpuhook"
+            os.symlink(link.target, temp, dir_fd=parent)
+            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            self.changes.add_relink(parent, name, old)
+        self.count += 1
 
     def mask_proc(self, files: dict) -> None:
         try:

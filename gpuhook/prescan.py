@@ -100,6 +100,8 @@ def bundle_of(state: bytes) -> str | None:
 
 def _hides_marker(data: bytes) -> bool:
     """True if a \\uXXXX escape in `data` spells a character that markers are made of."""
+    if b"\\" not in data:  # most documents have no escape at all: one fast scan
+        return False
     i = data.find(b"\\u")
     while i >= 0:
         try:

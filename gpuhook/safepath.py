@@ -205,11 +205,12 @@ def split(path: str) -> tuple[str, str]:
     return "/" + "/".join(parts[:-1]), parts[-1]
 
 
-def _ensure(root_fd: int, path: str, changes: Changes, create, is_kind) -> int:
+def _ensure(root_fd: int, path: str, changes: Changes, create, is_kind, parent_fd=None) -> int:
     """O_PATH fd of `path`, made by `create(name, parent_fd)` if missing; whatever is there
-    must pass `is_kind(mode)`, and its final component is never followed."""
+    must pass `is_kind(mode)`, and its final component is never followed. `parent_fd`, if
+    given, is the already-resolved parent directory (kept open)."""
     parent_path, name = split(path)
-    parent = make_dirs(root_fd, parent_path, changes)
+    parent = make_dirs(root_fd, parent_path, changes) if parent_fd is None else parent_fd
     try:
         try:
             create(name, parent)
@@ -223,10 +224,11 @@ def _ensure(root_fd: int, path: str, changes: Changes, create, is_kind) -> int:
             raise OSError(errno.EEXIST, f"exists and is {kind_of(st.st_mode)}", path)
         return fd
     finally:
-        os.close(parent)
+        if parent_fd is None:
+            os.close(parent)
 
 
-def ensure_file(root_fd: int, path: str, changes: Changes, mode: int = 0o644) -> int:
+def ensure_file(root_fd: int, path: str, changes: Changes, mode: int = 0o644, parent_fd=None) -> int:
     """O_PATH fd of the regular file `path` (created empty if missing): a bind-mount target.
 
     A symlink, directory, FIFO, socket or device at `path` is refused, never followed.
@@ -234,12 +236,13 @@ def ensure_file(root_fd: int, path: str, changes: Changes, mode: int = 0o644) ->
     def create(name, parent):
         os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | _CLOEXEC, mode, dir_fd=parent))
 
-    return _ensure(root_fd, path, changes, create, stat.S_ISREG)
+    return _ensure(root_fd, path, changes, create, stat.S_ISREG, parent_fd)
 
 
-def ensure_dir(root_fd: int, path: str, changes: Changes) -> int:
+def ensure_dir(root_fd: int, path: str, changes: Changes, parent_fd=None) -> int:
     """O_PATH fd of directory `path` (created if missing); its final component must not be a symlink."""
-    return _ensure(root_fd, path, changes, lambda name, parent: os.mkdir(name, 0o755, dir_fd=parent), stat.S_ISDIR)
+    return _ensure(root_fd, path, changes, lambda name, parent: os.mkdir(name, 0o755, dir_fd=parent),
+                   stat.S_ISDIR, parent_fd)
 
 
 def resolve_host(root: str, path: str) -> str:
