@@ -1,0 +1,130 @@
+"""Runs as the prestart hook in place of gpuhook/launch.py and times the GPU path's phases.
+
+    python3 -I -S benchmarks/hook_profile.py RECORD_FILE [--fast-exit] prestart --config FILE
+
+benchmarks/run.py --breakdown registers this in a runc bundle. It imports gpuhook the way
+launch.py does, wraps gpuhook's functions with timers (module attributes, so the product
+code runs unchanged), then calls gpuhook.entry.main. Each timed call appends one line to
+RECORD_FILE: phase, nesting depth, start and end in ms since this file started, pid. The
+forked namespace worker inherits the open file (it is opened before the worker enters the
+container's mount namespace, where the path would not resolve).
+
+With --fast-exit the process ends with os._exit after flushing stdio instead of the normal
+interpreter finalization; run.py times both side by side to measure what teardown costs.
+
+Only `time`, `os` and `sys` are used here, all of which the hook loads anyway. What this
+cannot see: the interpreter's start-up before this file runs (the bare interpreter's time
+in the nogpu group) and its teardown.
+"""
+
+import sys
+import time
+
+T0 = time.perf_counter_ns()
+
+import os  # noqa: E402
+
+sys.path.insert(0, __file__.rpartition("/")[0].rpartition("/")[0])
+RECORD = os.open(sys.argv.pop(1), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+FAST_EXIT = sys.argv[1:2] == ["--fast-exit"]
+if FAST_EXIT:
+    del sys.argv[1]
+MAIN_PID = os.getpid()
+_depth = [0]
+
+
+def emit(name: str, depth: int, start: int, end: int) -> None:
+    pid = os.getpid()
+    if pid != MAIN_PID:
+        name = "[worker] " + name
+    os.write(RECORD, f"{name}\t{depth}\t{(start - T0) / 1e6:.4f}\t{(end - T0) / 1e6:.4f}\t{pid}\n".encode())
+
+
+def timed(name: str, fn):
+    def wrapper(*args, **kwargs):
+        depth = _depth[0]
+        _depth[0] = depth + 1
+        start = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end = time.perf_counter_ns()
+            _depth[0] = depth
+            emit(name, depth, start, end)
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def patch(module, attribute: str, name: str) -> None:
+    """Wrap module.attribute; a name the product no longer has is skipped (the hook must
+    run whatever gpuhook's internals are called today; the phase is just not shown)."""
+    original = getattr(module, attribute, None)
+    if callable(original):
+        setattr(module, attribute, timed(name, original))
+
+
+def main() -> None:
+    start = time.perf_counter_ns()
+    _depth[0] = 1
+    from gpuhook import entry, prescan  # noqa: F401
+    emit("import gpuhook.entry, gpuhook.prescan", 1, start, time.perf_counter_ns())
+    start = time.perf_counter_ns()
+    from gpuhook import hook
+    emit("import gpuhook.hook (config, oci, request, discover, inventory, plan, journal, fastjson, ...)",
+         1, start, time.perf_counter_ns())
+    start = time.perf_counter_ns()
+    from gpuhook import apply
+    emit("import gpuhook.apply (safepath, linux, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
+    from gpuhook import cache, config, discover, inventory, journal, linux, oci, request, safepath
+    from gpuhook.cgroup import hierarchy
+
+    patch(entry, "run_stage", "entry.run_stage (stdin, config.json, prescan, hook)")
+    patch(prescan, "may_request_gpu", "prescan.may_request_gpu")
+    patch(hook, "run_hook", "hook.run_hook")
+    patch(config, "load", "config.load (cached TOML)")
+    patch(cache, "read", "cache.read (fastjson)")
+    patch(hook, "read_container", "hook.read_container")
+    patch(oci, "parse_state", "oci.parse_state")
+    patch(oci, "parse_spec", "oci.parse_spec")
+    patch(hook, "prestart", "hook.prestart")
+    patch(hook, "build_plan", "hook.build_plan")
+    patch(request, "resolve", "request.resolve")
+    patch(hook, "load_inventory", "inventory.load (cached)")
+    patch(discover, "driver_version", "discover.driver_version")
+    patch(inventory, "fingerprint", "inventory.fingerprint")
+    patch(discover, "inventory_from_dict", "discover.inventory_from_dict")
+    patch(discover, "ipc", "discover.ipc")
+    patch(request, "select_gpus", "request.select_gpus")
+    patch(discover, "container_facts", "discover.container_facts")
+    patch(hook, "make_plan", "plan.make_plan")
+    patch(apply, "apply", "apply.apply")
+    patch(apply, "open_container_mntns", "apply.open_container_mntns")
+    patch(apply, "read_proc_files", "apply.read_proc_files")
+    patch(hierarchy, "placement", "cgroup.hierarchy.placement")
+    patch(apply, "_grant", "apply._grant (devices.allow / device program, systemd)")
+    patch(apply, "_run_worker", "apply._run_worker (fork, wait for the worker)")
+    patch(apply, "_collect", "apply._collect (parent waits)")
+    patch(apply, "_worker", "apply._worker (in the container's mount ns)")
+    for method in ("node", "bind", "symlink", "mask_proc", "ldconfig"):
+        patch(apply._Work, method, f"_Work.{method}")
+    patch(safepath, "make_dirs", "safepath.make_dirs")
+    patch(safepath, "ensure_file", "safepath.ensure_file")
+    patch(linux, "mount", "linux.mount")
+    patch(journal, "write", "journal.write (decision log)")
+    try:
+        entry.main(sys.argv[1:])
+    finally:
+        emit("total in the hook process (after interpreter start-up, before teardown)", 0, T0,
+             time.perf_counter_ns())
+
+
+if FAST_EXIT:
+    try:
+        main()
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+main()

@@ -1,0 +1,966 @@
+#!/usr/bin/env python3
+"""gpuhook's performance figures (issue 8): every target side by side in one run.
+
+    sudo .venv/bin/python benchmarks/run.py [--quick] [--only GROUPS] [--json FILE]
+                                            [--importtime] [--breakdown] [--write-markdown [FILE]]
+
+Groups (all by default; --only takes a comma-separated list):
+
+  nogpu    the hook as hooks.d registers it, for containers that want no GPU, vs
+           `python3 -I -S -c pass` with the same interpreter: wall time and peak RSS
+  runc     `runc run` of a busybox container with the hook vs with /bin/true as the hook
+  gpu      `runc run` on an 8-GPU simulated host with NVIDIA_VISIBLE_DEVICES=0 vs no hook
+  health   benchmarks/health_bench.py (when it exists): 1, 8 and 16 GPUs at 1 s per NVML call
+  importtime   (also --importtime) `-X importtime` of the no-GPU path and the warm GPU path
+  breakdown    (also --breakdown) where the warm GPU path's time goes, by phase
+
+Candidates of a group run interleaved, in a fresh random order per round, so noise from
+other processes hits all of them alike; ratios are of medians. Results: a table on stdout,
+JSON in benchmarks/results/latest.json (and --json FILE), and with --write-markdown the
+committed benchmarks/RESULTS.md. See benchmarks/README.md.
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+for path in (REPO, HERE):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import harness as H  # noqa: E402
+
+RESULTS_DIR = os.path.join(HERE, "results")
+LATEST = os.path.join(RESULTS_DIR, "latest.json")
+MARKDOWN = os.path.join(HERE, "RESULTS.md")
+HEALTH_BENCH = os.path.join(HERE, "health_bench.py")
+HOOK_PROFILE = os.path.join(HERE, "hook_profile.py")
+GROUPS = ("nogpu", "runc", "gpu", "health")
+EXTRA_GROUPS = ("importtime", "breakdown")
+
+# Repetitions: rounds of every candidate of a group (plus untimed warm-up rounds).
+SETTINGS = {
+    "full": {"nogpu_rounds": 400, "rss_rounds": 15, "runc_rounds": 100, "gpu_rounds": 60,
+             "health_repeat": 5, "importtime_runs": 5, "breakdown_runs": 25, "warmup": 3},
+    "quick": {"nogpu_rounds": 30, "rss_rounds": 3, "runc_rounds": 6, "gpu_rounds": 4,
+              "health_repeat": 1, "importtime_runs": 2, "breakdown_runs": 3, "warmup": 1},
+}
+TARGETS = {
+    "nogpu_wall": {"on": "ratio", "op": "<=", "limit": 1.15, "text": "≤ 1.15×"},
+    "nogpu_rss": {"on": "value", "op": "<=", "limit": 9.0, "text": "≤ 9 MiB"},
+    "runc": {"on": "ratio", "op": "<=", "limit": 1.3, "text": "≤ 1.3×"},
+    "gpu": {"on": "ratio", "op": "<=", "limit": 2.0, "text": "≤ 2×"},
+    "health": {"on": "value", "op": "<=", "limit": 1.2, "text": "≤ 1.2 s"},
+}
+HEALTH_GPUS = (1, 8, 16)
+HEALTH_LATENCY_MS = 1000
+SIM_GPUS = 8
+
+
+class Unavailable(Exception):
+    """A group cannot run here (not root, a tool missing): its rows say why, with no number."""
+
+
+# --- the containers' configuration ------------------------------------------------------
+
+def base_spec() -> dict:
+    """A config.json like `runc spec` writes (runc's default mounts, namespaces, masks)."""
+    return {
+        "ociVersion": "1.0.2-dev",
+        "process": {"terminal": False, "user": {"uid": 0, "gid": 0}, "args": ["/bin/busybox", "true"],
+                    "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "TERM=xterm"],
+                    "cwd": "/",
+                    "capabilities": {k: ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
+                                     for k in ("bounding", "effective", "permitted", "ambient")},
+                    "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}], "noNewPrivileges": True},
+        "root": {"path": "rootfs", "readonly": True},
+        "hostname": "runc",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        ],
+        "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                  "maskedPaths": ["/proc/acpi", "/proc/kcore", "/proc/keys", "/sys/firmware"],
+                  "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]},
+    }
+
+
+# "big": the size tests/test_hot_path.py uses (2000 mounts, 500 annotations of 100 bytes);
+# "huge": four times that, plus a long environment: a stress row, informational.
+BIG = {"mounts": 2000, "annotations": 500, "env": 2}
+HUGE = {"mounts": 8000, "annotations": 2000, "env": 200}
+
+
+def big_spec(size: dict) -> dict:
+    spec = base_spec()
+    spec["process"]["env"] += ["HOME=/root", "LANG=C.UTF-8"][: size["env"]]
+    spec["process"]["env"] += [f"APP_SETTING_{i}=value-{i}" for i in range(max(0, size["env"] - 2))]
+    spec["mounts"] += [{"destination": f"/data/{i}", "type": "bind", "source": f"/srv/volumes/{i}",
+                        "options": ["rbind", "ro"]} for i in range(size["mounts"])]
+    spec["annotations"] = {f"io.example.team/annotation-{i}": "x" * 100 for i in range(size["annotations"])}
+    return spec
+
+
+def nogpu_cases() -> dict:
+    """The no-GPU containers: name -> (label, spec, informational)."""
+    noenv = base_spec()
+    del noenv["process"]["env"]
+    void = base_spec()
+    void["process"]["env"].append("NVIDIA_VISIBLE_DEVICES=void")
+
+    def label(size):
+        return f"big config.json ({size['mounts']} mounts, {size['annotations']} annotations), no GPU vars"
+    return {
+        "noenv": ("no env at all", noenv, False),
+        "big": (label(BIG), big_spec(BIG), False),
+        "void": ("NVIDIA_VISIBLE_DEVICES=void", void, False),
+        "huge": (label(HUGE).replace("big", "stress: huge") + f", {HUGE['env']} env", big_spec(HUGE), True),
+    }
+
+
+def write_bundle(directory: str, spec: dict, container_id: str) -> str:
+    """Write config.json (and an empty rootfs) under `directory`; returns the state file:
+    the OCI state runc gives a prestart hook (its annotations are the spec's)."""
+    os.makedirs(f"{directory}/rootfs", exist_ok=True)
+    with open(f"{directory}/config.json", "w") as f:
+        json.dump(spec, f, separators=(",", ":"))  # compact, as Go's json.Marshal writes it
+    state = {"ociVersion": "1.0.2", "id": container_id, "status": "creating", "pid": os.getpid(),
+             "bundle": directory}
+    if spec.get("annotations"):
+        state["annotations"] = spec["annotations"]
+    path = f"{directory}/state.json"
+    with open(path, "w") as f:
+        json.dump(state, f, separators=(",", ":"))
+    return path
+
+
+# --- group: no-GPU path -----------------------------------------------------------------
+
+def group_nogpu(ctx) -> list:
+    hook = ctx.hook
+    python = hook["path"]
+    env = H.env_dict(hook["env"])
+    bare = H.bare_interpreter_argv(hook)
+    states, sizes, labels, info = {}, {}, {}, {}
+    for name, (label, spec, informational) in nogpu_cases().items():
+        states[name] = write_bundle(f"{ctx.workdir}/nogpu/{name}", spec, f"bench-nogpu-{name}")
+        sizes[name] = (os.path.getsize(f"{ctx.workdir}/nogpu/{name}/config.json"), os.path.getsize(states[name]))
+        labels[name] = label
+        info[name] = informational
+    # Correctness first: each case exits 0 and takes the fast path (gpuhook.hook never imported).
+    paths = {}
+    for name, state in states.items():
+        with open(state, "rb") as f:
+            done = subprocess.run([hook["args"][0], *hook["args"][1:3], "-X", "importtime", *hook["args"][3:]],
+                                  executable=python, stdin=f, capture_output=True, env=env, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"no-GPU hook ({name}) exited {done.returncode}: {done.stderr.decode()[-500:]}")
+        modules = {m for m, *_ in H.parse_importtime(done.stderr.decode())}
+        paths[name] = "full GPU path (gpuhook.hook imported)" if "gpuhook.hook" in modules else "fast path"
+
+    def runner(argv, stdin):
+        def call():
+            done = H.spawn(python, argv, env, stdin=stdin)
+            if done.status != 0:
+                raise RuntimeError(f"{argv} exited with {done.exit_code}")
+            return done
+        return call
+
+    candidates = {"bare": runner(bare, states["noenv"])}
+    for name, state in states.items():
+        candidates[name] = runner(hook["args"], state)
+    ctx.note_noise("nogpu", "start")
+    samples = H.interleave(candidates, ctx.s["nogpu_rounds"], warmup=ctx.s["warmup"], seed=ctx.seed)
+    ctx.note_noise("nogpu", "end")
+
+    rows = []
+    base = H.summary(samples["bare"]["ms"])
+    base_cpu = H.summary(samples["bare"]["cpu_ms"])
+    rows.append(H.row("nogpu.wall.bare", "nogpu", "python3 -I -S -c pass (baseline)", "ms", base,
+                      extra={"cpu_ms": base_cpu}, note="same interpreter, argv[0], flags, env and stdin as the hook"))
+    for name in states:
+        stats = H.summary(samples[name]["ms"])
+        cpu = H.summary(samples[name]["cpu_ms"])
+        target = dict(TARGETS["nogpu_wall"], informational=True) if info[name] else TARGETS["nogpu_wall"]
+        rows.append(H.row(f"nogpu.wall.{name}", "nogpu", f"no-GPU hook: {labels[name]}", "ms", stats,
+                          baseline="nogpu.wall.bare", baseline_stats=base, target=target,
+                          paired=H.paired_ratios(samples[name]["ms"], samples["bare"]["ms"]),
+                          note=f"{paths[name]}; config.json {sizes[name][0] / 1024:.0f} KiB, state "
+                               f"{sizes[name][1] / 1024:.0f} KiB; +{stats['median'] - base['median']:.2f} ms"
+                               + ("; stress row beyond the issue's case, informational" if info[name] else ""),
+                          extra={"cpu_ms": cpu, "cpu_ratio": cpu["median"] / base_cpu["median"] if base_cpu["median"] else None,
+                                 "config_bytes": sizes[name][0], "state_bytes": sizes[name][1],
+                                 "path_taken": paths[name]}))
+
+    # Peak RSS: each measurement in a fresh measuring process, interleaved too.
+    tool = H.rss_tool()
+    if tool is None:
+        for name in ["bare", *states]:
+            rows.append(H.unavailable_row(f"nogpu.rss.{name}", "nogpu", f"peak RSS: {name}",
+                                          "no /usr/bin/time and no busybox to measure with", TARGETS["nogpu_rss"]))
+        return rows
+    floor_kib = H.rss_floor_kib(tool)
+
+    def rss(argv, stdin):
+        return lambda: H.peak_rss_kib(python, argv, env, stdin=stdin, tool=tool) / 1024
+    rss_candidates = {"bare": rss(bare, states["noenv"])}
+    for name, state in states.items():
+        rss_candidates[name] = rss(hook["args"], state)
+    rss_samples = H.interleave(rss_candidates, ctx.s["rss_rounds"], warmup=0, seed=ctx.seed + 1)
+    rss_base = H.summary(rss_samples["bare"]["ms"])
+    tool_note = f"measured by {os.path.basename(tool[0])} (its own floor: {floor_kib / 1024:.2f} MiB)"
+    rows.append(H.row("nogpu.rss.bare", "nogpu", "peak RSS: python3 -I -S -c pass (baseline)", "MiB", rss_base,
+                      note=tool_note, extra={"rss_floor_mib": floor_kib / 1024}))
+    for name in states:
+        stats = H.summary(rss_samples[name]["ms"])
+        target = dict(TARGETS["nogpu_rss"], informational=True) if info[name] else TARGETS["nogpu_rss"]
+        rows.append(H.row(f"nogpu.rss.{name}", "nogpu", f"peak RSS, no-GPU hook: {labels[name]}", "MiB", stats,
+                          baseline="nogpu.rss.bare", baseline_stats=rss_base, target=target,
+                          note=f"+{stats['median'] - rss_base['median']:.2f} MiB over the bare interpreter"))
+    return rows
+
+
+# --- runc helpers -------------------------------------------------------------------------
+
+def need_root_tools(*tools):
+    if os.geteuid() != 0:
+        raise Unavailable("needs root (runc containers)")
+    for tool in tools:
+        if shutil.which(tool) is None:
+            raise Unavailable(f"needs {tool}")
+
+
+class Runc:
+    """Times `runc run` of bundles made by gpuhook.testbed (busybox rootfs, runc's spec)."""
+
+    def __init__(self, workdir: str):
+        from gpuhook import testbed
+
+        self.testbed = testbed
+        try:
+            testbed.find_busybox()
+        except testbed.TestbedError as err:
+            raise Unavailable(str(err)) from None
+        self.bed = testbed.Testbed(workdir)
+        self.counter = 0
+        self.errfile = f"{workdir}/runc.stderr"
+
+    def run(self, bundle: str, prefix: str) -> "H.Spawned":
+        self.counter += 1
+        cid = f"{prefix}-{os.getpid()}-{self.counter}"
+        runc = self.bed.runc
+        done = H.spawn(runc, [runc, "--root", self.bed.state_root, "run", "--bundle", bundle, cid],
+                       self.testbed.RUN_ENV, stderr=self.errfile)
+        if done.status != 0:
+            self.bed.delete(cid)
+            with open(self.errfile, errors="replace") as f:
+                raise RuntimeError(f"runc run {os.path.basename(bundle)} exited {done.exit_code}: {f.read()[-800:]}")
+        return done
+
+
+def true_hook(hook: dict) -> dict:
+    return {"path": "/bin/true", "args": ["true"], "env": list(hook["env"]), "timeout": hook["timeout"]}
+
+
+def runc_hook(hook: dict) -> dict:
+    return {k: hook[k] for k in ("path", "args", "env", "timeout")}
+
+
+# --- group: runc, no GPU ----------------------------------------------------------------
+
+def group_runc(ctx) -> list:
+    need_root_tools("runc")
+    rc = Runc(f"{ctx.workdir}/runc")
+    args = ["/bin/busybox", "true"]
+    bundles = {
+        "none": rc.bed.bundle("none", args),
+        "true": rc.bed.bundle("true", args, hooks={"prestart": [true_hook(ctx.hook)]}),
+        "gpuhook": rc.bed.bundle("gpuhook", args, hooks={"prestart": [runc_hook(ctx.hook)]}),
+    }
+    candidates = {name: (lambda b=bundle: rc.run(b, "bench-runc")) for name, bundle in bundles.items()}
+    ctx.note_noise("runc", "start")
+    samples = H.interleave(candidates, ctx.s["runc_rounds"], warmup=ctx.s["warmup"], seed=ctx.seed + 2)
+    ctx.note_noise("runc", "end")
+    none = H.summary(samples["none"]["ms"])
+    true = H.summary(samples["true"]["ms"])
+    hooked = H.summary(samples["gpuhook"]["ms"])
+    return [
+        H.row("runc.none", "runc", "runc run busybox, no hook (info)", "ms", none),
+        H.row("runc.true", "runc", "runc run busybox, /bin/true as hook (baseline)", "ms", true,
+              baseline="runc.none", baseline_stats=none),
+        H.row("runc.gpuhook", "runc", "runc run busybox, gpuhook as hook, no GPU request", "ms", hooked,
+              baseline="runc.true", baseline_stats=true, target=TARGETS["runc"],
+              paired=H.paired_ratios(samples["gpuhook"]["ms"], samples["true"]["ms"]),
+              note=f"hook as hooks.d registers it; +{hooked['median'] - true['median']:.2f} ms over /bin/true, "
+                   f"{hooked['median'] / none['median']:.2f}x vs no hook"),
+    ]
+
+
+# --- group: GPU path on a simulated host --------------------------------------------------
+
+class SimGpu:
+    """An 8-GPU simulated host, a config for it, and busybox bundles that request GPU 0."""
+
+    VARIANTS = {
+        # name: (label, NVIDIA_VISIBLE_DEVICES, glibc-style image, check run in the container)
+        "static": ("GPU path, static busybox image (no ld cache), GPU 0", "0", False, "test -c /dev/nvidia0"),
+        "glibc": ("GPU path, glibc-style image (host ldconfig runs), GPU 0", "0", True,
+                  "test -c /dev/nvidia0 && test -s /etc/ld.so.cache"),
+        "all": ("GPU path, static image, NVIDIA_VISIBLE_DEVICES=all (8 GPUs)", "all", False,
+                f"test -c /dev/nvidia{SIM_GPUS - 1}"),
+    }
+
+    def __init__(self, ctx):
+        need_root_tools("runc", "gcc", "ldconfig")
+        from gpuhook import config as cfg
+        from gpuhook.simulate import host as simhost
+
+        self.ctx = ctx
+        self.dir = f"{ctx.workdir}/gpu"
+        self.rc = Runc(f"{self.dir}/bed")
+        started = time.monotonic()
+        self.sim = simhost.build(f"{self.dir}/sim", gpus=SIM_GPUS)
+        self.build_seconds = time.monotonic() - started
+        with open(self.sim["config"]) as f:
+            text = f.read()
+        # Health checks off, but only through keys this version of gpuhook has.
+        keys = {k.dotted: k for k in cfg.KEYS}
+        health = keys.get("health.mode")
+        if health is not None and (health.kind != "choice" or "off" in health.choices):
+            text += '\n[health]\nmode = "off"\n'
+            self.health = 'off ([health] mode = "off")'
+        else:
+            self.health = "no health.mode key in gpuhook.config.KEYS: this version runs no health checks"
+        self.config = f"{self.dir}/config.toml"
+        with open(self.config, "w") as f:
+            f.write(text)
+        self.hook = H.hooksd_hook(ctx.hook["path"], launcher=ctx.launcher, extra_args=["--config", self.config])
+        self.templates = {}
+        for glibc in (False, True):
+            template = self.rc.bed.rootfs(f"{self.dir}/templates/{'glibc' if glibc else 'static'}")
+            if glibc:
+                os.makedirs(f"{template}/etc", exist_ok=True)
+                with open(f"{template}/etc/ld.so.conf", "w") as f:
+                    f.write("include /etc/ld.so.conf.d/*.conf\n")
+            self.templates[glibc] = template
+        self.kinds = {}  # name -> (args, env, hooks, glibc)
+        self.ready = {}  # name -> bundles not yet run
+        self.made = {}
+
+    def add(self, name: str, hook_entry: dict | None, visible: str, glibc: bool, check: str) -> None:
+        env = [f"NVIDIA_VISIBLE_DEVICES={visible}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
+        hooks = {"prestart": [hook_entry]} if hook_entry else None
+        self.kinds[name] = (["/bin/busybox", "sh", "-c", check], env, hooks, glibc)
+        self.ready[name] = []
+        self.made[name] = 0
+
+    def prepare(self, name: str, count: int) -> None:
+        """`count` bundles for `name`, each with a fresh rootfs, as a runtime's fresh overlay
+        would be: the hook's device nodes, mount targets, symlinks and ld cache never carry
+        over. Made before timing (hard links to a template) and synced, so no file system
+        work of ours runs between or during timed starts."""
+        args, env, hooks, glibc = self.kinds[name]
+        for _ in range(count):
+            self.made[name] += 1
+            bundle_name = f"{name}-{self.made[name]}"
+            rootfs = f"{self.rc.bed.workdir}/bundles/{bundle_name}/rootfs"
+            shutil.copytree(self.templates[glibc], rootfs, symlinks=True, copy_function=os.link)
+            self.ready[name].append(self.rc.bed.bundle(bundle_name, args, env=env, hooks=hooks, rootfs=rootfs))
+        os.sync()
+
+    def run(self, name: str):
+        if not self.ready[name]:
+            self.prepare(name, 1)
+        return self.rc.run(self.ready[name].pop(0), "bench-gpu")
+
+    def last_log(self) -> dict:
+        try:
+            with open(self.sim["directory"] + "/gpuhook.log") as f:
+                lines = f.read().splitlines()
+            return json.loads(lines[-1]) if lines else {}
+        except (OSError, ValueError):
+            return {}
+
+
+def group_gpu(ctx) -> list:
+    sim = SimGpu(ctx)
+    ctx.sim_gpu = sim
+    sim.add("none", None, "0", False, "true")
+    for name, (_, visible, glibc, check) in SimGpu.VARIANTS.items():
+        sim.add(name, runc_hook(sim.hook), visible, glibc, check)
+    names = ["none", *SimGpu.VARIANTS]
+    # Warm the config and inventory caches (untimed), then check they are warm.
+    for name in names:
+        sim.run(name)
+    inventory_cache = f"{sim.sim['directory']}/run/inventory.json"
+    if not os.path.exists(inventory_cache):
+        raise RuntimeError(f"the inventory cache {inventory_cache} was not written by the warm-up run")
+    decision = sim.last_log().get("decision")
+    for name in names:
+        sim.prepare(name, ctx.s["warmup"] + ctx.s["gpu_rounds"])
+    candidates = {name: (lambda n=name: sim.run(n)) for name in names}
+    ctx.note_noise("gpu", "start")
+    samples = H.interleave(candidates, ctx.s["gpu_rounds"], warmup=ctx.s["warmup"], seed=ctx.seed + 3)
+    ctx.note_noise("gpu", "end")
+    none = H.summary(samples["none"]["ms"])
+    setup = (f"{SIM_GPUS}-GPU simulated host; NVIDIA_DRIVER_CAPABILITIES=compute,utility; config and "
+             f"inventory caches warm; health: {sim.health}")
+    rows = [H.row("gpu.none", "gpu", f"runc run busybox, no hook ({SIM_GPUS}-GPU sim host, baseline)", "ms", none,
+                  note=setup, extra={"sim_build_seconds": round(sim.build_seconds, 1), "health": sim.health,
+                                     "last_decision": decision})]
+    for name, (label, visible, glibc, _) in SimGpu.VARIANTS.items():
+        stats = H.summary(samples[name]["ms"])
+        target = TARGETS["gpu"] if name == "static" else None
+        note = f"+{stats['median'] - none['median']:.1f} ms over no hook"
+        if name == "glibc":
+            note += "; reported for honesty (target applies to the static image)"
+        if name == "all":
+            note += "; info"
+        rows.append(H.row(f"gpu.{name}", "gpu", label, "ms", stats, baseline="gpu.none", baseline_stats=none,
+                          target=target, paired=H.paired_ratios(samples[name]["ms"], samples["none"]["ms"]),
+                          note=note, extra={"visible_devices": visible, "glibc_image": glibc}))
+    return rows
+
+
+# --- group: health checks ---------------------------------------------------------------
+
+def load_health_bench(path: str = HEALTH_BENCH):
+    """benchmarks/health_bench.py as a module, or None while it does not exist."""
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location("health_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def health_label(gpus: int) -> str:
+    return f"health check, {gpus} healthy simulated GPU(s), {HEALTH_LATENCY_MS} ms per NVML call"
+
+
+def group_health(ctx, path: str = HEALTH_BENCH) -> list:
+    rows = []
+    try:
+        bench = load_health_bench(path)
+        why = None if bench is None else ("" if hasattr(bench, "measure") else "health_bench.py has no measure()")
+        if bench is None:
+            why = "not available yet (benchmarks/health_bench.py does not exist)"
+    except Exception as err:  # someone else's file, maybe half-written: report, never guess
+        bench, why = None, f"not available: importing health_bench.py failed: {type(err).__name__}: {err}"
+    for gpus in HEALTH_GPUS:
+        target = TARGETS["health"] if gpus == 16 else None
+        rid, label = f"health.{gpus}", health_label(gpus)
+        if why:
+            rows.append(H.unavailable_row(rid, "health", label, why, target))
+            continue
+        try:
+            result = bench.measure(gpus=gpus, latency_ms=HEALTH_LATENCY_MS, repeat=ctx.s["health_repeat"])
+            stats = {"n": ctx.s["health_repeat"], "median": float(result["median_s"]),
+                     "min": float(result["min_s"]), "max": float(result["max_s"])}
+            serial = result.get("serial_estimate_s")
+        except Exception as err:
+            rows.append(H.unavailable_row(rid, "health", label,
+                                          f"health_bench.measure failed: {type(err).__name__}: {err}", target))
+            continue
+        out = H.row(rid, "health", label, "s", stats, target=target,
+                    note=("ratio = median / serial estimate" + (f" ({float(serial):.1f} s)" if serial else "")),
+                    extra={"serial_estimate_s": serial, "raw": result})
+        if serial:
+            out["ratio"] = stats["median"] / float(serial)
+            out["baseline"] = "serial estimate"
+        rows.append(out)
+    return rows
+
+
+# --- importtime and breakdown -------------------------------------------------------------
+
+def importtime_nogpu(ctx) -> dict:
+    hook = ctx.hook
+    env = H.env_dict(hook["env"])
+    case = nogpu_cases()["void"][1]
+    state = write_bundle(f"{ctx.workdir}/importtime/void", case, "bench-importtime")
+    argv = [hook["args"][0], *hook["args"][1:3], "-X", "importtime", *hook["args"][3:]]
+    bare = [hook["args"][0], *hook["args"][1:3], "-X", "importtime", "-c", "pass"]
+    out, modules = {}, {}
+    for name, command in (("bare", bare), ("nogpu", argv)):
+        runs = []
+        for _ in range(ctx.s["importtime_runs"]):
+            with open(state, "rb") as f:
+                done = subprocess.run(command, executable=hook["path"], stdin=f, capture_output=True, env=env,
+                                      timeout=60)
+            if done.returncode != 0:
+                raise RuntimeError(f"{name} exited {done.returncode}: {done.stderr.decode()[-300:]}")
+            text = done.stderr.decode()
+            runs.append((H.importtime_top(text, top=12), text))
+        runs.sort(key=lambda r: r[0]["total_self_us"])
+        out[name], text = runs[len(runs) // 2]
+        modules[name] = {m: (s, c) for m, s, c, _ in H.parse_importtime(text)}
+    out["nogpu"]["beyond_bare"] = [{"module": m, "self_us": s, "cumulative_us": c}
+                                   for m, (s, c) in modules["nogpu"].items() if m not in modules["bare"]]
+    return out
+
+
+def importtime_gpu(ctx) -> dict:
+    """-X importtime of the warm GPU path inside a real runc start (static image, GPU 0);
+    runc keeps a successful hook's stderr to itself, so /bin/sh sends it to a file."""
+    sim = ctx.sim_gpu or SimGpu(ctx)
+    ctx.sim_gpu = sim
+    errfile = f"{ctx.workdir}/importtime-gpu.txt"
+    hook = sim.hook
+    entry = {"path": "/bin/sh", "args": ["sh", "-c", 'exec "$@" 2>"$0"', errfile, hook["path"],
+                                          *hook["args"][1:3], "-X", "importtime", *hook["args"][3:]],
+             "env": hook["env"], "timeout": 30}
+    sim.add("importtime", entry, "0", False, "test -c /dev/nvidia0")
+    sim.run("importtime")  # warms anything this bundle has that the others had not
+    sim.prepare("importtime", ctx.s["importtime_runs"])
+    runs = []
+    for _ in range(ctx.s["importtime_runs"]):
+        sim.run("importtime")
+        with open(errfile) as f:
+            runs.append(H.importtime_top(f.read(), top=25))
+    runs.sort(key=lambda r: r["total_self_us"])
+    return runs[len(runs) // 2]
+
+
+def breakdown_gpu(ctx) -> dict:
+    """Phase timers inside the warm GPU-path hook (benchmarks/hook_profile.py runs as the
+    hook, wraps gpuhook's functions, then calls gpuhook.entry.main), for the static and the
+    glibc-style image; and, side by side for the static image, the same hook ending with
+    os._exit instead of the interpreter's finalization: the difference is what teardown
+    costs a container start."""
+    sim = ctx.sim_gpu or SimGpu(ctx)
+    ctx.sim_gpu = sim
+    hook = sim.hook
+    variants = {
+        "static": (False, "test -c /dev/nvidia0", []),
+        "static-fast-exit": (False, "test -c /dev/nvidia0", ["--fast-exit"]),
+        "glibc": (True, "test -c /dev/nvidia0 && test -s /etc/ld.so.cache", []),
+    }
+    records = {}
+    for name, (glibc, check, flags) in variants.items():
+        records[name] = f"{ctx.workdir}/breakdown-{name}.tsv"
+        entry = {"path": hook["path"],
+                 "args": [*hook["args"][:3], HOOK_PROFILE, records[name], *flags, *hook["args"][4:]],
+                 "env": hook["env"], "timeout": 30}
+        sim.add(f"breakdown-{name}", entry, "0", glibc, check)
+        sim.run(f"breakdown-{name}")
+        sim.prepare(f"breakdown-{name}", ctx.s["breakdown_runs"])
+    per_run = {name: [] for name in variants}
+
+    def one(name):
+        def call():
+            if os.path.exists(records[name]):
+                os.unlink(records[name])
+            done = sim.run(f"breakdown-{name}")
+            per_run[name].append((done.ms, read_profile(records[name])))
+            return done
+        return call
+    samples = H.interleave({name: one(name) for name in variants}, ctx.s["breakdown_runs"], warmup=0,
+                           seed=ctx.seed + 4)
+    out = {name: summarize_profile(per_run[name]) for name in ("static", "glibc")}
+    normal, fast = H.summary(samples["static"]["ms"]), H.summary(samples["static-fast-exit"]["ms"])
+    out["teardown"] = {
+        "runc_run_ms_normal_exit": normal, "runc_run_ms_fast_exit": fast,
+        "saving_ms": normal["median"] - fast["median"],
+        "paired_ratio": H.paired_ratios(samples["static-fast-exit"]["ms"], samples["static"]["ms"]),
+    }
+    return out
+
+
+def read_profile(path: str) -> list:
+    """Records of hook_profile.py: (phase, depth, start_ms, end_ms, pid)."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            name, depth, start, end, pid = line.rstrip("\n").split("\t")
+            records.append((name, int(depth), float(start), float(end), int(pid)))
+    return records
+
+
+def summarize_profile(per_run: list) -> dict:
+    """Median per phase (summed within a run, e.g. all bind mounts) over the runs, in the
+    order phases first start; `calls` is per run."""
+    samples, depth, calls, first = {}, {}, {}, {}
+    for _, records in per_run:
+        totals, counts = {}, {}
+        for name, d, start, end, _pid in records:
+            totals[name] = totals.get(name, 0.0) + (end - start)
+            counts[name] = counts.get(name, 0) + 1
+            depth.setdefault(name, d)
+            first[name] = min(first.get(name, start), start)
+        for name, total in totals.items():
+            samples.setdefault(name, []).append(total)
+            calls[name] = counts[name]
+    table = []
+    for name in sorted(samples, key=lambda n: (first[n], depth[n])):
+        stats = H.summary(samples[name])
+        table.append({"phase": name, "depth": depth[name], "calls": calls[name],
+                      "median_ms": stats["median"], "min_ms": stats["min"], "max_ms": stats["max"]})
+    return {"runs": len(per_run), "runc_run_ms": H.summary([r for r, _ in per_run]), "phases": table}
+
+
+# --- context, noise, output ---------------------------------------------------------------
+
+class Context:
+    def __init__(self, args):
+        self.args = args
+        self.mode = "quick" if args.quick else "full"
+        self.s = SETTINGS[self.mode]
+        self.seed = args.seed
+        self.launcher = os.path.abspath(args.launcher)
+        self.hook = H.hooksd_hook(args.python, launcher=self.launcher)
+        self.workdir = tempfile.mkdtemp(prefix="gpuhook-bench-", dir=args.workdir)
+        self.noise = []
+        self.sim_gpu = None
+
+    def note_noise(self, group: str, when: str) -> None:
+        with open("/proc/loadavg") as f:
+            load = f.read().split()[:3]
+        self.noise.append({"group": group, "when": when, "loadavg_1_5_15": [float(x) for x in load],
+                           "other_pytest_processes": count_processes(b"pytest")})
+
+
+def count_processes(needle: bytes) -> int:
+    found = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if needle in f.read():
+                        found += 1
+            except OSError:
+                continue
+    return found
+
+
+def git_describe() -> dict:
+    """Read-only: the commit and whether the tree differs from it."""
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no", "--", "gpuhook"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return {"commit": head, "gpuhook_modified": bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+def machine() -> dict:
+    info = {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    runc = shutil.which("runc")
+    if runc:
+        try:
+            info["runc"] = subprocess.run([runc, "--version"], capture_output=True, text=True,
+                                          timeout=10).stdout.splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+    info["cgroup"] = "v2" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "v1"
+    return info
+
+
+def fmt_value(value, unit) -> str:
+    if value is None:
+        return "—"
+    if unit == "ms":
+        return f"{value:.1f} ms" if value >= 100 else f"{value:.2f} ms"
+    if unit == "MiB":
+        return f"{value:.2f} MiB"
+    if unit == "s":
+        return f"{value:.3f} s"
+    return f"{value:.3g}"
+
+
+def fmt_range(r) -> str:
+    if r.get("min") is None:
+        return "—"
+    lo, hi = fmt_value(r["min"], r["unit"]), fmt_value(r["max"], r["unit"])
+    return f"{lo.split()[0]}–{hi}"
+
+
+def fmt_row(r) -> list:
+    if r.get("unavailable"):
+        return [r["label"], "not available yet" if "not available yet" in r["note"] else "not available",
+                "—", "—", (r["target"] or {}).get("text", "—"), "—"]
+    ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}×"
+    result = {True: "PASS", False: "FAIL", None: "—" if not r["target"] else "?"}[r["pass"]]
+    if (r["target"] or {}).get("informational") and r["pass"] is not None:
+        result = f"({result.lower()}, info)"
+    return [r["label"], fmt_value(r.get("median"), r["unit"]), fmt_range(r), ratio,
+            (r["target"] or {}).get("text", "—"), result]
+
+
+HEADER = ["benchmark", "median", "min–max", "ratio", "target", "result"]
+
+
+def text_table(rows: list) -> str:
+    cells = [HEADER] + [fmt_row(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    lines = []
+    for n, c in enumerate(cells):
+        lines.append("  ".join(c[i].ljust(widths[i]) for i in range(len(HEADER))).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(["---"] * len(HEADER)) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in fmt_row(r)) + " |")
+    return "\n".join(lines)
+
+
+def importtime_text(data: dict) -> str:
+    lines = []
+    for name, title in (("bare", "bare interpreter (python3 -I -S -c pass)"),
+                        ("nogpu", "no-GPU path (NVIDIA_VISIBLE_DEVICES=void)"),
+                        ("gpu", "warm GPU path (static image, GPU 0, inside runc)")):
+        prof = data.get(name)
+        if not prof:
+            continue
+        if "error" in prof:
+            lines.append(f"{title}: {prof['error']}")
+            continue
+        lines.append(f"{title}: {prof['modules']} imports, {prof['total_self_us'] / 1000:.1f} ms in imports "
+                     f"(sum of self times)")
+        if prof.get("beyond_bare") is not None:
+            lines.append("  beyond the bare interpreter: " + (", ".join(
+                f"{e['module']} ({e['cumulative_us'] / 1000:.2f} ms)" for e in prof["beyond_bare"]) or "nothing"))
+        lines.append(f"  {'cumulative':>10}  {'self':>8}  module")
+        for e in prof["top"]:
+            lines.append(f"  {e['cumulative_us'] / 1000:>8.2f}ms  {e['self_us'] / 1000:>6.2f}ms  "
+                         f"{'  ' * e['depth']}{e['module']}")
+    return "\n".join(lines)
+
+
+def breakdown_text(data: dict) -> str:
+    lines = []
+    for name, prof in data.items():
+        if name == "teardown":
+            continue
+        if "error" in prof:
+            lines.append(f"{name}: {prof['error']}")
+            continue
+        lines.append(f"GPU path breakdown, {name} image ({prof['runs']} runs; runc run median "
+                     f"{prof['runc_run_ms']['median']:.1f} ms); medians, phases nested by indent:")
+        for p in prof["phases"]:
+            calls = f" ×{p['calls']}" if p["calls"] > 1 else ""
+            lines.append(f"  {p['median_ms']:>8.2f} ms  {'  ' * p['depth']}{p['phase']}{calls}")
+    teardown = data.get("teardown")
+    if teardown:
+        lines.append(f"Interpreter teardown (static image, side by side): runc run median "
+                     f"{teardown['runc_run_ms_normal_exit']['median']:.1f} ms with the normal exit, "
+                     f"{teardown['runc_run_ms_fast_exit']['median']:.1f} ms when the hook ends with os._exit "
+                     f"after flushing: {teardown['saving_ms']:.1f} ms of the start is finalization")
+    return "\n".join(lines)
+
+
+def verdict_lines(rows: list) -> list:
+    lines = []
+    for r in rows:
+        if r.get("target") and not r.get("unavailable"):
+            measured = r["ratio"] if r["target"]["on"] == "ratio" else r.get("median")
+            shown = f"{measured:.2f}×" if r["target"]["on"] == "ratio" else fmt_value(measured, r["unit"])
+            verdict = "PASS" if r["pass"] else "FAIL"
+            if r["target"].get("informational"):
+                verdict = f"{verdict.lower()} (informational row, not one of the issue's cases)"
+            lines.append(f"- {r['label']}: {shown} (target {r['target']['text']}): {verdict}")
+        elif r.get("target") or r.get("unavailable"):
+            lines.append(f"- {r['label']}: {r['note']}")
+    return lines
+
+
+def substitution_text(hook: dict) -> str:
+    sub = hook["substituted"]
+    argv0 = (f"; argv[0] {sub['argv0'][0]} → the same interpreter path (CPython finds its venv from it)"
+             if "argv0" in sub else f"; argv[0] stays {hook['args'][0]!r}")
+    return (f"hooks.d/gpuhook.json's hook entry as shipped, with `path` {sub['path'][0]} → `{sub['path'][1]}` "
+            f"(this checkout's venv interpreter, not resolved) and the launcher {sub['launcher'][0]} → "
+            f"`{sub['launcher'][1]}`{argv0}; nothing else changed: argv `{' '.join(hook['args'])}`, "
+            f"env `{' '.join(hook['env'])}`")
+
+
+def write_markdown(path: str, doc: dict) -> None:
+    meta = doc["meta"]
+    out = ["# gpuhook benchmark results", "",
+           "Generated by `benchmarks/run.py --write-markdown`; do not edit by hand. How to read it: "
+           "benchmarks/README.md.", "",
+           f"- command: `{meta['command']}`",
+           f"- date: {meta['date']}; mode: {meta['mode']}; seed {meta['seed']}",
+           f"- commit: {meta['git'].get('commit', '?')}"
+           + (" (gpuhook/ modified in the working tree)" if meta["git"].get("gpuhook_modified") else ""),
+           f"- machine: {meta['machine'].get('cpu', '?')}, {meta['machine']['cpus']} CPUs, kernel "
+           f"{meta['machine']['kernel']}, cgroup {meta['machine']['cgroup']}, Python {meta['machine']['python']}, "
+           f"{meta['machine'].get('runc', 'runc ?')}",
+           f"- hook invocation: {substitution_text(meta['hook'])}",
+           f"- repetitions: {json.dumps(meta['settings'])}",
+           "", markdown_table(doc["rows"]), "", "Against the targets:", "", *verdict_lines(doc["rows"]), ""]
+    notes = [f"- `{r['id']}`: {r['note']}" for r in doc["rows"] if r.get("note")]
+    if notes:
+        out += ["Notes per row:", "", *notes, ""]
+    noise = doc.get("noise") or []
+    if noise:
+        out += ["Machine noise seen (load average 1/5/15 min, other pytest processes):", ""]
+        out += [f"- {n['group']} {n['when']}: {n['loadavg_1_5_15']}, {n['other_pytest_processes']}" for n in noise]
+        out.append("")
+    if doc.get("importtime"):
+        out += ["## -X importtime", "", "```", importtime_text(doc["importtime"]), "```", ""]
+    if doc.get("breakdown"):
+        out += ["## Where the warm GPU path's time goes", "", "```", breakdown_text(doc["breakdown"]), "```", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="few repetitions: checks the runner, not the targets")
+    p.add_argument("--only", default=",".join(GROUPS),
+                   help=f"comma-separated groups: {', '.join(GROUPS + EXTRA_GROUPS)} (default: {','.join(GROUPS)})")
+    p.add_argument("--importtime", action="store_true", help="also profile imports (-X importtime)")
+    p.add_argument("--breakdown", action="store_true", help="also time the warm GPU path's phases")
+    p.add_argument("--json", metavar="FILE", help="also write the JSON here")
+    p.add_argument("--latest", default=LATEST, metavar="FILE",
+                   help=f"where the JSON always goes (default {os.path.relpath(LATEST, REPO)}, git-ignored)")
+    p.add_argument("--write-markdown", nargs="?", const=MARKDOWN, metavar="FILE",
+                   help=f"write the Markdown report (default {os.path.relpath(MARKDOWN, REPO)})")
+    p.add_argument("--python", default=None, help="interpreter registered as the hook's path (default: the venv's)")
+    p.add_argument("--launcher", default=H.LAUNCHER,
+                   help="gpuhook/launch.py to register (default: this checkout's; another tree's for an A/B "
+                        "comparison; --breakdown always profiles this checkout)")
+    p.add_argument("--seed", type=int, default=8, help="seed of the interleaving order")
+    p.add_argument("--workdir", default=None, help="parent of the scratch directory (default: $TMPDIR)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    args = p.parse_args(argv)
+    groups = [g.strip() for g in args.only.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in GROUPS + EXTRA_GROUPS]
+    if unknown:
+        p.error(f"unknown group(s): {', '.join(unknown)}")
+    if args.importtime:
+        groups.append("importtime")
+    if args.breakdown:
+        groups.append("breakdown")
+    args.groups = list(dict.fromkeys(groups))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    ctx = Context(args)
+    started = time.monotonic()
+    doc = {"meta": {
+        "command": "benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "mode": ctx.mode, "seed": ctx.seed, "settings": ctx.s, "groups": args.groups,
+        "machine": machine(), "git": git_describe(),
+        "hook": {k: ctx.hook[k] for k in ("path", "args", "env", "substituted")},
+        "substitution_note": substitution_text(ctx.hook),
+        "targets": TARGETS,
+    }, "rows": [], "errors": {}}
+    functions = {"nogpu": group_nogpu, "runc": group_runc, "gpu": group_gpu, "health": group_health}
+    try:
+        for group in args.groups:
+            if group not in functions:
+                continue
+            print(f"[{group}] running ...", file=sys.stderr, flush=True)
+            t0 = time.monotonic()
+            try:
+                doc["rows"] += functions[group](ctx)
+            except Unavailable as err:
+                doc["rows"].append(H.unavailable_row(group, group, f"{group}: all rows", f"not available: {err}"))
+                doc["errors"][group] = str(err)
+            except Exception as err:  # noqa: BLE001 - report the group as failed, keep the others
+                doc["rows"].append(H.unavailable_row(group, group, f"{group}: all rows",
+                                                     f"not available: failed: {type(err).__name__}: {err}"))
+                doc["errors"][group] = f"{type(err).__name__}: {err}"
+            print(f"[{group}] {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+        if "importtime" in args.groups:
+            doc["importtime"] = {}
+            for name, fn in (("nogpu", importtime_nogpu), ("gpu", importtime_gpu)):
+                try:
+                    result = fn(ctx)
+                    if name == "nogpu":
+                        doc["importtime"].update(result)
+                    else:
+                        doc["importtime"]["gpu"] = result
+                except Unavailable as err:
+                    doc["importtime"][name] = {"error": f"not available: {err}"}
+                    doc["errors"][f"importtime.{name}"] = str(err)
+                except Exception as err:  # noqa: BLE001
+                    doc["importtime"][name] = {"error": f"failed: {type(err).__name__}: {err}"}
+                    doc["errors"][f"importtime.{name}"] = f"{type(err).__name__}: {err}"
+        if "breakdown" in args.groups:
+            try:
+                doc["breakdown"] = breakdown_gpu(ctx)
+            except Unavailable as err:
+                doc["breakdown"] = {"gpu": {"error": f"not available: {err}"}}
+                doc["errors"]["breakdown"] = str(err)
+            except Exception as err:  # noqa: BLE001
+                doc["breakdown"] = {"gpu": {"error": f"failed: {type(err).__name__}: {err}"}}
+                doc["errors"]["breakdown"] = f"{type(err).__name__}: {err}"
+    finally:
+        if args.keep:
+            print(f"scratch kept: {ctx.workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(ctx.workdir, ignore_errors=True)
+    doc["noise"] = ctx.noise
+    for r in doc["rows"]:
+        extra = []
+        if r.get("paired_ratio"):
+            p = r["paired_ratio"]
+            extra.append(f"per-round paired ratio {p['median']:.2f}× (p10–p90 {p['p10']:.2f}–{p['p90']:.2f})")
+        if r.get("cpu_ratio"):
+            extra.append(f"CPU-time (user+sys) ratio {r['cpu_ratio']:.2f}×")
+        if extra:
+            r["note"] = "; ".join(filter(None, [r["note"], *extra]))
+    doc["meta"]["seconds"] = round(time.monotonic() - started, 1)
+
+    # Files first: a closed stdout (| head) must not lose the results.
+    text = json.dumps(doc, indent=2, default=str) + "\n"
+    for path in filter(None, (args.latest, args.json)):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    if args.write_markdown:
+        write_markdown(args.write_markdown, doc)
+    print(text_table(doc["rows"]))
+    verdicts = verdict_lines(doc["rows"])
+    if verdicts:
+        print("\n" + "\n".join(verdicts))
+    if doc.get("importtime"):
+        print("\n" + importtime_text(doc["importtime"]))
+    if doc.get("breakdown"):
+        print("\n" + breakdown_text(doc["breakdown"]))
+    print(f"\nJSON: {args.latest}" + (f", {args.json}" if args.json else ""))
+    if args.write_markdown:
+        print(f"Markdown: {args.write_markdown}")
+    return 1 if doc["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
