@@ -10,16 +10,16 @@ against it by tests/test_config.py.
 """
 
 import os
-from collections import namedtuple
 
 from gpuhook import cache
 from gpuhook.errors import ConfigError
+from gpuhook.record import record
 
 DEFAULT_PATH = "/etc/gpuhook/config.toml"
 ENV_VAR = "GPUHOOK_CONFIG"
 
 
-class Key(namedtuple("Key", "section name kind default doc choices")):
+class Key(record("Key", "section name kind default doc choices")):
     """One configuration key. `kind` is bool, path, path-or-empty, seconds, int, str or choice."""
 
     __slots__ = ()

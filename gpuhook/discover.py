@@ -9,10 +9,10 @@ says where each library is. Roots are parameters so a driver container or a simu
 
 import os
 import stat
-from collections import namedtuple
 
 from gpuhook import ldcache
 from gpuhook.errors import HostError
+from gpuhook.record import record
 
 # Libraries per driver capability, by soname stem (docs/reference section 4).
 LIBRARIES = {
@@ -44,7 +44,7 @@ IPC = (
 MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "ppc64le": "powerpc64le-linux-gnu"}
 
 
-class Gpu(namedtuple("Gpu", "index uuid minor bus_id model")):
+class Gpu(record("Gpu", "index uuid minor bus_id model")):
     """One GPU as the driver's /proc files describe it; index = NVML order (by PCI bus id)."""
 
     __slots__ = ()
@@ -54,19 +54,19 @@ class Gpu(namedtuple("Gpu", "index uuid minor bus_id model")):
         return f"/dev/nvidia{self.minor}"
 
 
-class Library(namedtuple("Library", "host_path file_name sonames capability bits")):
+class Library(record("Library", "host_path file_name sonames capability bits")):
     """A driver library file and the names (sonames, dev links) that must point at it."""
 
     __slots__ = ()
 
 
-class HostFile(namedtuple("HostFile", "host_path container_path capability kind")):
+class HostFile(record("HostFile", "host_path container_path capability kind")):
     """A binary, firmware blob or IPC endpoint; `kind` is file, socket or dir."""
 
     __slots__ = ()
 
 
-class Inventory(namedtuple(
+class Inventory(record(
     "Inventory", "driver_version gpus majors libraries binaries firmware ipc proc_driver_dir "
                  "mig_minors capabilities",
     defaults=({}, ()),
@@ -374,7 +374,7 @@ def host_node(config, path: str):
     return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
 
 
-class ContainerFacts(namedtuple("ContainerFacts", "lib64 lib32 glibc")):
+class ContainerFacts(record("ContainerFacts", "lib64 lib32 glibc")):
     """What the plan needs to know about the image: its library dirs, and whether it is a
     glibc image (has an ld cache, ld.so.conf or glibc's loader) whose ld cache to update."""
 

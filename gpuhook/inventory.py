@@ -15,27 +15,27 @@ then kept in the same file under the same key: a start on an unchanged host load
 """
 
 import os
-from collections import namedtuple
 
 from gpuhook import cache, discover
+from gpuhook.record import record
 
 FORMAT = 2
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
-class MigDevice(namedtuple("MigDevice", "index uuid gpu_instance_id compute_instance_id name")):
+class MigDevice(record("MigDevice", "index uuid gpu_instance_id compute_instance_id name")):
     """A MIG device as requests name it: `index` is NVML's MIG device index on its GPU."""
 
     __slots__ = ()
 
 
-class GpuFacts(namedtuple("GpuFacts", "uuid brand arch mig_mode mig_devices")):
+class GpuFacts(record("GpuFacts", "uuid brand arch mig_mode mig_devices")):
     """What NVML says about one GPU: brand token, compute capability, MIG mode and devices."""
 
     __slots__ = ()
 
 
-class NvmlFacts(namedtuple("NvmlFacts", "cuda_version gpus")):
+class NvmlFacts(record("NvmlFacts", "cuda_version gpus")):
     """The NVML side of the inventory; `gpus` maps GPU UUIDs to GpuFacts."""
 
     __slots__ = ()

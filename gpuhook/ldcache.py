@@ -8,9 +8,9 @@ where key (the soname) and value (the path) are offsets of NUL-terminated string
 from the start of the new header.
 """
 
-from collections import namedtuple
 
 from gpuhook.errors import HostError
+from gpuhook.record import record
 
 MAGIC = b"glibc-ld.so.cache1.1"
 _HEADER = 48
@@ -28,7 +28,7 @@ ARCH_FLAGS = {
 }
 
 
-class Entry(namedtuple("Entry", "soname path flags")):
+class Entry(record("Entry", "soname path flags")):
     __slots__ = ()
 
     @property

@@ -26,9 +26,9 @@ another is open is refused with a clear error.
 """
 
 import threading
-from collections import namedtuple
 
 from gpuhook.errors import HostError, NvmlError
+from gpuhook.record import record
 
 SYSTEM_LIBRARY = "libnvidia-ml.so.1"
 
@@ -48,13 +48,13 @@ _FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
 
 
-class MigDevice(namedtuple("MigDevice", "index uuid gpu_instance_id compute_instance_id name memory_total")):
+class MigDevice(record("MigDevice", "index uuid gpu_instance_id compute_instance_id name memory_total")):
     """One MIG device (a compute instance) of a GPU; `index` is NVML's MIG device index."""
 
     __slots__ = ()
 
 
-class GpuInfo(namedtuple(
+class GpuInfo(record(
     "GpuInfo", "index uuid minor bus_id name brand arch mig_mode mig_mode_pending mig_devices lost",
 )):
     """One GPU as NVML sees it. `bus_id` is in /proc's form ("0000:18:00.0"), `brand` a token
@@ -64,42 +64,42 @@ class GpuInfo(namedtuple(
     __slots__ = ()
 
 
-class Inventory(namedtuple("Inventory", "driver_version cuda_version gpus")):
+class Inventory(record("Inventory", "driver_version cuda_version gpus")):
     """The host as NVML sees it: driver version ("550.54.15"), the CUDA version the driver
     supports ("12.4") and its GPUs in NVML index order."""
 
     __slots__ = ()
 
 
-class Process(namedtuple("Process", "pid used_memory kind gpu_instance_id compute_instance_id")):
+class Process(record("Process", "pid used_memory kind gpu_instance_id compute_instance_id")):
     """A process with a context on a GPU. `kind` is "compute" or "graphics"; `used_memory` is
     bytes or None when NVML cannot tell; the instance ids are None outside MIG."""
 
     __slots__ = ()
 
 
-class EccCounts(namedtuple("EccCounts", "volatile_corrected volatile_uncorrected aggregate_corrected "
+class EccCounts(record("EccCounts", "volatile_corrected volatile_uncorrected aggregate_corrected "
                                         "aggregate_uncorrected")):
     """Total ECC error counts. Volatile ones are cleared by a reset; aggregate ones are not."""
 
     __slots__ = ()
 
 
-class RetiredPages(namedtuple("RetiredPages", "single_bit double_bit pending")):
+class RetiredPages(record("RetiredPages", "single_bit double_bit pending")):
     """Pages retired for multiple single-bit or a double-bit error; `pending`: retirements
     that need a reset to take effect (GPUs before Ampere)."""
 
     __slots__ = ()
 
 
-class RemappedRows(namedtuple("RemappedRows", "correctable uncorrectable pending failure")):
+class RemappedRows(record("RemappedRows", "correctable uncorrectable pending failure")):
     """Rows remapped for correctable/uncorrectable errors; `pending`: remaps that need a
     reset; `failure`: a remap failed at some point (Ampere and later)."""
 
     __slots__ = ()
 
 
-class Health(namedtuple(
+class Health(record(
     "Health", "uuid lost lost_in processes memory_total memory_used ecc retired_pages remapped_rows",
 )):
     """The facts a pre-start check needs about one GPU or MIG device.

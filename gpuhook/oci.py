@@ -7,9 +7,8 @@ unusable with a message that names the field and what was wrong with it.
 """
 
 from gpuhook import fastjson
-from collections import namedtuple
-
 from gpuhook.errors import InputError
+from gpuhook.record import record
 
 MAX_STATE_BYTES = 4 << 20
 MAX_CONFIG_BYTES = 64 << 20
@@ -18,13 +17,13 @@ MAX_CONFIG_BYTES = 64 << 20
 STARTING_STATUSES = ("creating", "created")
 
 
-class State(namedtuple("State", "oci_version id status pid bundle annotations")):
+class State(record("State", "oci_version id status pid bundle annotations")):
     """The OCI state document: `pid` is 0 when the runtime gave none."""
 
     __slots__ = ()
 
 
-class Spec(namedtuple("Spec", "rootfs env mounts annotations bounding_caps namespaces readonly")):
+class Spec(record("Spec", "rootfs env mounts annotations bounding_caps namespaces readonly")):
     """What gpuhook needs from a bundle's config.json.
 
     `rootfs` is absolute; `env` maps names to values (the last entry wins, as in the NVIDIA
@@ -39,7 +38,7 @@ class Spec(namedtuple("Spec", "rootfs env mounts annotations bounding_caps names
         return "CAP_SYS_ADMIN" in self.bounding_caps
 
 
-class Mount(namedtuple("Mount", "destination source type options")):
+class Mount(record("Mount", "destination source type options")):
     __slots__ = ()
 
 

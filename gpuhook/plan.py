@@ -5,12 +5,12 @@ config): it reads nothing and changes nothing. ``gpuhook prestart --dry-run`` pr
 this data, tests compare it, and only gpuhook.apply turns it into system calls.
 """
 
-from collections import namedtuple
 
 from gpuhook import request as req
 from gpuhook.cgroup.devices import char_device
 from gpuhook.discover import LIBRARIES
 from gpuhook.errors import HostError
+from gpuhook.record import record
 
 # Mount options, as in `mount -o`; the apply layer maps them to MS_* flags.
 RO_LIB = ("ro", "nosuid", "nodev")
@@ -23,7 +23,7 @@ CONTROL_MINOR = 255
 MODESET_MINOR = 254
 
 
-class DeviceNode(namedtuple("DeviceNode", "path major minor mode uid gid host_path", defaults=(None,))):
+class DeviceNode(record("DeviceNode", "path major minor mode uid gid host_path", defaults=(None,))):
     """A character device for the container's /dev: made with mknod, or, for a container in
     a user namespace (where a node on its /dev could not be opened), `host_path` is the
     host's node, bind-mounted in its place (as runc does for its own devices there)."""
@@ -31,17 +31,17 @@ class DeviceNode(namedtuple("DeviceNode", "path major minor mode uid gid host_pa
     __slots__ = ()
 
 
-class BindMount(namedtuple("BindMount", "source target kind options")):
+class BindMount(record("BindMount", "source target kind options")):
     """Host `source` bind-mounted at container `target`; `kind` is file, socket or dir."""
 
     __slots__ = ()
 
 
-class Symlink(namedtuple("Symlink", "path target")):
+class Symlink(record("Symlink", "path target")):
     __slots__ = ()
 
 
-class ProcMask(namedtuple("ProcMask", "source_dir gpu_buses capabilities", defaults=((),))):
+class ProcMask(record("ProcMask", "source_dir gpu_buses capabilities", defaults=((),))):
     """Cover the container's /proc/driver/nvidia with a read-only tmpfs holding a copy of
     `params` with ModifyDeviceFiles: 0, `version`, `registry`, only its own GPUs' dirs, and
     the capability files of its own MIG devices (relative paths under capabilities/; CUDA
@@ -52,13 +52,13 @@ class ProcMask(namedtuple("ProcMask", "source_dir gpu_buses capabilities", defau
     target = "/proc/driver/nvidia"
 
 
-class LdCacheUpdate(namedtuple("LdCacheUpdate", "ldconfig directories")):
+class LdCacheUpdate(record("LdCacheUpdate", "ldconfig directories")):
     """Run the HOST's `ldconfig` against the container's rootfs for `directories`."""
 
     __slots__ = ()
 
 
-class Plan(namedtuple("Plan", (
+class Plan(record("Plan", (
     "container_id pid rootfs wants channel capabilities gpus "
     "nodes mounts symlinks rules proc_mask ldcache notes migs userns"
 ), defaults=((), False))):

@@ -14,9 +14,9 @@ A runtime-provided request (1 or 2) wins over the environment. Resolution is pur
 the parsed spec and returns data; matching ids to real GPUs happens in `select_gpus`.
 """
 
-from collections import namedtuple
 
 from gpuhook.errors import RequestError
+from gpuhook.record import record
 
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
@@ -37,7 +37,7 @@ MOUNTS = "volume mounts under " + VOLUME_MOUNT_ROOT
 CDI = "CDI annotations"
 
 
-class Request(namedtuple("Request", "wants ids capabilities channel notes mig_config mig_monitor",
+class Request(record("Request", "wants ids capabilities channel notes mig_config mig_monitor",
                          defaults=((), ()))):
     """`ids` are the requested device ids as written (indices, UUIDs, GPU:MIG pairs, MIG
     UUIDs), deduplicated. `mig_config` / `mig_monitor` are the GPU ids (or ("all",)) of
@@ -56,7 +56,7 @@ class Request(namedtuple("Request", "wants ids capabilities channel notes mig_co
         return any(is_mig_id(i) for i in self.ids) or bool(self.mig_config or self.mig_monitor)
 
 
-class MigTarget(namedtuple("MigTarget", "gpu device")):
+class MigTarget(record("MigTarget", "gpu device")):
     """A requested MIG device: its parent `gpu` (discover.Gpu) and `device` (inventory.MigDevice)."""
 
     __slots__ = ()
@@ -66,7 +66,7 @@ class MigTarget(namedtuple("MigTarget", "gpu device")):
         return f"{self.gpu.index}:{self.device.index}"
 
 
-class Selection(namedtuple("Selection", "gpus migs mig_config mig_monitor")):
+class Selection(record("Selection", "gpus migs mig_config mig_monitor")):
     """What a request resolves to on this host. `gpus` are the GPUs whose device node the
     container gets (whole GPUs and MIG parents, once each, in request order); `migs` the MIG
     devices; `mig_config` / `mig_monitor` whether the container gets those capabilities."""

@@ -32,9 +32,9 @@ Pure and standard-library only: the caller supplies the host's facts (`HostFacts
 come from NVML through the host inventory cache.
 """
 
-from collections import namedtuple
 
 from gpuhook.errors import HostError, RequirementError
+from gpuhook.record import record
 
 PREFIX = "NVIDIA_REQUIRE_"
 EXCLUDED_PREFIX = "NVIDIA_REQUIRE_JETPACK"  # Jetson host-mount lists, not constraints
@@ -52,7 +52,7 @@ SYNTAX_HINT = ("constraints are KEY OP VALUE with keys cuda, driver, arch, brand
 CUDA_HINT = "update the host's driver, or use an image built for an earlier CUDA version"
 
 
-class GpuFacts(namedtuple("GpuFacts", "label arch brand")):
+class GpuFacts(record("GpuFacts", "label arch brand")):
     """What arch and brand constraints are checked against for one GPU. `label` names the GPU
     in messages ("GPU 0 GPU-..."); `arch` is the compute capability ("8.0"), `brand` a token
     such as "tesla"; None means unknown (and satisfies the constraint)."""
@@ -60,7 +60,7 @@ class GpuFacts(namedtuple("GpuFacts", "label arch brand")):
     __slots__ = ()
 
 
-class HostFacts(namedtuple("HostFacts", "cuda_version driver_version gpus")):
+class HostFacts(record("HostFacts", "cuda_version driver_version gpus")):
     """The host's side of the comparison. `gpus` holds the GPUs the container gets (empty:
     none); versions are strings ("12.4", "550.54.15") or None when unknown."""
 
@@ -70,14 +70,14 @@ class HostFacts(namedtuple("HostFacts", "cuda_version driver_version gpus")):
         return super().__new__(cls, cuda_version, driver_version, tuple(gpus))
 
 
-class Constraint(namedtuple("Constraint", "text key operator value problem")):
+class Constraint(record("Constraint", "text key operator value problem")):
     """One KEY OP VALUE condition as written. `problem` says why it is malformed (None if not);
     a malformed constraint is an error only when evaluation reaches it."""
 
     __slots__ = ()
 
 
-class Requirement(namedtuple("Requirement", "variable text alternatives")):
+class Requirement(record("Requirement", "variable text alternatives")):
     """One NVIDIA_REQUIRE_* variable: `alternatives` is a tuple of alternatives, each a tuple
     of Constraints that must all hold."""
 

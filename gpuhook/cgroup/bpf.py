@@ -14,9 +14,9 @@ gpuhook.cgroup.v2 turns them into one gpuhook error. Imported only on the GPU pa
 import ctypes
 import errno
 import os
-from collections import namedtuple
 
 from gpuhook import linux
+from gpuhook.record import record
 
 PROG_LOAD = 5
 PROG_ATTACH = 8
@@ -78,7 +78,7 @@ class _ProgInfo(ctypes.Structure):
                 ("name", ctypes.c_char * 16)]
 
 
-class ProgramInfo(namedtuple("ProgramInfo", "id name tag type code map_count")):
+class ProgramInfo(record("ProgramInfo", "id name tag type code map_count")):
     """An attached program: `code` is its translated instructions (bytes, 8 per insn)."""
 
     __slots__ = ()

@@ -5,7 +5,7 @@ the wildcard "*"), an access string over "rwm", and allow or deny. `devices.list
 decoded eBPF programs both become these records, so tests compare rules, not formats.
 """
 
-from collections import namedtuple
+from gpuhook.record import record
 
 WILDCARD = -1
 ACCESS_ORDER = "rwm"
@@ -17,7 +17,7 @@ def normalize_access(access: str) -> str:
     return "".join(c for c in ACCESS_ORDER if c in access)
 
 
-class DeviceRule(namedtuple("DeviceRule", "type major minor access allow")):
+class DeviceRule(record("DeviceRule", "type major minor access allow")):
     __slots__ = ()
 
     def __new__(cls, type, major, minor, access, allow=True):

@@ -5,15 +5,15 @@ Read from /proc/<pid>/cgroup and the mount table (docs/reference section 5). On 
 so v1 wins whenever the process has a devices line and that hierarchy is mounted.
 """
 
-from collections import namedtuple
 
 from gpuhook.errors import HostError
+from gpuhook.record import record
 
 V1 = "v1"
 V2 = "v2"
 
 
-class Placement(namedtuple("Placement", "mode directory cgroup_path")):
+class Placement(record("Placement", "mode directory cgroup_path")):
     """`mode` is V1 or V2; `directory` is the cgroup's directory in the mounted hierarchy."""
 
     __slots__ = ()

@@ -24,9 +24,9 @@ the way ``bpftool prog dump xlated`` does.
 """
 
 import struct
-from collections import namedtuple
 
 from gpuhook.cgroup.devices import ACCESS_ORDER, WILDCARD, DeviceRule
+from gpuhook.record import record
 
 PROGRAM_NAME = "gpuhook_dev"
 # "gpuh" read as a little-endian word; any constant would do, this one is greppable.
@@ -72,7 +72,7 @@ class DecodeError(ProgramError):
     """The program is not a decision list over the device context that gpuhook can read."""
 
 
-class Insn(namedtuple("Insn", "code dst src off imm")):
+class Insn(record("Insn", "code dst src off imm")):
     """One eBPF instruction (struct bpf_insn): opcode, registers, offset, immediate."""
 
     __slots__ = ()
@@ -264,7 +264,7 @@ _MAJOR = ("field", "major")
 _MINOR = ("field", "minor")
 
 
-class Decoded(namedtuple("Decoded", "rules complete")):
+class Decoded(record("Decoded", "rules complete")):
     """`rules` in program order (first match wins); `complete` is False when the code ran
     off its end (a prefix that falls through) instead of ending in an unguarded verdict."""
 

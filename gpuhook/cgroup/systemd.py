@@ -23,10 +23,10 @@ stand-in systemctl, runtime directory and /dev.
 import errno
 import os
 import stat
-from collections import namedtuple
 
 from gpuhook.cgroup.devices import WILDCARD, DeviceRule
 from gpuhook.errors import ApplyError
+from gpuhook.record import record
 
 # sd_booted(3): this directory exists exactly when systemd is the running init system.
 RUNTIME_DIR = "/run/systemd/system"
@@ -46,7 +46,7 @@ UNRESTRICTED = "unit does not restrict devices"
 RESTRICTS = "unit restricts devices"
 
 
-class UnitDevices(namedtuple("UnitDevices", "unit load_state policy entries")):
+class UnitDevices(record("UnitDevices", "unit load_state policy entries")):
     """A unit's device settings as `systemctl show` prints them; `entries` are the
     DeviceAllow= values ("/dev/char/195:0 rw", "char-pts rwm")."""
 
@@ -58,7 +58,7 @@ class UnitDevices(namedtuple("UnitDevices", "unit load_state policy entries")):
         return self.policy in RESTRICTING_POLICIES or bool(self.entries)
 
 
-class Status(namedtuple("Status", "unit state unknown detail")):
+class Status(record("Status", "unit state unknown detail")):
     """Whether systemd would keep a cgroup's allowed devices over a daemon-reload.
 
     `unknown` lists the allowed rules the unit's DeviceAllow= does not cover; they are at
@@ -85,7 +85,7 @@ class Status(namedtuple("Status", "unit state unknown detail")):
                 f"a daemon-reload would take them away: {rules}")
 
 
-class Registration(namedtuple("Registration", "unit entries links skipped")):
+class Registration(record("Registration", "unit entries links skipped")):
     """What `register` did: DeviceAllow= `entries` added to `unit`, /dev links made, or why
     it did nothing (`skipped`)."""
 

@@ -15,17 +15,17 @@ verifier refuses fails the grant with one line, and the original programs stay a
 
 import errno
 import os
-from collections import namedtuple
 
 from gpuhook.cgroup import program
 from gpuhook.errors import ApplyError, HostError
+from gpuhook.record import record
 
 CAPABILITY_HINT = "device programs need CAP_SYS_ADMIN, CAP_BPF and CAP_NET_ADMIN: run gpuhook as root from the runtime"
 HARDENED_HINT = ("set the sysctl net.core.bpf_jit_harden to 1 (hardens unprivileged programs only) or 0, "
                  "then start the container again")
 
 
-class Swap(namedtuple("Swap", "old_id old_fd new_id new_fd how")):
+class Swap(record("Swap", "old_id old_fd new_id new_fd how")):
     """One program replaced: the original (kept open to put it back) and ours."""
 
     __slots__ = ()
@@ -201,7 +201,7 @@ def revoke(directory: str, added) -> list:
 
 # --- reading, for `gpuhook cgroup show` ---------------------------------------------------
 
-class AttachedProgram(namedtuple("AttachedProgram", "id name tag inherited instructions ours rules error disassembly")):
+class AttachedProgram(record("AttachedProgram", "id name tag inherited instructions ours rules error disassembly")):
     """A device program that runs for a cgroup. `rules` is its decision list (None with
     `error` when it cannot be decoded); `ours` are the rules in gpuhook's prefix."""
 
@@ -264,7 +264,7 @@ def _describe_program(info, inherited: bool) -> AttachedProgram:
                            program.disassemble(insns))
 
 
-class Report(namedtuple("Report", "mode directory cgroup_path rules programs systemd")):
+class Report(record("Report", "mode directory cgroup_path rules programs systemd")):
     """What `gpuhook cgroup show` prints: v1 `rules` from devices.list, or v2 `programs`;
     `systemd` is a gpuhook.cgroup.systemd.Status."""
 
