@@ -10,7 +10,7 @@ Groups (all by default; --only takes a comma-separated list):
            `python3 -I -S -c pass` with the same interpreter: wall time and peak RSS
   runc     `runc run` of a busybox container with the hook vs with /bin/true as the hook
   gpu      `runc run` on an 8-GPU simulated host with NVIDIA_VISIBLE_DEVICES=0 vs no hook
-  health   benchmarks/health_bench.py (when it exists): 1, 8 and 16 GPUs at 1 s per NVML call
+  health   benchmarks/health_bench.py (when it exists): 1, 8 and 16 GPUs, each check slowed by 1 s
   importtime   (also --importtime) `-X importtime` of the no-GPU path and the warm GPU path
   breakdown    (also --breakdown) where the warm GPU path's time goes, by phase
 
@@ -452,7 +452,7 @@ def load_health_bench(path: str = HEALTH_BENCH):
 
 
 def health_label(gpus: int) -> str:
-    return f"health check, {gpus} healthy simulated GPU(s), {HEALTH_LATENCY_MS} ms per NVML call"
+    return f"health check, {gpus} healthy simulated GPU(s), {HEALTH_LATENCY_MS} ms per GPU"
 
 
 def group_health(ctx, path: str = HEALTH_BENCH) -> list:

@@ -68,6 +68,49 @@ KEYS = (
          "A broken or full log never fails a container start."),
     _key("state-dir", "path", "/run/gpuhook",
          "Runtime state: the host inventory cache, per-GPU locks, health reports and stamps."),
+    # [health]: the check-and-reset before a container gets its GPUs (issue 5, docs/health.md).
+    _key("mode", "choice", "fallback",
+         "When the hook checks and cleans a container's GPUs before it starts: off never; "
+         "fallback unless `gpuhook prepare` (a device plugin's PreStartContainer) left a fresh "
+         "stamp for the GPU; always on every start, stamps or not.",
+         section="health", choices=("off", "fallback", "always")),
+    _key("deadline-seconds", "seconds", 10.0,
+         "Time for the checks, kills and resets of all of a start's GPUs together (they run in "
+         "parallel); also bounded by the hook's own deadline-seconds. A GPU not done by then "
+         "fails the start, naming the GPU and the step that was cut off.",
+         section="health"),
+    _key("on-failure", "choice", "fail",
+         "What a GPU that is still unhealthy after repair does to the start: fail it (one line "
+         "naming the GPU, the check and the evidence) or warn (log it and start anyway).",
+         section="health", choices=("fail", "warn")),
+    _key("leftover-memory-mib", "int", 1024,
+         "GPU memory in use beyond what the GPU's listed processes hold (leftovers of a dead "
+         "context), in MiB, above which the GPU needs a reset. NVML's used memory includes "
+         "the driver's reserve (a few hundred MiB on current GPUs): keep this above it.",
+         section="health"),
+    _key("reset-command", "str", "nvidia-smi --gpu-reset -i {uuid}",
+         "How a GPU is reset; {uuid} is replaced by the GPU's UUID. A program without a slash "
+         "is looked up in the driver root's /usr/bin, /usr/sbin, /bin, /sbin, /usr/local/bin, "
+         "never in a PATH; an absolute path is used as written. It runs with a minimal "
+         "environment, / as working directory and its own timeout.",
+         section="health"),
+    _key("reset-timeout-seconds", "seconds", 8.0,
+         "How long one reset may take before its whole process group is killed (never longer "
+         "than what is left of the health deadline).",
+         section="health"),
+    _key("kill-orphans", "bool", True,
+         "SIGKILL GPU processes left behind by a container gpuhook started whose init is gone. "
+         "Processes of live containers, of containers gpuhook does not know and of the host "
+         "are never killed. Off: such a GPU fails its processes check instead.",
+         section="health"),
+    _key("stamp-ttl-seconds", "seconds", 60.0,
+         "How long a stamp left by `gpuhook prepare` lets the hook skip a GPU (fallback mode); "
+         "a stamp serves one start.",
+         section="health"),
+    _key("reset-on-release", "bool", False,
+         "At poststop, also reset each GPU the stopped container was the last user of, so no "
+         "memory contents survive into the next container.",
+         section="health"),
 )
 
 _BY_NAME = {k.dotted: k for k in KEYS}

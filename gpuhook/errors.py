@@ -93,7 +93,30 @@ class HealthError(GpuhookError):
     exit_code = 6
 
 
+class GpuUnhealthyError(HealthError):
+    """A GPU is still unhealthy after repair: `gpu` (UUID), `check` (gpuhook.health.checks
+    name) and `evidence` say which and why; `report` is the whole health report."""
+
+    def __init__(self, message: str, gpu: str, check: str, evidence: str, report=None, hint: str | None = None):
+        super().__init__(message, hint)
+        self.gpu = gpu
+        self.check = check
+        self.evidence = evidence
+        self.report = report
+
+
 class DeadlineError(GpuhookError):
     """The hook ran out of its own time budget; the message names what was cut off."""
 
     exit_code = 7
+
+
+class HealthDeadlineError(DeadlineError):
+    """The health checks ran out of their deadline: `gpu` and `step` name the first GPU that
+    was cut off and what it was doing; `report` holds what did finish."""
+
+    def __init__(self, message: str, gpu: str, step: str, report=None, hint: str | None = None):
+        super().__init__(message, hint)
+        self.gpu = gpu
+        self.step = step
+        self.report = report

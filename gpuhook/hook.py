@@ -63,16 +63,48 @@ def read_container(state_bytes: bytes, spec_bytes: bytes | None = None, base_dir
     return state, oci.parse_spec(spec_bytes, state.bundle)
 
 
-def prestart(state, spec, config, deadline: float) -> tuple:
+def prestart(state, spec, config, deadline: float, record: dict | None = None) -> tuple:
+    """Plan, check the GPUs (gpuhook.health, unless [health] mode is off), apply, register.
+    `record` (the log record) receives the health decisions."""
     if state.status and state.status not in oci.STARTING_STATUSES:
         raise InputError(f"state: status {state.status!r}: gpuhook configures containers while they are "
                          f"being created ({' or '.join(oci.STARTING_STATUSES)})")
     plan = build_plan(state, spec, config)
     if plan.empty:
         return plan, None
+    record = {} if record is None else record
+    # Health checks only for GPUs: with mode off, or no GPU in the plan, nothing of NVML,
+    # threading or gpuhook.health is imported.
+    checked = config.health.mode != "off" and bool(plan.gpus)
+    if checked:
+        from gpuhook.health import hooks as health
+
+        health.before_start(plan, state, config, deadline, record)
     from gpuhook.apply import apply
 
-    return plan, apply(plan, deadline)
+    outcome = apply(plan, deadline)
+    if checked:
+        health.register_container(plan, state, config, record)
+    return plan, outcome
+
+
+def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, record: dict) -> None:
+    """After a container stopped: clean up what it left on its GPUs (gpuhook.health). Only
+    the state's id is needed; a bundle that is already gone costs the log its names only."""
+    state = oci.parse_state(state_bytes)
+    record["container"] = state.id
+    try:
+        spec = oci.parse_spec(spec_bytes if spec_bytes is not None else oci.read_config_bytes(state.bundle),
+                              state.bundle)
+        record.update(journal.k8s_names({**spec.annotations, **state.annotations}))
+    except GpuhookError:
+        record.update(journal.k8s_names(state.annotations))
+    if config.health.mode == "off":
+        record["decision"] = "nothing to do at this stage (health mode off)"
+        return
+    from gpuhook.health import hooks as health
+
+    health.after_stop(state, config, deadline, record)
 
 
 def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
@@ -85,12 +117,15 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         config = cfg.load(config_path, os.environ)
         log_path = config.log_file
         deadline = started + config.deadline_seconds
+        if stage == "poststop":
+            poststop(state_bytes, spec_bytes, config, deadline, record)
+            return 0
         state, spec = read_container(state_bytes, spec_bytes)
         record.update(container=state.id, **journal.k8s_names({**spec.annotations, **state.annotations}))
         if stage not in START_STAGES:
             record["decision"] = "nothing to do at this stage"
             return 0
-        plan, outcome = prestart(state, spec, config, deadline)
+        plan, outcome = prestart(state, spec, config, deadline, record)
         record.update(decision="untouched" if plan.empty else "gpus injected", wants=plan.wants,
                       channel=plan.channel, gpus=[g.uuid for g in plan.gpus],
                       capabilities=sorted(plan.capabilities), notes=list(plan.notes))
@@ -100,12 +135,16 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         return 0
     except GpuhookError as err:
         record.update(decision="failed", error=err.one_line())
+        if stage == "poststop":  # a stop never fails (issue 5, item 5): the problem is logged only
+            return 0
         print(f"gpuhook: {err.one_line()}", file=sys.stderr)
         return err.exit_code
     except Exception as err:  # a bug: still one line for the runtime, the detail to the log
         import traceback
 
         record.update(decision="internal error", error=repr(err), traceback=traceback.format_exc())
+        if stage == "poststop":
+            return 0
         print(f"gpuhook: internal error: {type(err).__name__}: {err}".splitlines()[0], file=sys.stderr)
         return INTERNAL_ERROR
     finally:

@@ -81,7 +81,8 @@ def test_gpu_path_on_an_unchanged_host_avoids_the_heavy_stdlib(tmp_path, sim_hos
     nor typing: those cost more than the hook's whole decision."""
     from conftest import sim_config_values, write_config
 
-    config = write_config(tmp_path / "c.toml", sim_config_values(sim_host, str(tmp_path / "log")))
+    config = write_config(tmp_path / "c.toml", sim_config_values(sim_host, str(tmp_path / "log")),
+                          health={"mode": "off"})  # the checks load NVML by design (issue 5)
     state = bundle(tmp_path, ("NVIDIA_VISIBLE_DEVICES=0",), pid=os.getpid())
     args = ["prestart", "--config", config]
     run_hook_process(args, state)  # warms the config and inventory caches

@@ -1,0 +1,115 @@
+"""`gpuhook prepare` and `gpuhook check`: the health checks by hand or from a device plugin."""
+
+import json
+import os
+
+import click
+
+from gpuhook import config as cfg
+from gpuhook.errors import InputError
+
+CONFIG_OPTION = click.option("--config", "config_path", metavar="FILE",
+                             help=f"Configuration file (default: ${cfg.ENV_VAR} or {cfg.DEFAULT_PATH}).")
+DEADLINE_OPTION = click.option("--deadline", "deadline_seconds", type=click.FloatRange(min=0.1, max=3600),
+                               metavar="SECONDS", help="Time for all GPUs together (default: health.deadline-seconds).")
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON.")
+
+
+def resolve_devices(text: str | None, config) -> list:
+    """GPU and MIG UUIDs from a comma-separated list of UUIDs and NVML indices; every GPU of
+    the host when `text` is None."""
+    from gpuhook import discover
+
+    if text is None:
+        return [gpu.uuid for gpu in discover.gpus(config.proc_root)]
+    wanted = [item.strip() for item in text.split(",") if item.strip()]
+    if not wanted:
+        raise InputError("--devices names no device")
+    host = None
+    found = []
+    for item in wanted:
+        if item.isdigit() and item.isascii():
+            if host is None:
+                host = discover.gpus(config.proc_root)
+            match = [gpu.uuid for gpu in host if gpu.index == int(item)]
+            if not match:
+                raise InputError(f"--devices: no GPU with index {item} (GPUs here: 0 to {len(host) - 1})")
+            item = match[0]
+        if item not in found:
+            found.append(item)
+    return found
+
+
+def render(report) -> str:
+    lines = []
+    for result in report.gpus:
+        line = f"{result.uuid}  {result.status.value}  {result.seconds:.3f} s"
+        if result.fixed:
+            line += "  fixed: " + "; ".join(f"{f.check.value}: {f.evidence}" for f in result.fixed)
+        if result.actions:
+            line += "  actions: " + "; ".join(f"{a.action} {a.target}: {a.detail}" for a in result.actions)
+        if result.problems:
+            line += f"  {result.failure()}"
+        if result.users:
+            line += "  used by: " + ", ".join(result.users)
+        lines.append(line)
+    for cut in report.cut_off:
+        lines.append(f"cut off: {cut.text()}")
+    return "\n".join(lines)
+
+
+def _show(report, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        click.echo(render(report))
+
+
+@click.command(name="prepare", help=(
+    "Check and clean GPUs before a container gets them, exactly as the hook does: kill processes "
+    "left behind by gone containers, reset a GPU that needs it and that nobody uses, check again. "
+    "Leaves a stamp per GPU that is fine, so the hook (health.mode = fallback) skips it at the "
+    "next start. For a device plugin's PreStartContainer. Exits non-zero with one line naming the "
+    "GPU, the check and the evidence when a GPU stays unhealthy."
+))
+@CONFIG_OPTION
+@click.option("--devices", required=True, metavar="UUID[,UUID...]",
+              help="The GPUs: UUIDs (GPU-..., or MIG-... for a MIG device's parent GPU) or NVML indices.")
+@DEADLINE_OPTION
+@JSON_OPTION
+def prepare(config_path, devices, deadline_seconds, as_json):
+    from gpuhook import health
+    from gpuhook.errors import GpuUnhealthyError, HealthDeadlineError
+
+    config = cfg.load(config_path, os.environ)
+    uuids = resolve_devices(devices, config)
+    try:
+        report = health.prepare(uuids, config, deadline_seconds)
+    except (GpuUnhealthyError, HealthDeadlineError) as err:
+        _show(err.report, as_json)
+        raise
+    _show(report, as_json)
+
+
+@click.command(name="check", help=(
+    "Run the health checks on GPUs (all of the host's by default) and write their reports "
+    "under <state-dir>/health/. Changes nothing on the GPUs unless --repair is given, which "
+    "kills orphaned processes and resets as `gpuhook prepare` does (without stamps). Exits 6 "
+    "when a GPU is unhealthy, 7 when the deadline cut a check off."
+))
+@CONFIG_OPTION
+@click.option("--devices", metavar="UUID[,UUID...]",
+              help="The GPUs: UUIDs (GPU-..., or MIG-... for a MIG device's parent GPU) or NVML indices.")
+@click.option("--repair", is_flag=True, help="Kill orphaned processes and reset GPUs that need it.")
+@DEADLINE_OPTION
+@JSON_OPTION
+def check(config_path, devices, repair, deadline_seconds, as_json):
+    from gpuhook import health
+
+    config = cfg.load(config_path, os.environ)
+    uuids = resolve_devices(devices, config)
+    report = health.check(uuids, config, repair, deadline_seconds)
+    _show(report, as_json)
+    error = report.error()
+    if error is not None:
+        raise error

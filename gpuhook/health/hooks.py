@@ -1,0 +1,115 @@
+"""The health checks at the hook's stages: before a start, after it, and after a stop.
+
+gpuhook.hook calls these only when [health] mode is not off and the plan has GPUs, so a
+container without GPUs, and every container with mode = "off", never loads NVML, threads or
+this package. Each fills the hook's log record (`record`) with what it decided.
+"""
+
+import time
+
+from gpuhook.errors import GpuhookError
+from gpuhook.health import registry, store
+
+FALLBACK = "fallback"
+WARN = "warn"
+
+
+def plan_gpus(plan) -> list:
+    """UUIDs of the GPUs a plan gives the container, each once: whole GPUs and the parent
+    GPUs of its MIG devices (gpuhook.plan keeps both in `gpus`)."""
+    uuids = []
+    for gpu in plan.gpus:
+        if gpu.uuid not in uuids:
+            uuids.append(gpu.uuid)
+    return uuids
+
+
+def before_start(plan, state, config, hook_deadline: float, record: dict) -> None:
+    """Check and repair the plan's GPUs (whole GPUs and the parents of its MIG devices) before
+    the container gets them. In fallback mode a GPU with a fresh stamp from `gpuhook prepare`
+    is skipped and its stamp consumed. Raises the report's error unless on-failure = warn."""
+    health = config.health
+    uuids = plan_gpus(plan)
+    info = {"mode": health.mode}
+    record["health"] = info
+    if not uuids:
+        return
+    todo = list(uuids)
+    if health.mode == FALLBACK:
+        skipped = {}
+        for uuid in uuids:
+            claim = store.claim_stamp(config.state_dir, uuid, health.stamp_ttl_seconds)
+            if claim.fresh:
+                skipped[uuid] = claim.why
+                todo.remove(uuid)
+            elif claim.why != "no stamp":
+                info.setdefault("stamps", {})[uuid] = claim.why
+        if skipped:
+            info["skipped"] = skipped
+    if not todo:
+        return
+    from gpuhook.health import engine  # NVML and threads: only now that a GPU needs checking
+
+    deadline = min(time.monotonic() + health.deadline_seconds, hook_deadline)
+    policy = engine.Policy(True, health.kill_orphans, None, "needed")
+    try:
+        report = engine.run(todo, config, "prestart", policy, deadline, state.id)
+    except GpuhookError as err:
+        info["error"] = err.one_line()
+        if health.on_failure == WARN:
+            info["warning"] = f"GPUs not checked: {err.one_line()}"
+            return
+        raise
+    info.update(report.as_dict())
+    error = report.error()
+    if error is None:
+        return
+    if health.on_failure == WARN:
+        info["warning"] = error.one_line()
+        return
+    raise error
+
+
+def register_container(plan, state, config, record: dict) -> None:
+    """Record the started container (its init, cgroups and GPUs) in the registry, so its GPU
+    processes are known as its own while it runs and as orphans once it is gone. Best effort:
+    a container that cannot be registered is only noted (its processes then count as
+    another container's: never killed)."""
+    gpus = plan_gpus(plan)
+    if not gpus:
+        return
+    # The Kubernetes names run_hook found in the state's and the bundle's annotations.
+    names = {key: record[key] for key in ("pod", "namespace", "container_name") if key in record}
+    try:
+        entry = registry.from_process(state.id, state.pid, gpus, names)
+        registry.record(config.state_dir, entry)
+        record["registered"] = {"pid": entry.pid, "cgroups": entry.cgroups}
+    except (OSError, LookupError) as err:
+        record["registered"] = f"not registered: {err}"
+
+
+def after_stop(state, config, hook_deadline: float, record: dict) -> None:
+    """After the container stopped: kill what it left on its GPUs and, with reset-on-release,
+    reset each GPU it was the last user of. Never raises: a stop must not fail; problems are
+    in the record (and in the GPUs' reports)."""
+    entry = registry.load(config.state_dir, state.id)
+    if entry is None:
+        record["decision"] = "nothing to clean up (container not registered)"
+        return
+    from gpuhook.health import engine
+
+    deadline = min(time.monotonic() + config.health.deadline_seconds, hook_deadline)
+    try:
+        report = engine.release(entry, config, deadline)
+    except GpuhookError as err:
+        record.update(decision="cleanup failed", error=err.one_line())
+        return
+    record["health"] = report.as_dict()
+    leftovers = [process.pid for result in report.gpus for finding in result.problems for process in finding.targets
+                 if process.container is not None and process.container.id == entry.id]
+    if report.cut_off or leftovers:
+        # Keep the entry: whatever is still in its cgroups is recognised as an orphan later.
+        record["decision"] = "cleanup incomplete (container kept in the registry)"
+        return
+    registry.forget(config.state_dir, state.id)
+    record["decision"] = "cleaned up"

@@ -1,0 +1,126 @@
+"""Who owns each process NVML lists on a GPU: a live container, the host, or nobody.
+
+NVML reports host pids. Each is looked up in /proc and put in one of these classes
+(issue 5, item 2; docs/health.md):
+
+    container        in the cgroups of a registered container whose init is alive
+    other container  in other pid or mount namespaces than gpuhook's and not registered:
+                     a container someone else started; treated as live, never killed
+    host             in gpuhook's own pid and mount namespaces
+    orphan           in the cgroups of a registered container that is gone
+    zombie           exited, not yet reaped; its parent is looked at instead
+    gone             the pid no longer exists, yet NVML still lists it (a context left behind)
+
+Only orphans are ever killed (and the orphan parent of a zombie, which is how a zombie gets
+reaped). Everything else that is alive counts as a user of the GPU, which then is never
+reset. Because NVML's pids are host pids, attribution needs the host's pid namespace
+(`in_host_pid_namespace`).
+"""
+
+import os
+from enum import Enum
+
+from gpuhook.health import registry
+from gpuhook.record import record
+
+PF_KTHREAD = 0x00200000  # task flag of kernel threads (include/linux/sched.h)
+
+
+class Owner(str, Enum):
+    CONTAINER = "container"
+    OTHER_CONTAINER = "other container"
+    HOST = "host"
+    ORPHAN = "orphan"
+    ZOMBIE = "zombie"
+    GONE = "gone"
+
+
+LIVE = frozenset({Owner.CONTAINER, Owner.OTHER_CONTAINER, Owner.HOST})
+
+
+class Attributed(record("Attributed", "pid kind used_memory owner container start_time reaper detail")):
+    """A GPU process with its owner. `container` is the registry entry it belongs to (or
+    None); `start_time` identifies the process for a later kill; `reaper` is, for a zombie,
+    the orphan parent whose death gets it reaped (a ProcessStat), else None; `detail` is
+    the owner in words, for messages."""
+
+    __slots__ = ()
+
+    @property
+    def live(self) -> bool:
+        return self.owner in LIVE
+
+
+class Namespaces(record("Namespaces", "pid mnt")):
+    __slots__ = ()
+
+
+def namespaces(pid, proc: str = "/proc"):
+    """The pid and mount namespace identities of `pid` ("self" works), or None if unreadable."""
+    try:
+        return Namespaces(os.readlink(f"{proc}/{pid}/ns/pid"), os.readlink(f"{proc}/{pid}/ns/mnt"))
+    except OSError:
+        return None
+
+
+def in_host_pid_namespace(proc: str = "/proc") -> bool:
+    """True when this process sees the host's pids: only there is pid 2 the kernel thread
+    kthreadd (a flag no user process can have, under a name any process could take)."""
+    stat = registry.read_stat(2, proc)
+    return stat is not None and stat.ppid == 0 and bool(stat.flags & PF_KTHREAD)
+
+
+class Attributor:
+    """Attributes pids against one snapshot of the registry (read once per check run)."""
+
+    def __init__(self, containers, proc: str = "/proc", starting: str | None = None):
+        self.proc = proc
+        self.containers = tuple(containers)
+        self.starting = starting  # the container being started: its own entry (a re-run hook) is no owner
+        self.mine = namespaces("self", proc)
+        self._alive = {}
+
+    def alive(self, container) -> bool:
+        if container.id not in self._alive:
+            self._alive[container.id] = registry.is_alive(container, self.proc)
+        return self._alive[container.id]
+
+    def owner_of(self, pid: int):
+        """(Owner, registry entry or None, ProcessStat or None, detail) for a live pid."""
+        stat = registry.read_stat(pid, self.proc)
+        if stat is None:
+            return Owner.GONE, None, None, "no such process"
+        if stat.zombie:
+            return Owner.ZOMBIE, None, stat, f"zombie, parent pid {stat.ppid}"
+        cgroups = registry.read_cgroups(pid, self.proc)
+        if cgroups is None:
+            # It exited between the two reads, or /proc hides it: never a kill candidate.
+            return Owner.OTHER_CONTAINER, None, stat, "cgroup unreadable"
+        for container in self.containers:
+            if container.id == self.starting or not container.holds(cgroups):
+                continue
+            if self.alive(container):
+                return Owner.CONTAINER, container, stat, f"container {container.label()}"
+            return Owner.ORPHAN, container, stat, (f"left over from container {container.label()}, "
+                                                   f"whose init (pid {container.pid}) is gone")
+        theirs = namespaces(pid, self.proc)
+        if theirs is not None and self.mine is not None and theirs == self.mine:
+            return Owner.HOST, None, stat, "host process"
+        return Owner.OTHER_CONTAINER, None, stat, "a container gpuhook did not start"
+
+    def attribute(self, processes) -> tuple:
+        """An Attributed for each nvml.Process."""
+        found = []
+        for process in processes or ():
+            owner, container, stat, detail = self.owner_of(process.pid)
+            reaper = None
+            if owner is Owner.ZOMBIE:
+                parent_owner, parent_container, parent_stat, parent_detail = self.owner_of(stat.ppid)
+                if parent_owner is Owner.ORPHAN:
+                    reaper, container = parent_stat, parent_container
+                    detail = f"zombie whose parent pid {stat.ppid} is {parent_detail}"
+                else:
+                    detail = f"zombie not reaped by its parent pid {stat.ppid} ({parent_detail})"
+            found.append(Attributed(process.pid, process.kind, process.used_memory, owner, container,
+                                    stat.start_time if stat is not None else None, reaper, detail))
+        return tuple(found)

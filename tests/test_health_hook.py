@@ -1,0 +1,374 @@
+"""The health checks in the hook, end to end: real runc containers on a simulated host of
+their own (these tests break its GPUs; the runtime gives the hook a minimal environment, so
+the hook and the reset command always read this host's own nvml.json)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gpuhook import testbed
+from gpuhook.cgroup import hierarchy
+from gpuhook.health import registry, store
+from gpuhook.simulate import host as simhost
+from gpuhook.simulate import nvml as simnvml
+
+from conftest import GpuContainers, require_root_tools, run_hook_process, sim_config_values, write_config
+
+pytestmark = pytest.mark.root
+
+K8S = {"io.kubernetes.pod.name": "trainer-0", "io.kubernetes.pod.namespace": "ml",
+       "io.kubernetes.container.name": "main"}
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    require_root_tools("gcc", "ldconfig", "runc")
+    return simhost.build(str(tmp_path_factory.mktemp("health-hook") / "host"), gpus=4, seed="health-hook")
+
+
+@pytest.fixture(scope="module")
+def pristine(sim):
+    return simnvml.load(sim["nvml_state"])
+
+
+@pytest.fixture
+def nvml_state(sim, pristine):
+    simnvml.save(sim["nvml_state"], pristine)
+    return sim["nvml_state"]
+
+
+class HealthContainers(GpuContainers):
+    """GpuContainers on this module's host, with detached containers and the poststop hook."""
+
+    def __init__(self, bed, sim, probe, workdir, **health):
+        self.health = health
+        super().__init__(bed, sim, probe, workdir)
+
+    def configure(self, **overrides):
+        health = {**self.health, **overrides.pop("health", {})}
+        return super().configure(**overrides, **({"health": health} if health else {}))
+
+    @property
+    def state_dir(self) -> str:
+        return f"{self.workdir}/run"
+
+    def with_poststop(self, spec):
+        spec["hooks"]["poststop"] = [testbed.hook_entry(self.config, "poststop")]
+
+    def start_detached(self, name, gpu_env, annotations=None) -> int:
+        """`runc run -d` a container that sleeps, with both hooks; returns its init's host pid."""
+        hooks = {"prestart": [testbed.hook_entry(self.config, "prestart")],
+                 "poststop": [testbed.hook_entry(self.config, "poststop")]}
+        bundle = self.bed.bundle(name, ["/bin/busybox", "sleep", "600"], env=[gpu_env], hooks=hooks,
+                                 annotations=annotations)
+        with open(f"{self.workdir}/{name}.runc.log", "w") as log:
+            done = subprocess.run([self.bed.runc, "--root", self.bed.state_root, "run", "-d", "--bundle", bundle, name],
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=60, cwd="/")
+        assert done.returncode == 0, open(f"{self.workdir}/{name}.runc.log").read()
+        return self.runc_state(name)["pid"]
+
+    def runc_state(self, name) -> dict:
+        done = subprocess.run([self.bed.runc, "--root", self.bed.state_root, "state", name],
+                              capture_output=True, text=True, timeout=30)
+        return json.loads(done.stdout)
+
+    def stop(self, name) -> subprocess.CompletedProcess:
+        subprocess.run([self.bed.runc, "--root", self.bed.state_root, "kill", name, "KILL"], capture_output=True,
+                       timeout=30)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and self.runc_state(name).get("status") != "stopped":
+            time.sleep(0.05)
+        return subprocess.run([self.bed.runc, "--root", self.bed.state_root, "delete", name], capture_output=True,
+                              text=True, timeout=60)
+
+    def records(self, stage) -> list:
+        return [line for line in self.log_lines() if line.get("stage") == stage]
+
+
+@pytest.fixture
+def hgpus(bed, sim, probe, tmp_path, nvml_state):
+    made = HealthContainers(bed, sim, probe, tmp_path)
+    yield made
+    for name in os.listdir(f"{bed.workdir}/bundles") if os.path.isdir(f"{bed.workdir}/bundles") else ():
+        bed.delete(name)
+
+
+def gpu_record(nvml_state, index) -> dict:
+    return simnvml.load(nvml_state)["gpus"][index]
+
+
+def gpu_nodes(probes) -> set:
+    return {p for p, item in probes.items() if p.startswith("/dev/nvidia") and p[11:].isdigit() and item["exists"]}
+
+
+def hook_message(result) -> str:
+    """The one line gpuhook printed, as runc passes it on (quoted inside its own error line)."""
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    message = line.split("gpuhook: ", 1)[1]
+    assert message.count("\\n") <= 1  # runc quotes our single newline
+    return message.split("\\n")[0]
+
+
+# --- prestart ------------------------------------------------------------------------------
+
+def test_a_healthy_gpu_starts_untouched_and_the_container_is_registered(hgpus, nvml_state):
+    result = hgpus.run("healthy", env=["NVIDIA_VISIBLE_DEVICES=0"], annotations=K8S)
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {"/dev/nvidia0"}
+    (line,) = hgpus.records("prestart")
+    assert (line["decision"], line["pod"], line["namespace"], line["container_name"]) == \
+           ("gpus injected", "trainer-0", "ml", "main")
+    health = line["health"]
+    assert health["mode"] == "fallback" and health["ok"] is True
+    (checked,) = health["gpus"]
+    assert (checked["uuid"], checked["status"], checked["actions"]) == (hgpus.uuid(0), "healthy", [])
+    assert set(checked["steps"]) >= {"lock", "query", "attribute"}
+    assert isinstance(line["registered"], dict) and line["registered"]["cgroups"]
+    assert gpu_record(nvml_state, 0)["reset_count"] == 0
+    assert store.read_report(hgpus.state_dir, hgpus.uuid(0))["status"] == "healthy"
+
+
+def test_a_gpu_with_a_fault_a_reset_fixes_is_reset_before_the_container_gets_it(hgpus, nvml_state):
+    simnvml.set_gpu(nvml_state, 1, ecc_volatile_uncorrected=4)
+    result = hgpus.run("repaired", env=["NVIDIA_VISIBLE_DEVICES=1"])
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {"/dev/nvidia1"}
+    record = gpu_record(nvml_state, 1)
+    assert (record["reset_count"], record["ecc_volatile_uncorrected"]) == (1, 0)
+    (checked,) = hgpus.records("prestart")[0]["health"]["gpus"]
+    assert checked["status"] == "repaired" and checked["checks"]["ecc"] == "repaired"
+    assert [(a["action"], a["ok"]) for a in checked["actions"]] == [("reset", True)]
+
+
+def test_an_unrepairable_gpu_fails_the_start_with_one_line(hgpus, nvml_state):
+    simnvml.set_gpu(nvml_state, 2, remapped_rows_failure=True, remapped_rows_uncorrectable=3)
+    result = hgpus.run("broken", env=["NVIDIA_VISIBLE_DEVICES=2"])
+    assert result.returncode != 0
+    assert hook_message(result) == (f"{hgpus.uuid(2)} failed its remapped-rows check: row remapping failed "
+                         "(3 uncorrectable, 0 correctable rows remapped): the GPU needs servicing")
+    assert result.probes() == {}  # the container's process never ran
+    (record,) = hgpus.records("prestart")
+    assert record["decision"] == "failed" and record["health"]["gpus"][0]["status"] == "unhealthy"
+    assert store.read_report(hgpus.state_dir, hgpus.uuid(2))["healthy"] is False
+    assert registry.load_all(hgpus.state_dir) == ()
+
+
+def test_warn_mode_starts_the_container_and_logs_the_failure(hgpus, nvml_state):
+    hgpus.configure(health={"on-failure": "warn"})
+    simnvml.set_gpu(nvml_state, 2, lost=True)
+    result = hgpus.run("warned", env=["NVIDIA_VISIBLE_DEVICES=2"])
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {"/dev/nvidia2"}
+    (record,) = hgpus.records("prestart")
+    assert record["health"]["warning"].endswith("failed its reachable check: NVML reports the GPU lost (fallen off "
+                                                "the bus) in nvmlDeviceGetHandleByUUID")
+
+
+def test_a_health_deadline_fails_the_start_naming_the_gpu_and_the_step(hgpus, nvml_state):
+    hgpus.configure(health={"deadline-seconds": 1.0})
+    simnvml.set_gpu(nvml_state, 3, handle_latency_ms=5000)
+    started = time.monotonic()
+    result = hgpus.run("slow", env=["NVIDIA_VISIBLE_DEVICES=3"])
+    assert time.monotonic() - started < 4.5
+    assert f"health checks cut off by their 1.0 s deadline: {hgpus.uuid(3)} at step query (NVML health queries)" in hook_message(result)
+
+
+@pytest.fixture(scope="module")
+def mig_sim(tmp_path_factory):
+    """A host of its own with GPU 1 in MIG mode: the planner asks NVML on MIG hosts, which
+    would change what the other tests here measure."""
+    require_root_tools("gcc", "ldconfig", "runc")
+    return simhost.build(str(tmp_path_factory.mktemp("health-hook-mig") / "host"), gpus=2, mig={1: []},
+                         seed="health-hook-mig")
+
+
+def test_a_mig_device_request_checks_and_repairs_its_parent_gpu(bed, mig_sim, probe, tmp_path):
+    state = mig_sim["nvml_state"]
+    simnvml.set_gpu(state, 1, ecc_volatile_uncorrected=1)
+    containers = HealthContainers(bed, mig_sim, probe, tmp_path)
+    device = mig_sim["gpus"][1]["mig_devices"][0]
+    result = containers.run("mig", env=[f"NVIDIA_VISIBLE_DEVICES={device['uuid']}"])
+    assert result.returncode == 0, result.stderr
+    (record,) = containers.records("prestart")
+    assert [(g["uuid"], g["status"]) for g in record["health"]["gpus"]] == [(containers.uuid(1), "repaired")]
+    assert registry.load(containers.state_dir, "mig").gpus == (containers.uuid(1),)
+    assert gpu_record(state, 1)["reset_count"] == 1
+
+
+# --- stamps from `gpuhook prepare` ---------------------------------------------------------
+
+def prepare(hgpus, index):
+    done = subprocess.run([sys.executable, "-m", "gpuhook", "prepare", "--config", hgpus.config, "--devices",
+                           str(index)], capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_fresh_stamp_makes_the_hook_skip_the_gpu_once(hgpus, nvml_state):
+    prepare(hgpus, 0)
+    # Broken after prepare: only a check that runs would notice.
+    simnvml.set_gpu(nvml_state, 0, ecc_volatile_uncorrected=1)
+    result = hgpus.run("stamped", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode == 0, result.stderr
+    health = hgpus.records("prestart")[0]["health"]
+    assert health["skipped"][hgpus.uuid(0)].startswith("fresh stamp from prepare") and "gpus" not in health
+    assert gpu_record(nvml_state, 0)["reset_count"] == 0
+    assert not os.path.exists(store.stamp_path(hgpus.state_dir, hgpus.uuid(0)))  # consumed
+    result = hgpus.run("stamped-again", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode == 0, result.stderr
+    assert gpu_record(nvml_state, 0)["reset_count"] == 1  # no stamp left: the hook did the work
+
+
+@pytest.mark.parametrize("case", ["stale", "missing", "always"])
+def test_a_stale_or_missing_stamp_or_mode_always_does_the_work(hgpus, nvml_state, case):
+    hgpus.configure(health={"stamp-ttl-seconds": 0.5, "mode": "always" if case == "always" else "fallback"})
+    if case != "missing":
+        prepare(hgpus, 1)
+    if case == "stale":
+        time.sleep(0.6)
+    simnvml.set_gpu(nvml_state, 1, ecc_volatile_uncorrected=1)
+    result = hgpus.run(f"stamp-{case}", env=["NVIDIA_VISIBLE_DEVICES=1"])
+    assert result.returncode == 0, result.stderr
+    assert gpu_record(nvml_state, 1)["reset_count"] == 1
+    health = hgpus.records("prestart")[0]["health"]
+    assert "skipped" not in health and health["gpus"][0]["status"] == "repaired"
+    if case == "stale":
+        assert health["stamps"][hgpus.uuid(1)].startswith("stamp 0.")
+
+
+# --- sharing, concurrency ------------------------------------------------------------------
+
+def test_a_gpu_shared_with_a_live_container_is_neither_reset_nor_stripped(hgpus, nvml_state):
+    holder = hgpus.start_detached("holder", "NVIDIA_VISIBLE_DEVICES=0")
+    try:
+        simnvml.add_process(nvml_state, 0, pid=holder, used_memory=2 << 30)
+        simnvml.set_gpu(nvml_state, 0, ecc_volatile_uncorrected=1)
+        result = hgpus.run("second", env=["NVIDIA_VISIBLE_DEVICES=0"])
+        assert hook_message(result).endswith(f"ecc check: 1 volatile uncorrectable ECC error(s) since the last reset; not reset: "
+                             f"the GPU is in use by container holder (pid {holder})")
+        assert gpu_record(nvml_state, 0)["reset_count"] == 0
+        simnvml.set_gpu(nvml_state, 0, ecc_volatile_uncorrected=0)
+        result = hgpus.run("third", env=["NVIDIA_VISIBLE_DEVICES=0"])
+        assert result.returncode == 0, result.stderr
+        checked = hgpus.records("prestart")[-1]["health"]["gpus"][0]
+        assert checked["status"] == "healthy" and checked["users"] == [f"container holder (pid {holder})"]
+        assert hgpus.runc_state("holder")["status"] == "running"
+        assert [p["pid"] for p in gpu_record(nvml_state, 0)["compute_processes"]] == [holder]
+        assert gpu_record(nvml_state, 0)["reset_count"] == 0
+    finally:
+        hgpus.stop("holder")
+
+
+def test_concurrent_starts_on_one_gpu_never_run_two_resets_at_once(hgpus, nvml_state):
+    simnvml.set_gpu(nvml_state, 3, remapped_rows_pending=True, reset_latency_ms=300)
+
+    def start(i):
+        return hgpus.run(f"concurrent{i}", env=["NVIDIA_VISIBLE_DEVICES=3"])
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(start, range(4), timeout=300))
+    assert [r.returncode for r in results] == [0] * 4, [r.stderr for r in results]
+    record = gpu_record(nvml_state, 3)
+    assert (record["reset_count"], record["reset_overlaps"]) == (1, 0)
+
+
+# --- poststop ------------------------------------------------------------------------------
+
+def container_cgroups(cgroups: dict) -> list:
+    """The directories of a registered container's cgroups on this host."""
+    with open("/proc/self/mountinfo") as f:
+        return registry.cgroup_directories(cgroups, hierarchy.cgroup_mounts(f.read()))
+
+
+def join_cgroups(pid, cgroups: dict) -> None:
+    """Put `pid` into a container's cgroups, as a process that escaped the container's pid
+    namespace but not its cgroups would be."""
+    for directory in container_cgroups(cgroups):
+        with open(f"{directory}/cgroup.procs", "w") as f:
+            f.write(str(pid))
+
+
+def remove_cgroups(cgroups: dict) -> None:
+    for directory in container_cgroups(cgroups):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass  # already gone, or runc removed it
+
+
+@pytest.mark.parametrize("reset_on_release", [False, True])
+def test_poststop_kills_what_the_container_left_on_its_gpus(hgpus, nvml_state, reset_on_release):
+    hgpus.configure(health={"reset-on-release": reset_on_release})
+    init = hgpus.start_detached("leaver", "NVIDIA_VISIBLE_DEVICES=1", annotations=K8S)
+    entry = registry.load(hgpus.state_dir, "leaver")
+    assert entry is not None and entry.pid == init and entry.gpus == (hgpus.uuid(1),)
+    left = subprocess.Popen(["sleep", "600"])
+    try:
+        join_cgroups(left.pid, entry.cgroups)
+        simnvml.add_process(nvml_state, 1, pid=left.pid, used_memory=1 << 30)
+        reaper = threading.Thread(target=left.wait, daemon=True)  # reaps it, as a shim would
+        reaper.start()
+        hgpus.stop("leaver")
+        reaper.join(timeout=10)
+        assert left.returncode == -signal.SIGKILL
+        (record,) = hgpus.records("poststop")
+        assert (record["container"], record["decision"], record["pod"]) == ("leaver", "cleaned up", "trainer-0")
+        (gpu,) = record["health"]["gpus"]
+        expected = [("kill", left.pid, True)] + ([("reset", hgpus.uuid(1), True)] if reset_on_release else [])
+        assert [(a["action"], a["target"], a["ok"]) for a in gpu["actions"]] == expected
+        assert gpu_record(nvml_state, 1)["reset_count"] == (1 if reset_on_release else 0)
+        assert registry.load(hgpus.state_dir, "leaver") is None
+    finally:
+        left.kill()
+        left.wait()
+        remove_cgroups(entry.cgroups)
+
+
+def test_poststop_never_fails_a_stop(hgpus, nvml_state):
+    hgpus.start_detached("nvml-gone", "NVIDIA_VISIBLE_DEVICES=2")
+    hgpus.configure(**{"nvml-library": "/nonexistent/libnvidia-ml.so.1"})
+    done = hgpus.stop("nvml-gone")
+    assert done.returncode == 0, done.stderr
+    (record,) = hgpus.records("poststop")
+    assert record["decision"] == "cleanup failed" and "cannot load /nonexistent" in record["error"]
+
+
+@pytest.mark.parametrize("state,decision", [
+    (b'{"id": "x", "bundle": ', "failed"),
+    (b'{"id": "never-started", "bundle": "/nonexistent", "status": "stopped"}',
+     "nothing to clean up (container not registered)"),
+])
+def test_poststop_of_a_broken_or_unknown_state_exits_0_and_logs_why(hgpus, state, decision):
+    done = run_hook_process(["poststop", "--config", hgpus.config], state)
+    assert (done.returncode, done.stderr) == (0, b"")
+    assert hgpus.records("poststop")[0]["decision"] == decision
+
+
+# --- what mode off costs -------------------------------------------------------------------
+
+def imported(tmp_path, sim, config_path) -> set:
+    spec = {"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "process": {"args": ["sh"],
+            "env": ["NVIDIA_VISIBLE_DEVICES=0"]}, "mounts": [], "annotations": {}}
+    (tmp_path / "config.json").write_text(json.dumps(spec))
+    (tmp_path / "rootfs").mkdir(exist_ok=True)
+    state = json.dumps({"ociVersion": "1.0.2", "id": "imports", "status": "creating", "pid": os.getpid(),
+                        "bundle": str(tmp_path)}).encode()
+    done = run_hook_process(["prestart", "--config", config_path], state, python_flags=("-X", "importtime"))
+    assert b"shares the hook's mount namespace" in done.stderr  # it went all the way to apply
+    return {line.rsplit("|", 1)[1].strip() for line in done.stderr.decode().splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+def test_mode_off_loads_no_nvml_no_threads_and_no_health_code(tmp_path, sim):
+    values = sim_config_values(sim, str(tmp_path / "log"))
+    off = imported(tmp_path, sim, write_config(tmp_path / "off.toml", values, health={"mode": "off"}))
+    assert not off & {"pynvml", "psutil", "threading", "gpuhook.nvml"}
+    assert not {m for m in off if m.startswith("gpuhook.health")}
+    on = imported(tmp_path, sim, write_config(tmp_path / "on.toml", values))
+    assert {"pynvml", "threading", "gpuhook.health.engine"} <= on  # the converse: the checks did run
