@@ -406,13 +406,13 @@ class _Work:
         """Bind the open host file `src` at `target_path` in the rootfs, then remount it with
         `options` through a fresh fd of what is now at the target, after checking that it is
         the mount we just made."""
-        if self._already_mounted(target_path, src_st):
-            return  # the hook ran before for this container
-        parent, _ = self.parent(target_path)
-        if kind == "dir":
-            target = safepath.ensure_dir(self.root, target_path, self.changes, parent_fd=parent)
-        else:
-            target = safepath.ensure_file(self.root, target_path, self.changes, parent_fd=parent)
+        parent, name = self.parent(target_path)
+        target = self._new_mount_point(parent, name, kind)
+        if target is None:  # something is there already: ours from an earlier run, or in the way
+            if self._already_mounted(target_path, src_st):
+                return
+            ensure = safepath.ensure_dir if kind == "dir" else safepath.ensure_file
+            target = ensure(self.root, target_path, self.changes, parent_fd=parent)
         try:
             linux.mount(linux.fd_path(src), linux.fd_path(target), None, linux.MS_BIND)
         finally:
@@ -427,6 +427,21 @@ class _Work:
         finally:
             os.close(now)
         self.count += 1
+
+    def _new_mount_point(self, parent: int, name: str, kind: str):
+        """fd of a mount point made now (nothing can be mounted on it yet), or None if the
+        name exists. The usual case, and the cheapest: one call makes and opens it."""
+        try:
+            if kind == "dir":
+                os.mkdir(name, 0o755, dir_fd=parent)
+                fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+            else:
+                fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                             dir_fd=parent)
+        except FileExistsError:
+            return None
+        self.changes.add("dir" if kind == "dir" else "file", parent, name)
+        return fd
 
     def _already_mounted(self, target: str, src_st) -> bool:
         try:
