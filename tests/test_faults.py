@@ -127,3 +127,27 @@ def test_missing_host_ldconfig(gpus, tmp_path):
     assert result.returncode != 0
     assert "host ldconfig" in gpuhook_line(result) and "No such file" in gpuhook_line(result)
     assert_rootfs_clean(result.rootfs)
+
+
+def test_nvml_failure_fails_the_start_in_one_line_and_changes_nothing(bed, probe, tmp_path):
+    """A damaged NVML (here: the simulated library's state file is garbage) during a start
+    whose image has CUDA requirements and whose GPUs are health-checked."""
+    from conftest import GpuContainers, require_root_tools
+    from gpuhook.simulate import host as simhost
+    from gpuhook.simulate import nvml as simnvml
+
+    require_root_tools("gcc", "ldconfig")
+    broken = simhost.build(str(tmp_path / "broken"), gpus=2)
+    (tmp_path / "work").mkdir()
+    containers = GpuContainers(bed, broken, probe, tmp_path / "work")
+    with open(simnvml.state_path(broken["directory"]), "w") as f:
+        f.write("{ this is not json")
+    before = host_mounts()
+    for name, env in (("nvml-requirements", ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE_CUDA=cuda>=12.0"]),
+                      ("nvml-health", ["NVIDIA_VISIBLE_DEVICES=1"])):
+        result = containers.run(name, env=env)
+        assert result.returncode != 0, name
+        line = gpuhook_line(result)
+        assert "NVML" in line, line
+        assert host_mounts() == before
+        assert_rootfs_clean(result.rootfs)

@@ -6,6 +6,7 @@ must hold one intact JSON line per start.
 """
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -31,9 +32,20 @@ def test_32_concurrent_starts_on_4_gpus_all_get_exactly_their_gpu(gpus):
         assert nvidia_gpu_nodes(probes) == {f"/dev/nvidia{i % 4}"}, i
         assert probes[f"/dev/nvidia{i % 4}"]["read"] == "ENXIO"
     lines = gpus.log_lines()  # json.loads on every line: an interleaved line would not parse
-    assert len(lines) == CONTAINERS
-    assert sorted(line["container"] for line in lines) == sorted(f"load{i}" for i in range(CONTAINERS))
-    assert all(line["decision"] == "gpus injected" for line in lines)
+    starts = [line for line in lines if line["stage"] == "prestart"]
+    assert len(starts) == CONTAINERS
+    assert sorted(line["container"] for line in starts) == sorted(f"load{i}" for i in range(CONTAINERS))
+    assert all(line["decision"] == "gpus injected" for line in starts)
+    # Shared state stayed consistent: one parseable inventory cache, and each GPU's health
+    # report is whole, healthy and says it was written by a start (health mode fallback).
+    state_dir = os.path.join(gpus.workdir, "run")
+    with open(os.path.join(state_dir, "inventory.json")) as f:
+        assert json.load(f)["inventory"]["driver_version"] == gpus.version
+    for index in range(4):
+        with open(os.path.join(state_dir, "health", f"{gpus.uuid(index)}.json")) as f:
+            report = json.load(f)
+        assert report["healthy"] is True and report["status"] == "healthy" and report["by"] == "prestart"
+    assert not [name for name in os.listdir(state_dir) if name.endswith(".tmp")]
 
 
 @pytest.mark.parametrize("log_target", ["missing-dir", "dev-full", "a-directory", "read-only-file"])
