@@ -11,15 +11,14 @@ import time
 
 from gpuhook import config as cfg
 from gpuhook import discover, journal, oci
+from gpuhook import request as req
 from gpuhook import requirements as reqs
+from gpuhook.errors import GpuhookError, InputError
 from gpuhook.inventory import load as load_inventory
 from gpuhook.inventory import nvml_facts
-from gpuhook import request as req
-from gpuhook.errors import GpuhookError, InputError
 from gpuhook.plan import empty_plan, make_plan
 
 START_STAGES = ("prestart", "createRuntime")
-STAGES = START_STAGES + ("poststop",)
 INTERNAL_ERROR = 70
 
 
