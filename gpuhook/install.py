@@ -1,16 +1,21 @@
 """`gpuhook install` / `gpuhook uninstall`: register gpuhook with a container runtime.
 
-Targets (docs/packaging.md has the operator's view):
+Every target registers two stages (`STAGES`): ``prestart`` (inject and check the GPUs) and
+``poststop`` (clean up what a stopped container left on them). Targets (docs/packaging.md has
+the operator's view):
 
-- ``podman``, ``crio``: ``<hooks-dir>/gpuhook.json``, an oci-hooks 1.0.0 file. The admin dir
-  /etc/containers/oci/hooks.d overrides the packaged /usr/share/containers/oci/hooks.d file of
-  the same name, so the two never both run.
+- ``podman``, ``crio``: ``<hooks-dir>/gpuhook.json`` (prestart) and
+  ``<hooks-dir>/gpuhook-poststop.json`` (poststop), oci-hooks 1.0.0 files. One file per stage
+  because oci-hooks passes the same args to every stage a file lists, and our args name the
+  stage. The admin dir /etc/containers/oci/hooks.d overrides the packaged
+  /usr/share/containers/oci/hooks.d file of the same name, so the two never both run.
 - ``containerd``: a base runtime spec (containerd's default spec from ``ctr oci spec`` plus
-  our hook) and an edit of containerd's config.toml that points CRI's runc runtime at it. The
+  our hooks) and an edit of containerd's config.toml that points CRI's runc runtime at it. The
   edit goes into config.toml itself, not a conf.d drop-in: containerd 1.6 replaces a whole
   plugin section with the imported one, so a drop-in would silently reset Debian's own CRI
   settings (cni bin_dir) to the built-in defaults (checked with ``containerd config dump``).
-- ``runc-bundle``: our hook appended to a bundle's config.json ``hooks.prestart``.
+- ``runc-bundle``: our hooks appended to a bundle's config.json ``hooks.prestart`` and
+  ``hooks.poststop``.
 
 Every operation is computed first as an `InstallPlan` (each file's content before and after,
 the backups to make or drop): pure data that ``--dry-run`` renders as a unified diff.
@@ -40,6 +45,7 @@ from gpuhook.errors import GpuhookError
 TARGETS = ("podman", "crio", "containerd", "runc-bundle")
 
 HOOK_FILE_NAME = "gpuhook.json"
+POSTSTOP_FILE_NAME = "gpuhook-poststop.json"
 ADMIN_HOOKS_DIR = "/etc/containers/oci/hooks.d"
 PACKAGE_HOOKS_DIR = "/usr/share/containers/oci/hooks.d"
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
@@ -53,6 +59,13 @@ DEBIAN_LAUNCHER = "/usr/lib/python3/dist-packages/gpuhook/launch.py"
 # prestart: podman 4.x runs it as such, podman 5.x runs a prestart stage as createRuntime,
 # runc and crun run both at the same point; the hook treats the two names alike.
 STAGE = "prestart"
+# poststop: runc and crun run it at `delete`, podman when it cleans up a stopped container.
+# The hook kills what the container left on its GPUs there (and, with reset-on-release,
+# resets them); it never fails a stop.
+POSTSTOP = "poststop"
+# Every stage gpuhook install registers, in this order, and its hooks.d file name.
+STAGES = (STAGE, POSTSTOP)
+HOOKS_D_FILES = {STAGE: HOOK_FILE_NAME, POSTSTOP: POSTSTOP_FILE_NAME}
 # The hook's environment is exactly this (CVE-2025-23266: a hook without `env` inherits
 # the runtime's, LD_PRELOAD included). Children get their own minimal env from gpuhook.
 HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
@@ -90,16 +103,20 @@ class Hook:
     config: str | None = None
     timeout: int = 30
 
-    def entry(self) -> dict:
-        """The OCI hook entry {path, args, env, timeout}; args[0] is argv[0].
+    def entry(self, stage: str = STAGE) -> dict:
+        """The OCI hook entry {path, args, env, timeout} for `stage`; args[0] is argv[0].
 
         argv[0] is the interpreter's full path, not "python3": Python derives sys.executable
         from a bare argv[0] by searching PATH, which finds the system interpreter instead of a
         venv's and so loses the venv's site-packages (pynvml, psutil)."""
-        args = [self.python, "-I", "-S", self.launcher, STAGE]
+        args = [self.python, "-I", "-S", self.launcher, stage]
         if self.config:
             args += ["--config", self.config]
         return {"path": self.python, "args": args, "env": list(HOOK_ENV), "timeout": self.timeout}
+
+    def entries(self) -> dict:
+        """Every stage gpuhook registers -> its hook entry, in `STAGES` order."""
+        return {stage: self.entry(stage) for stage in STAGES}
 
 
 @dataclass(frozen=True)
@@ -194,10 +211,15 @@ def packaged_hook(launcher: str = DEBIAN_LAUNCHER) -> Hook:
 # --- file formats -----------------------------------------------------------------------
 
 
-def hooks_d_document(hook: Hook, annotated: bool = False) -> dict:
-    """An oci-hooks 1.0.0 document (podman, CRI-O) that runs `hook`."""
+def hooks_d_document(hook: Hook, annotated: bool = False, stage: str = STAGE) -> dict:
+    """An oci-hooks 1.0.0 document (podman, CRI-O) that runs `hook` at `stage` only.
+
+    Both stages' documents of one variant carry the same `when`: a container the prestart
+    hook may have configured must also get the poststop hook, and one it never saw needs none."""
+    if stage not in HOOKS_D_FILES:
+        raise ValueError(f"gpuhook registers no {stage!r} stage (only {', '.join(STAGES)})")
     when = {"annotations": dict(CDI_WHEN)} if annotated else {"always": True}
-    return {"version": "1.0.0", "hook": hook.entry(), "when": when, "stages": [STAGE]}
+    return {"version": "1.0.0", "hook": hook.entry(stage), "when": when, "stages": [stage]}
 
 
 def render_json(doc, style: str | None = None) -> str:
@@ -232,42 +254,57 @@ def is_gpuhook_entry(entry) -> bool:
 
 
 def has_gpuhook(spec: dict) -> bool:
+    """True when any stage gpuhook registers (`STAGES`) holds a gpuhook entry."""
     hooks = spec.get("hooks")
-    if not isinstance(hooks, dict) or not isinstance(hooks.get(STAGE), list):
+    if not isinstance(hooks, dict):
         return False
-    return any(is_gpuhook_entry(e) for e in hooks[STAGE])
+    return any(isinstance(hooks.get(stage), list) and any(is_gpuhook_entry(e) for e in hooks[stage])
+               for stage in STAGES)
 
 
-def with_hook(spec: dict, entry: dict, where: str) -> dict:
-    """`spec` with `entry` as its one gpuhook hook: an old gpuhook entry is replaced in place,
-    otherwise `entry` runs after the spec's own prestart hooks."""
+def with_hook(spec: dict, entries: dict, where: str) -> dict:
+    """`spec` with `entries` (stage -> entry, e.g. `Hook.entries()`) as its gpuhook hooks, one
+    per stage: an old gpuhook entry of a stage is replaced in place, otherwise the entry runs
+    after the spec's own hooks of that stage."""
+    if not set(entries) <= set(STAGES):
+        raise ValueError(f"entries must map stages ({', '.join(STAGES)}) to hook entries, got {sorted(entries)}")
     new = copy.deepcopy(spec)
     hooks = new.setdefault("hooks", {})
     if not isinstance(hooks, dict):
         raise InstallError(f"{where}: 'hooks' is not an object")
-    stage = hooks.setdefault(STAGE, [])
-    if not isinstance(stage, list):
-        raise InstallError(f"{where}: 'hooks.{STAGE}' is not a list")
-    ours = [i for i, e in enumerate(stage) if is_gpuhook_entry(e)]
-    if not ours:
-        stage.append(entry)
-        return new
-    stage[ours[0]] = entry
-    for i in reversed(ours[1:]):
-        del stage[i]
+    for name in entries:
+        if not isinstance(hooks.get(name, []), list):
+            raise InstallError(f"{where}: 'hooks.{name}' is not a list")
+    for name, entry in entries.items():
+        stage = hooks.setdefault(name, [])
+        ours = [i for i, e in enumerate(stage) if is_gpuhook_entry(e)]
+        if not ours:
+            stage.append(entry)
+            continue
+        stage[ours[0]] = entry
+        for i in reversed(ours[1:]):
+            del stage[i]
     return new
 
 
 def without_hook(spec: dict) -> dict:
-    """`spec` without gpuhook's prestart entries, and without the lists they leave empty."""
+    """`spec` without gpuhook's entries in the stages it registers (`STAGES`), and without the
+    lists (and the `hooks` object) that removing them leaves empty. Other stages, and lists
+    that held no gpuhook entry, are not touched."""
     new = copy.deepcopy(spec)
     hooks = new.get("hooks")
-    if not isinstance(hooks, dict) or not isinstance(hooks.get(STAGE), list):
+    if not isinstance(hooks, dict):
         return new
-    hooks[STAGE] = [e for e in hooks[STAGE] if not is_gpuhook_entry(e)]
-    if not hooks[STAGE]:
-        del hooks[STAGE]
-    if not hooks:
+    removed = False
+    for stage in STAGES:
+        entries = hooks.get(stage)
+        if not isinstance(entries, list) or not any(is_gpuhook_entry(e) for e in entries):
+            continue
+        removed = True
+        hooks[stage] = [e for e in entries if not is_gpuhook_entry(e)]
+        if not hooks[stage]:
+            del hooks[stage]
+    if removed and not hooks:
         del new["hooks"]
     return new
 
@@ -308,54 +345,76 @@ def _hooks_d_is_ours(text: str) -> bool:
     return isinstance(doc, dict) and is_gpuhook_entry(doc.get("hook"))
 
 
-def _runtime_notes(target: str, path: str, package_hooks_dir: str, installing: bool) -> list:
+def _runtime_notes(target: str, paths: list, package_hooks_dir: str, installing: bool) -> list:
+    """What the runtime does with the hooks.d files at `paths` (all in one dir)."""
     notes = []
-    packaged = os.path.join(package_hooks_dir, HOOK_FILE_NAME)
+    directory = os.path.dirname(paths[0])
     # The runtimes read both default dirs, the admin one overriding by file name.
-    if os.path.dirname(path) == ADMIN_HOOKS_DIR and os.path.exists(packaged):
-        notes.append(f"{path} overrides the packaged {packaged} (same file name)" if installing else
-                     f"the packaged {packaged} still registers gpuhook (remove the package to stop it)")
+    if directory == ADMIN_HOOKS_DIR:
+        for path in paths:
+            packaged = os.path.join(package_hooks_dir, os.path.basename(path))
+            if os.path.exists(packaged):
+                notes.append(f"{path} overrides the packaged {packaged} (same file name)" if installing else
+                             f"the packaged {packaged} still registers gpuhook (remove the package to stop it)")
     if target == "crio":
         notes.append("CRI-O reads hooks only from the dirs in crio.conf's hooks_dir (default "
-                     f"{package_hooks_dir}); make sure {os.path.dirname(path)} is listed, then restart CRI-O")
+                     f"{package_hooks_dir}); make sure {directory} is listed, then restart CRI-O")
     elif installing:
         notes.append("podman reads the hooks dir at every container start; nothing to restart")
     return notes
 
 
+def hooks_d_paths(hooks_dir: str) -> dict:
+    """Stage -> the hooks.d file gpuhook install writes for it in `hooks_dir`."""
+    directory = os.path.abspath(hooks_dir)
+    return {stage: os.path.join(directory, name) for stage, name in HOOKS_D_FILES.items()}
+
+
 def plan_hooks_d(target: str, hooks_dir: str, hook: Hook, annotated: bool = False,
                  package_hooks_dir: str = PACKAGE_HOOKS_DIR) -> InstallPlan:
-    """Write <hooks_dir>/gpuhook.json for podman or CRI-O."""
-    path = os.path.join(os.path.abspath(hooks_dir), HOOK_FILE_NAME)
-    old = _read_text(path)
-    new = render_json(hooks_d_document(hook, annotated))
-    backup = path + BACKUP_SUFFIX if old is not None and old != new and not _hooks_d_is_ours(old) else None
-    notes = _runtime_notes(target, path, package_hooks_dir, installing=True)
-    if old is None and os.path.exists(path + BACKUP_SUFFIX):
-        notes.append(f"{path + BACKUP_SUFFIX} is left from an earlier install; uninstall will restore it")
-    return InstallPlan((FileChange(path, old, new, backup=backup),), tuple(notes))
+    """Write <hooks_dir>/gpuhook.json (prestart) and gpuhook-poststop.json (poststop) for
+    podman or CRI-O; each file that is not gpuhook's is backed up first."""
+    changes, notes = [], []
+    paths = hooks_d_paths(hooks_dir)
+    for stage, path in paths.items():
+        old = _read_text(path)
+        new = render_json(hooks_d_document(hook, annotated, stage))
+        backup = path + BACKUP_SUFFIX if old is not None and old != new and not _hooks_d_is_ours(old) else None
+        changes.append(FileChange(path, old, new, backup=backup))
+        if old is None and os.path.exists(path + BACKUP_SUFFIX):
+            notes.append(f"{path + BACKUP_SUFFIX} is left from an earlier install; uninstall will restore it")
+    notes = _runtime_notes(target, list(paths.values()), package_hooks_dir, installing=True) + notes
+    return InstallPlan(tuple(changes), tuple(notes))
 
 
 def plan_hooks_d_removal(target: str, hooks_dir: str,
                          package_hooks_dir: str = PACKAGE_HOOKS_DIR) -> InstallPlan:
-    """Take back <hooks_dir>/gpuhook.json: restore the file it replaced, or delete it."""
-    path = os.path.join(os.path.abspath(hooks_dir), HOOK_FILE_NAME)
-    old = _read_text(path)
-    if old is None:
-        return InstallPlan((), (f"{path} does not exist: nothing to remove",))
-    if not _hooks_d_is_ours(old):
-        raise InstallError(f"{path} does not run gpuhook; leaving it alone")
-    backup = path + BACKUP_SUFFIX
-    saved = _read_text(backup)
-    change = FileChange(path, old, saved, drop_backup=backup if saved is not None else None)
-    return InstallPlan((change,), tuple(_runtime_notes(target, path, package_hooks_dir, installing=False)))
+    """Take back <hooks_dir>/gpuhook.json and gpuhook-poststop.json: restore the file each
+    replaced, or delete it. A file of those names that does not run gpuhook stops the whole
+    uninstall before anything changes; an absent one (an install older than the poststop
+    file) is only noted."""
+    changes, notes, present = [], [], []
+    for path in hooks_d_paths(hooks_dir).values():
+        old = _read_text(path)
+        if old is None:
+            notes.append(f"{path} does not exist: nothing to remove")
+            continue
+        if not _hooks_d_is_ours(old):
+            raise InstallError(f"{path} does not run gpuhook; leaving it alone")
+        backup = path + BACKUP_SUFFIX
+        saved = _read_text(backup)
+        changes.append(FileChange(path, old, saved, drop_backup=backup if saved is not None else None))
+        present.append(path)
+    if present:
+        notes += _runtime_notes(target, present, package_hooks_dir, installing=False)
+    return InstallPlan(tuple(changes), tuple(notes))
 
 
 # --- JSON specs: runc bundles and containerd's base spec --------------------------------
 
 
-def _plan_spec_with_hook(path: str, old: str | None, base: dict, style: str | None, entry: dict) -> FileChange:
-    new_doc = with_hook(base, entry, path)
+def _plan_spec_with_hook(path: str, old: str | None, base: dict, style: str | None, entries: dict) -> FileChange:
+    new_doc = with_hook(base, entries, path)
     if old is not None and _parse_json_object(old, path) == new_doc:
         return FileChange(path, old, old)
     backup = None
@@ -386,16 +445,16 @@ def _plan_spec_without_hook(path: str, old: str, delete_without_backup: bool) ->
 
 
 def plan_bundle(bundle: str, hook: Hook) -> InstallPlan:
-    """Add gpuhook's prestart hook to a runc bundle's config.json."""
+    """Add gpuhook's prestart and poststop hooks to a runc bundle's config.json."""
     path = _bundle_config(bundle)
     old = _read_text(path)
-    change = _plan_spec_with_hook(path, old, _parse_json_object(old, path), old, hook.entry())
+    change = _plan_spec_with_hook(path, old, _parse_json_object(old, path), old, hook.entries())
     return InstallPlan((change,), ("runc reads config.json when the container is created: "
                                    "containers created from now on run gpuhook",))
 
 
 def plan_bundle_removal(bundle: str) -> InstallPlan:
-    """Remove gpuhook's hook from a runc bundle's config.json."""
+    """Remove gpuhook's hooks (every stage in `STAGES`) from a runc bundle's config.json."""
     path = _bundle_config(bundle)
     old = _read_text(path)
     if not has_gpuhook(_parse_json_object(old, path)):
@@ -562,7 +621,8 @@ def _containerd_notes(config_path: str, installing: bool) -> tuple:
 
 def plan_containerd(hook: Hook, spec_path: str = CONTAINERD_SPEC, config_path: str = CONTAINERD_CONFIG,
                     base_spec: str | None = None, ctr: str = "ctr") -> InstallPlan:
-    """Write the base spec (default spec + our hook) and point config.toml's runc runtime at it."""
+    """Write the base spec (default spec + our prestart and poststop hooks) and point
+    config.toml's runc runtime at it."""
     spec_path = os.path.abspath(spec_path)
     config_path = os.path.abspath(config_path)
     old_spec = _read_text(spec_path)
@@ -575,7 +635,8 @@ def plan_containerd(hook: Hook, spec_path: str = CONTAINERD_SPEC, config_path: s
         style, where = old_spec, spec_path  # an existing spec gets our hook added
     else:
         style, where = default_spec_from_ctr(ctr), f"{ctr} oci spec"
-    spec_change = _plan_spec_with_hook(spec_path, old_spec, _parse_json_object(style, where), style, hook.entry())
+    spec_change = _plan_spec_with_hook(spec_path, old_spec, _parse_json_object(style, where), style,
+                                       hook.entries())
     old_config = _read_text(config_path)
     new_config = set_base_runtime_spec(old_config or "", spec_path, config_path)
     backup = None

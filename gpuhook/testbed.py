@@ -194,6 +194,18 @@ class Podman:
                 subprocess.run(["umount", point], env=RUN_ENV, capture_output=True, timeout=30)
         shutil.rmtree(self.runroot, ignore_errors=True)
 
+    def wait_until_idle(self, timeout: float = 15) -> bool:
+        """Wait until no process (conmon, `podman container cleanup`) works on this podman's
+        run root any more; False when some still does after `timeout` seconds. What podman does
+        after `podman run --rm` returned, its poststop hooks included, is then over."""
+        needle = self.runroot.encode()
+        deadline = time.monotonic() + timeout
+        while self._users(needle):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     @staticmethod
     def _users(needle: bytes) -> list:
         found = []

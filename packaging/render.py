@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Files the packages ship that are generated from gpuhook's code, so they never drift from it.
 
-    packaging/render.py hooks-d [--launcher PATH] [--annotated]  the oci-hooks file (stdout)
+    packaging/render.py hooks-d [--launcher PATH] [--annotated] [--stage STAGE]
+                                                                 an oci-hooks file (stdout)
     packaging/render.py config                                   /etc/gpuhook/config.toml
     packaging/render.py manpage                                  gpuhook(1) in roff
 
@@ -106,11 +107,16 @@ def manpage_text() -> str:
             ".SH FILES",
             ".TP", _roff(cfg.DEFAULT_PATH), "The configuration (a conffile of the package).",
             ".TP", _roff(f"{install.PACKAGE_HOOKS_DIR}/{install.HOOK_FILE_NAME}"),
-            "The packaged oci\\-hooks file: podman and CRI\\-O run gpuhook for every container.",
-            ".TP", _roff(f"{install.ADMIN_HOOKS_DIR}/{install.HOOK_FILE_NAME}"),
-            "Written by \\fBgpuhook install podman\\fR; overrides the packaged file of the same name.",
+            "The packaged oci\\-hooks file for the prestart stage: podman and CRI\\-O run gpuhook for "
+            "every container.",
+            ".TP", _roff(f"{install.PACKAGE_HOOKS_DIR}/{install.POSTSTOP_FILE_NAME}"),
+            "The packaged oci\\-hooks file for the poststop stage: gpuhook cleans up the GPUs a stopped "
+            "container used.",
+            ".TP", _roff(f"{install.ADMIN_HOOKS_DIR}/{install.HOOK_FILE_NAME}, "
+                         f"{install.ADMIN_HOOKS_DIR}/{install.POSTSTOP_FILE_NAME}"),
+            "Written by \\fBgpuhook install podman\\fR; each overrides the packaged file of the same name.",
             ".TP", _roff(install.CONTAINERD_SPEC),
-            "Written by \\fBgpuhook install containerd\\fR: containerd's default spec plus the hook.",
+            "Written by \\fBgpuhook install containerd\\fR: containerd's default spec plus the hooks.",
             ".TP", _roff(str(cfg.default("log-file"))), "Decision log (JSON lines), see log\\-file.",
             ".SH SEE ALSO", "podman(1), runc(8), crun(1), containerd(8), ctr(8)"]
     return "\n".join(out) + "\n"
@@ -119,14 +125,17 @@ def manpage_text() -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
-    hooks = sub.add_parser("hooks-d", help="the oci-hooks file podman and CRI-O read")
+    hooks = sub.add_parser("hooks-d", help="an oci-hooks file podman and CRI-O read")
     hooks.add_argument("--launcher", default=install.DEBIAN_LAUNCHER, help="installed gpuhook/launch.py")
     hooks.add_argument("--annotated", action="store_true", help="the CDI-annotation-gated variant")
+    hooks.add_argument("--stage", choices=install.STAGES, default=install.STAGE,
+                       help=f"the stage the file registers (one file per stage) [default: {install.STAGE}]")
     sub.add_parser("config", help="the default /etc/gpuhook/config.toml")
     sub.add_parser("manpage", help="gpuhook(1)")
     args = parser.parse_args(argv)
     if args.what == "hooks-d":
-        text = install.render_json(install.hooks_d_document(install.packaged_hook(args.launcher), args.annotated))
+        text = install.render_json(install.hooks_d_document(install.packaged_hook(args.launcher), args.annotated,
+                                                            args.stage))
     elif args.what == "config":
         text = config_text()
     else:

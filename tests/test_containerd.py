@@ -1,9 +1,10 @@
 """containerd with the base spec and config edit `gpuhook install containerd` makes (issue 6).
 
 A containerd daemon of the test's own (private config, root, state and sockets) loads the
-edited config; `ctr run --config` starts a container from the installed base spec, and runc
-runs gpuhook from it. The CRI plugin reads base_runtime_spec at start, so its status shows
-whether containerd accepted the file the config points at.
+edited config; `ctr run --rm --config` starts a container from the installed base spec, and
+runc runs gpuhook from it: at prestart, and at poststop when the shim deletes the container.
+The CRI plugin reads base_runtime_spec at start, so its status shows whether containerd
+accepted the file the config points at.
 """
 
 import copy
@@ -13,7 +14,8 @@ import tomllib
 import pytest
 
 from conftest import require_root_tools
-from helpers.runtimes import gpu_nodes, gpuhook_cli, other_gpu_node, read_json
+from helpers.runtimes import (gpu_nodes, gpuhook_cli, log_records, other_gpu_node, read_json, registered,
+                              wait_for_record)
 
 from gpuhook import testbed
 
@@ -72,7 +74,9 @@ def test_installed_base_spec_is_loaded_by_cri_and_runs_gpuhook(containerd, gpus,
 
     base = read_json(spec_path)
     (hook,) = base["hooks"]["prestart"]
-    assert hook["args"][-2:] == ["--config", gpus.config]
+    assert hook["args"][-3:] == ["prestart", "--config", gpus.config]
+    (hook,) = base["hooks"]["poststop"]
+    assert hook["args"][-3:] == ["poststop", "--config", gpus.config]
     script = f"{other_gpu_node(1)}\n/bin/probe /dev/nvidia0 /dev/nvidia1 /dev/nvidiactl {OTHER}"
     rootfs = gpus.bed.rootfs(str(tmp_path / "rootfs-gpu"), files={"/bin/probe": gpus.probe})
     run_spec = tmp_path / "run-gpu.json"
@@ -82,8 +86,12 @@ def test_installed_base_spec_is_loaded_by_cri_and_runs_gpuhook(containerd, gpus,
     p = result.probes()
     assert gpu_nodes(p) == {"/dev/nvidia0"} and p["/dev/nvidia0"]["read"] == "ENXIO"
     assert p["/dev/nvidiactl"]["read"] == "ENXIO" and p[OTHER]["read"] == "EPERM"
-    (line,) = gpus.log_lines()
+    (line,) = log_records(gpus, "prestart")
     assert line["container"] == "ctr-gpu" and line["gpus"] == [gpus.uuid(0)]
+    assert isinstance(line["registered"], dict), line["registered"]
+    stop = wait_for_record(gpus, "poststop", "ctr-gpu")
+    assert stop["decision"] == "cleaned up", stop
+    assert not registered(gpus, "ctr-gpu")
 
     rootfs = gpus.bed.rootfs(str(tmp_path / "rootfs-plain"), files={"/bin/probe": gpus.probe})
     run_spec = tmp_path / "run-plain.json"
@@ -91,7 +99,8 @@ def test_installed_base_spec_is_loaded_by_cri_and_runs_gpuhook(containerd, gpus,
     result = containerd.run(str(run_spec), "ctr-plain")
     assert result.returncode == 0, result.stderr
     assert not any(item["exists"] for item in result.probes().values())
-    assert len(gpus.log_lines()) == 1
+    assert [(line["stage"], line["container"]) for line in gpus.log_lines()] == \
+        [("prestart", "ctr-gpu"), ("poststop", "ctr-gpu")]  # ctr run --rm returns after the delete
 
     containerd.stop()
     gpuhook_cli("uninstall", "containerd", "--output", spec_path, "--containerd-config", containerd.config_path)

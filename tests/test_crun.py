@@ -12,7 +12,7 @@ import os
 import pytest
 
 from conftest import LIBDIR, GpuContainers, require, require_root_tools
-from helpers.runtimes import gpu_nodes, gpuhook_cli, other_gpu_node
+from helpers.runtimes import gpu_nodes, gpuhook_cli, log_records, other_gpu_node, registered
 
 from gpuhook import testbed
 
@@ -84,9 +84,13 @@ def test_bundle_registered_with_gpuhook_install_runs_under_crun(crun_gpus):
     bundle = bed.bundle("installed", ["/bin/probe", "/dev/nvidia3", "/dev/nvidia0"],
                         env=["NVIDIA_VISIBLE_DEVICES=3"], rootfs=rootfs)
     gpuhook_cli("install", "runc-bundle", bundle, "--config", crun_gpus.config)
-    result = bed.run(bundle, "installed")
+    result = bed.run(bundle, "installed")  # crun run, then crun delete: the poststop hook
     assert result.returncode == 0, result.stderr
     assert gpu_nodes(result.probes()) == {"/dev/nvidia3"}
+    assert [(line["stage"], line["decision"]) for line in crun_gpus.log_lines()] == \
+        [("prestart", "gpus injected"), ("poststop", "cleaned up")]
+    assert log_records(crun_gpus, "poststop")[0]["container"] == "installed"
+    assert not registered(crun_gpus, "installed")
     gpuhook_cli("uninstall", "runc-bundle", bundle)
     assert not os.path.exists(f"{bundle}/config.json.gpuhook-bak")
     with open(f"{bundle}/config.json") as f:

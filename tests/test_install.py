@@ -1,5 +1,8 @@
 """`gpuhook install` / `gpuhook uninstall` on files in temp dirs: every target's dry run,
-idempotence, backups, uninstall taking back exactly what install added, and bad input."""
+idempotence, backups, uninstall taking back exactly what install added, and bad input. Every
+target registers two stages, prestart and poststop; the last section proves with real runc
+that a bundle registered by `gpuhook install runc-bundle` runs both (podman, containerd and
+crun: tests/test_podman.py, tests/test_containerd.py, tests/test_crun.py)."""
 
 import json
 import os
@@ -12,13 +15,15 @@ import tomllib
 import pytest
 
 from conftest import REPO, require
-from helpers.runtimes import gpuhook_cli
+from helpers.runtimes import gpu_nodes, gpuhook_cli, log_records, registered
 
 from gpuhook import install
 from gpuhook.errors import ConfigError
 
 LAUNCHER = os.path.join(REPO, "gpuhook", "launch.py")
 CRI_RUNC = install.RUNC_TABLE_PATH
+# The hooks.d files gpuhook install writes, one per stage.
+HOOK_FILES = {"prestart": "gpuhook.json", "poststop": "gpuhook-poststop.json"}
 
 
 def snapshot(root) -> dict:
@@ -63,35 +68,57 @@ def dig(doc, path):
     return doc
 
 
+def diff_files(diff: str) -> dict:
+    """A unified diff of new files (--- /dev/null): target path -> the lines it adds."""
+    files, current = {}, None
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            current = files.setdefault(line[4:], [])
+        elif line.startswith("+") and current is not None:
+            current.append(line[1:])
+        elif line.startswith("--- "):
+            assert line == "--- /dev/null", line
+            current = None
+    return files
+
+
 # --- podman and CRI-O --------------------------------------------------------------------
 
 
-def test_podman_hooks_file_runs_this_installation_with_fast_flags_and_a_minimal_env(tmp_path):
-    config = sim_config(tmp_path)
-    apply_install("podman", hooks_dir=str(tmp_path / "hooks.d"), config_path=config)
-    path = tmp_path / "hooks.d" / "gpuhook.json"
-    assert json.loads(path.read_text()) == {
+def expected_hooks_d_document(stage, config, when=None) -> dict:
+    """The oci-hooks document gpuhook install writes for `stage`, spelled out."""
+    return {
         "version": "1.0.0",
         "hook": {"path": sys.executable,
-                 "args": [sys.executable, "-I", "-S", LAUNCHER, "prestart", "--config", config],
+                 "args": [sys.executable, "-I", "-S", LAUNCHER, stage, "--config", config],
                  "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
                  "timeout": 30},
-        "when": {"always": True},
-        "stages": ["prestart"],
+        "when": when or {"always": True},
+        "stages": [stage],
     }
-    assert stat.S_IMODE(path.stat().st_mode) == 0o644
 
 
-def test_dry_run_prints_the_exact_new_file_and_changes_nothing(tmp_path):
+def test_podman_hooks_files_run_this_installation_with_fast_flags_and_a_minimal_env(tmp_path):
+    config = sim_config(tmp_path)
+    done = apply_install("podman", hooks_dir=str(tmp_path / "hooks.d"), config_path=config)
+    assert done == [f"created {tmp_path}/hooks.d/{name}" for name in HOOK_FILES.values()]
+    assert sorted(os.listdir(tmp_path / "hooks.d")) == sorted(HOOK_FILES.values())
+    for stage, name in HOOK_FILES.items():
+        path = tmp_path / "hooks.d" / name
+        assert json.loads(path.read_text()) == expected_hooks_d_document(stage, config), name
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_dry_run_prints_the_exact_new_files_and_changes_nothing(tmp_path):
     hooks_dir = tmp_path / "hooks.d"
     config = sim_config(tmp_path)
     done = gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config, "--dry-run")
     assert not hooks_dir.exists()
-    lines = done.stdout.splitlines()
-    assert lines[:2] == ["--- /dev/null", f"+++ {hooks_dir}/gpuhook.json"]
-    shown = [line[1:] for line in lines[3:] if line.startswith("+")]
+    shown = diff_files(done.stdout)
+    assert list(shown) == [f"{hooks_dir}/{name}" for name in HOOK_FILES.values()]
     gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config)
-    assert (hooks_dir / "gpuhook.json").read_text().splitlines() == shown
+    for path, lines in shown.items():
+        assert open(path).read().splitlines() == lines, path
 
 
 def test_install_twice_changes_nothing_the_second_time(tmp_path):
@@ -99,63 +126,99 @@ def test_install_twice_changes_nothing_the_second_time(tmp_path):
     config = sim_config(tmp_path)
     gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config)
     before = snapshot(tmp_path)
-    mtime = (hooks_dir / "gpuhook.json").stat().st_mtime_ns
+    mtimes = [(hooks_dir / name).stat().st_mtime_ns for name in HOOK_FILES.values()]
     done = gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config)
-    assert done.stdout.splitlines()[0] == f"unchanged {hooks_dir}/gpuhook.json"
-    assert snapshot(tmp_path) == before and (hooks_dir / "gpuhook.json").stat().st_mtime_ns == mtime
+    assert done.stdout.splitlines()[:2] == [f"unchanged {hooks_dir}/{name}" for name in HOOK_FILES.values()]
+    assert snapshot(tmp_path) == before
+    assert [(hooks_dir / name).stat().st_mtime_ns for name in HOOK_FILES.values()] == mtimes
     dry = gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), "--config", config, "--dry-run")
-    assert dry.stdout.splitlines()[0] == f"# {hooks_dir}/gpuhook.json: unchanged"
+    assert dry.stdout.splitlines()[:2] == [f"# {hooks_dir}/{name}: unchanged" for name in HOOK_FILES.values()]
 
 
-def test_a_users_hooks_file_is_backed_up_and_uninstall_restores_it(tmp_path):
+@pytest.mark.parametrize("theirs", [("gpuhook.json",), ("gpuhook-poststop.json",),
+                                    ("gpuhook.json", "gpuhook-poststop.json")],
+                         ids=["prestart-file", "poststop-file", "both"])
+def test_a_users_hooks_files_are_backed_up_and_uninstall_restores_them(tmp_path, theirs):
     hooks_dir = tmp_path / "hooks.d"
-    mine = '{"version": "1.0.0", "hook": {"path": "/usr/local/bin/my-hook"}, "when": {"always": true}, ' \
-           '"stages": ["prestart"]}'
-    write(hooks_dir / "gpuhook.json", mine)
+    mine = {name: '{"version": "1.0.0", "hook": {"path": "/usr/local/bin/my-hook"}, "when": {"always": true}, '
+                  f'"stages": ["{stage}"]}}' for stage, name in HOOK_FILES.items() if name in theirs}
+    for name, text in mine.items():
+        write(hooks_dir / name, text)
     write(hooks_dir / "other.json", "{}")
     done = apply_install("podman", hooks_dir=str(hooks_dir))
-    assert f"backed up {hooks_dir}/gpuhook.json to {hooks_dir}/gpuhook.json.gpuhook-bak" in done
-    assert (hooks_dir / "gpuhook.json.gpuhook-bak").read_text() == mine
+    for name in HOOK_FILES.values():
+        backed_up = f"backed up {hooks_dir}/{name} to {hooks_dir}/{name}.gpuhook-bak"
+        assert (backed_up in done) == (name in mine), name
+        assert install.is_gpuhook_entry(json.loads((hooks_dir / name).read_text())["hook"])
+    for name, text in mine.items():
+        assert (hooks_dir / f"{name}.gpuhook-bak").read_text() == text
     assert (hooks_dir / "other.json").read_text() == "{}"
-    assert install.is_gpuhook_entry(json.loads((hooks_dir / "gpuhook.json").read_text())["hook"])
 
     apply_uninstall("podman", hooks_dir=str(hooks_dir))
-    assert snapshot(hooks_dir) == {"gpuhook.json": mine.encode(), "other.json": b"{}"}
+    assert snapshot(hooks_dir) == {**{name: text.encode() for name, text in mine.items()}, "other.json": b"{}"}
 
 
-def test_reinstalling_over_gpuhooks_own_file_needs_no_backup_and_uninstall_deletes_it(tmp_path):
+def test_reinstalling_over_gpuhooks_own_files_needs_no_backup_and_uninstall_deletes_them(tmp_path):
     hooks_dir = str(tmp_path / "hooks.d")
     apply_install("podman", hooks_dir=hooks_dir)
     done = apply_install("podman", hooks_dir=hooks_dir, config_path=sim_config(tmp_path, deadline=50))
-    assert done == [f"updated {hooks_dir}/gpuhook.json"]
-    assert json.loads(open(f"{hooks_dir}/gpuhook.json").read())["hook"]["timeout"] == 55  # deadline + 5
-    assert apply_uninstall("podman", hooks_dir=hooks_dir) == [f"removed {hooks_dir}/gpuhook.json"]
+    assert done == [f"updated {hooks_dir}/{name}" for name in HOOK_FILES.values()]
+    for name in HOOK_FILES.values():
+        assert json.loads(open(f"{hooks_dir}/{name}").read())["hook"]["timeout"] == 55  # deadline + 5
+    assert apply_uninstall("podman", hooks_dir=hooks_dir) == [f"removed {hooks_dir}/{name}"
+                                                               for name in HOOK_FILES.values()]
     assert os.listdir(hooks_dir) == []
     plan = install.plan_uninstall("podman", hooks_dir=hooks_dir)
-    assert plan.changes == () and "nothing to remove" in plan.notes[0]
+    assert plan.changes == ()
+    assert plan.notes == tuple(f"{hooks_dir}/{name} does not exist: nothing to remove" for name in HOOK_FILES.values())
 
 
-def test_uninstall_leaves_a_hooks_file_that_does_not_run_gpuhook_alone(tmp_path):
-    path = write(tmp_path / "hooks.d" / "gpuhook.json", '{"hook": {"path": "/bin/true"}}')
-    done = gpuhook_cli("uninstall", "podman", "--hooks-dir", str(tmp_path / "hooks.d"), check=False)
+def test_uninstall_of_an_install_without_the_poststop_file_removes_the_prestart_file(tmp_path):
+    """What an install older than the poststop stage left: gpuhook.json only."""
+    hooks_dir = tmp_path / "hooks.d"
+    hook = install.Hook(sys.executable, LAUNCHER)
+    write(hooks_dir / "gpuhook.json", install.render_json(install.hooks_d_document(hook)))
+    plan = install.plan_uninstall("podman", hooks_dir=str(hooks_dir))
+    assert f"{hooks_dir}/gpuhook-poststop.json does not exist: nothing to remove" in plan.notes
+    assert install.apply(plan) == [f"removed {hooks_dir}/gpuhook.json"]
+    assert os.listdir(hooks_dir) == []
+
+
+@pytest.mark.parametrize("foreign,ours", [("gpuhook.json", "gpuhook-poststop.json"),
+                                          ("gpuhook-poststop.json", "gpuhook.json")])
+def test_uninstall_leaves_hooks_files_alone_when_one_does_not_run_gpuhook(tmp_path, foreign, ours):
+    hooks_dir = tmp_path / "hooks.d"
+    path = write(hooks_dir / foreign, '{"hook": {"path": "/bin/true"}}')
+    done = gpuhook_cli("uninstall", "podman", "--hooks-dir", str(hooks_dir), check=False)
     one_line_error(done, f"{path} does not run gpuhook; leaving it alone")
     assert open(path).read() == '{"hook": {"path": "/bin/true"}}'
+    # With gpuhook's other file next to it, nothing is changed either: the plan stops first.
+    stage = next(stage for stage, name in HOOK_FILES.items() if name == ours)
+    text = install.render_json(install.hooks_d_document(install.Hook(sys.executable, LAUNCHER), stage=stage))
+    write(hooks_dir / ours, text)
+    before = snapshot(tmp_path)
+    one_line_error(gpuhook_cli("uninstall", "podman", "--hooks-dir", str(hooks_dir), check=False),
+                   f"{path} does not run gpuhook")
+    assert snapshot(tmp_path) == before
 
 
-def test_annotated_variant_runs_only_for_nvidia_cdi_annotations(tmp_path):
-    apply_install("crio", hooks_dir=str(tmp_path), annotated=True)
-    doc = json.loads((tmp_path / "gpuhook.json").read_text())
-    assert doc["when"] == {"annotations": {r"^cdi\.k8s\.io/.*$": r"nvidia\.com/gpu="}}
-    assert "always" not in doc["when"]
+def test_annotated_variant_gates_both_stages_on_nvidia_cdi_annotations(tmp_path):
+    config = sim_config(tmp_path)
+    apply_install("crio", hooks_dir=str(tmp_path / "hooks.d"), annotated=True, config_path=config)
+    when = {"annotations": {r"^cdi\.k8s\.io/.*$": r"nvidia\.com/gpu="}}
+    for stage, name in HOOK_FILES.items():
+        doc = json.loads((tmp_path / "hooks.d" / name).read_text())
+        assert doc == expected_hooks_d_document(stage, config, when), name
 
 
 def test_crio_and_admin_dir_notes_say_what_the_runtime_reads(tmp_path):
-    packaged = write(tmp_path / "share" / "gpuhook.json", "{}")
+    packaged = {name: write(tmp_path / "share" / name, "{}") for name in HOOK_FILES.values()}
     hook = install.Hook(sys.executable, LAUNCHER)
     plan = install.plan_hooks_d("crio", str(tmp_path / "etc"), hook, package_hooks_dir=str(tmp_path / "share"))
     assert any("hooks_dir" in note and str(tmp_path / "etc") in note for note in plan.notes)
     plan = install.plan_hooks_d("podman", install.ADMIN_HOOKS_DIR, hook, package_hooks_dir=str(tmp_path / "share"))
-    assert f"{install.ADMIN_HOOKS_DIR}/gpuhook.json overrides the packaged {packaged} (same file name)" in plan.notes
+    for name, path in packaged.items():
+        assert f"{install.ADMIN_HOOKS_DIR}/{name} overrides the packaged {path} (same file name)" in plan.notes
 
 
 def test_the_hooks_file_takes_its_config_from_the_environment_as_an_absolute_path(tmp_path, monkeypatch):
@@ -190,26 +253,55 @@ def test_the_interpreter_must_be_an_absolute_python_binary(tmp_path, make, messa
     assert not (tmp_path / "h").exists()
 
 
+SHIPPED_HOOKS_FILES = {  # hooks.d/NAME -> (stage, annotated)
+    "gpuhook.json": ("prestart", False), "gpuhook-poststop.json": ("poststop", False),
+    "gpuhook-annotated.json": ("prestart", True), "gpuhook-poststop-annotated.json": ("poststop", True)}
+
+
 def test_shipped_hooks_files_are_what_the_packages_register():
-    for name, annotated in (("gpuhook.json", False), ("gpuhook-annotated.json", True)):
+    assert sorted(os.listdir(os.path.join(REPO, "hooks.d"))) == sorted(SHIPPED_HOOKS_FILES)
+    docs = {}
+    for name, (stage, annotated) in SHIPPED_HOOKS_FILES.items():
         with open(os.path.join(REPO, "hooks.d", name)) as f:
             shipped = f.read()
-        assert shipped == install.render_json(install.hooks_d_document(install.packaged_hook(), annotated)), name
-        hook = json.loads(shipped)["hook"]
+        assert shipped == install.render_json(install.hooks_d_document(install.packaged_hook(), annotated, stage)), name
+        docs[name] = json.loads(shipped)
+        hook = docs[name]["hook"]
         assert hook["path"] == "/usr/bin/python3" and hook["timeout"] == 30
+        assert hook["env"] == ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
         assert hook["args"] == ["/usr/bin/python3", "-I", "-S", "/usr/lib/python3/dist-packages/gpuhook/launch.py",
-                                "prestart"]
+                                stage]
+        assert docs[name]["stages"] == [stage]
+    assert docs["gpuhook.json"]["when"] == docs["gpuhook-poststop.json"]["when"] == {"always": True}
+    assert docs["gpuhook-annotated.json"]["when"] == docs["gpuhook-poststop-annotated.json"]["when"] == \
+        {"annotations": dict(install.CDI_WHEN)}
+
+
+def test_only_the_stages_gpuhook_registers_are_written():
+    hook = install.packaged_hook()
+    with pytest.raises(ValueError, match="no 'createRuntime' stage"):
+        install.hooks_d_document(hook, stage="createRuntime")
+    # A single entry where a stage -> entry mapping belongs must not become hooks named "path", "args"...
+    with pytest.raises(ValueError, match="entries must map stages"):
+        install.with_hook({}, hook.entry(), "test")
 
 
 # --- runc bundles ------------------------------------------------------------------------
 
 USER_HOOK = {"path": "/usr/local/bin/net-setup", "args": ["net-setup", "up"]}
+USER_POSTSTOP = {"path": "/bin/true"}
+
+
+def gpuhook_entry(stage, config=None) -> dict:
+    """The hook entry gpuhook install writes for `stage`, spelled out."""
+    args = [sys.executable, "-I", "-S", LAUNCHER, stage] + (["--config", config] if config else [])
+    return {"path": sys.executable, "args": args, "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "timeout": 30}
 
 
 def bundle_with_config(tmp_path) -> tuple:
     """A bundle whose config.json is tab-indented (like `runc spec`) and has its own hooks."""
     doc = {"ociVersion": "1.0.2-dev", "process": {"args": ["sh"]}, "root": {"path": "rootfs"},
-           "hooks": {"prestart": [USER_HOOK], "poststop": [{"path": "/bin/true"}]}}
+           "hooks": {"prestart": [USER_HOOK], "poststop": [USER_POSTSTOP]}}
     text = json.dumps(doc, indent="\t") + "\n"
     return str(tmp_path / "bundle"), write(tmp_path / "bundle" / "config.json", text), text
 
@@ -220,18 +312,18 @@ def test_bundle_gets_gpuhook_after_its_own_hooks_keeping_its_layout_and_a_backup
     apply_install("runc-bundle", bundle=bundle, config_path=config)
     text = open(path).read()
     doc = json.loads(text)
-    assert doc["hooks"]["prestart"][0] == USER_HOOK
-    assert doc["hooks"]["prestart"][1] == install.this_installation(config_path=config).entry()
-    assert doc["hooks"]["poststop"] == [{"path": "/bin/true"}]
+    assert doc["hooks"] == {"prestart": [USER_HOOK, gpuhook_entry("prestart", config)],
+                            "poststop": [USER_POSTSTOP, gpuhook_entry("poststop", config)]}
     assert text.splitlines()[1].startswith("\t\"") and text.endswith("}\n")
     assert open(path + ".gpuhook-bak").read() == original
 
     before = snapshot(tmp_path)
     assert apply_install("runc-bundle", bundle=bundle, config_path=config) == [f"unchanged {path}"]
     assert snapshot(tmp_path) == before
-    apply_install("runc-bundle", bundle=bundle)  # another config: the entry is replaced in place
-    prestart = json.loads(open(path).read())["hooks"]["prestart"]
-    assert len(prestart) == 2 and prestart[1]["args"][-1] == "prestart"
+    apply_install("runc-bundle", bundle=bundle)  # another config: the entries are replaced in place
+    hooks = json.loads(open(path).read())["hooks"]
+    assert hooks == {"prestart": [USER_HOOK, gpuhook_entry("prestart")],
+                     "poststop": [USER_POSTSTOP, gpuhook_entry("poststop")]}
     assert open(path + ".gpuhook-bak").read() == original
 
     apply_uninstall("runc-bundle", bundle=bundle)
@@ -248,7 +340,8 @@ def test_bundle_uninstall_keeps_later_user_changes_and_the_backup(tmp_path):
     assert any("changed since gpuhook install" in note for note in plan.notes)
     install.apply(plan)
     doc = json.loads(open(path).read())
-    assert doc["process"]["args"] == ["sh", "-c", "changed"] and doc["hooks"]["prestart"] == [USER_HOOK]
+    assert doc["process"]["args"] == ["sh", "-c", "changed"]
+    assert doc["hooks"] == {"prestart": [USER_HOOK], "poststop": [USER_POSTSTOP]}
     assert open(path + ".gpuhook-bak").read() == original
 
 
@@ -257,9 +350,39 @@ def test_bundle_without_hooks_gets_them_and_loses_them_again(tmp_path):
     original = '{"ociVersion": "1.0.2", "root": {"path": "rootfs"}}'
     write(f"{bundle}/config.json", original)
     apply_install("runc-bundle", bundle=bundle)
-    assert len(json.loads(open(f"{bundle}/config.json").read())["hooks"]["prestart"]) == 1
+    hooks = json.loads(open(f"{bundle}/config.json").read())["hooks"]
+    assert hooks == {"prestart": [gpuhook_entry("prestart")], "poststop": [gpuhook_entry("poststop")]}
     apply_uninstall("runc-bundle", bundle=bundle)
     assert snapshot(bundle) == {"config.json": original.encode()}
+
+
+def test_bundle_registered_before_the_poststop_stage_gets_it_and_uninstall_restores_the_original(tmp_path):
+    """A bundle an older gpuhook install changed (prestart only, with its backup): install adds
+    the poststop entry without a new backup; uninstall restores the original bytes."""
+    bundle, path, original = bundle_with_config(tmp_path)
+    write(path + ".gpuhook-bak", original)
+    doc = json.loads(original)
+    doc["hooks"]["prestart"].append(gpuhook_entry("prestart"))
+    write(path, json.dumps(doc, indent="\t") + "\n")
+    assert apply_install("runc-bundle", bundle=bundle) == [f"updated {path}"]
+    assert json.loads(open(path).read())["hooks"]["poststop"] == [USER_POSTSTOP, gpuhook_entry("poststop")]
+    assert open(path + ".gpuhook-bak").read() == original
+    apply_uninstall("runc-bundle", bundle=bundle)
+    assert snapshot(bundle) == {"config.json": original.encode()}
+
+
+def test_bundle_uninstall_takes_back_only_the_stages_gpuhook_registers(tmp_path):
+    """A gpuhook entry someone wrote by hand for another stage is not install's to remove."""
+    bundle = str(tmp_path / "b")
+    by_hand = {"path": "/usr/bin/gpuhook", "args": ["gpuhook", "createRuntime"]}
+    original = json.dumps({"root": {"path": "rootfs"}, "hooks": {"createRuntime": [by_hand]}})
+    write(f"{bundle}/config.json", original)
+    apply_install("runc-bundle", bundle=bundle)
+    hooks = json.loads(open(f"{bundle}/config.json").read())["hooks"]
+    assert hooks["createRuntime"] == [by_hand] and set(hooks) == {"createRuntime", "prestart", "poststop"}
+    apply_uninstall("runc-bundle", bundle=bundle)
+    assert snapshot(bundle) == {"config.json": original.encode()}
+    assert install.without_hook(json.loads(open(f"{bundle}/config.json").read())) == json.loads(original)
 
 
 @pytest.mark.parametrize("setup,args,message", [
@@ -271,6 +394,8 @@ def test_bundle_without_hooks_gets_them_and_loses_them_again(tmp_path):
     (lambda d: write(d / "b" / "config.json", '{"hooks": []}'), ["{tmp}/b"], "'hooks' is not an object"),
     (lambda d: write(d / "b" / "config.json", '{"hooks": {"prestart": {}}}'), ["{tmp}/b"],
      "'hooks.prestart' is not a list"),
+    (lambda d: write(d / "b" / "config.json", '{"hooks": {"prestart": [], "poststop": "x"}}'), ["{tmp}/b"],
+     "'hooks.poststop' is not a list"),
 ])
 def test_bad_bundles_are_one_line_errors_and_nothing_changes(tmp_path, setup, args, message):
     if setup is not None:
@@ -373,8 +498,8 @@ def test_containerd_config_gets_exactly_the_base_spec_setting_and_loses_it_again
     for line in (original or "").splitlines():
         if "base_runtime_spec" not in line:
             assert line + "\n" in text  # the user's lines and comments stay as they were
-    assert json.loads(open(paths["spec_path"]).read()) == install.with_hook(
-        BASE_SPEC, install.this_installation(environ={}).entry(), "test")
+    assert json.loads(open(paths["spec_path"]).read()) == {
+        **BASE_SPEC, "hooks": {"prestart": [gpuhook_entry("prestart")], "poststop": [gpuhook_entry("poststop")]}}
     assert os.path.exists(config + ".gpuhook-bak") == (original is not None)
 
     before = snapshot(tmp_path)
@@ -487,3 +612,35 @@ def test_a_dry_run_diff_patched_in_gives_what_install_and_uninstall_do(tmp_path,
         apply_with_patch(dry, str(real), str(copy))
         assert not_backups(snapshot(copy)) == not_backups(snapshot(real))
         shutil.rmtree(copy)
+
+
+# --- real runc: what runc-bundle registers runs at both stages ----------------------------
+
+
+@pytest.mark.root
+def test_a_bundle_installed_with_gpuhook_install_runs_prestart_and_poststop_under_runc(gpus):
+    gpus.configure(health={"mode": "fallback"})
+    bed = gpus.bed
+    rootfs = bed.rootfs(f"{bed.workdir}/bundles/installed/rootfs", files={"/bin/probe": gpus.probe})
+    bundle = bed.bundle("installed", ["/bin/probe", "/dev/nvidia1", "/dev/nvidia0"],
+                        env=["NVIDIA_VISIBLE_DEVICES=1"], rootfs=rootfs)
+    with open(f"{bundle}/config.json") as f:
+        original = f.read()
+    gpuhook_cli("install", "runc-bundle", bundle, "--config", gpus.config)
+
+    result = bed.run(bundle, "installed")  # runc run, then runc delete, which runs poststop hooks
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {"/dev/nvidia1"}
+    (start,) = log_records(gpus, "prestart")
+    assert (start["container"], start["decision"], start["health"]["mode"]) == \
+        ("installed", "gpus injected", "fallback")
+    assert isinstance(start["registered"], dict), start["registered"]
+    (stop,) = log_records(gpus, "poststop")
+    assert (stop["container"], stop["decision"]) == ("installed", "cleaned up"), stop
+    assert [gpu["uuid"] for gpu in stop["health"]["gpus"]] == [gpus.uuid(1)]
+    assert not registered(gpus, "installed")
+
+    gpuhook_cli("uninstall", "runc-bundle", bundle)
+    with open(f"{bundle}/config.json") as f:
+        assert f.read() == original
+    assert not os.path.exists(f"{bundle}/config.json.gpuhook-bak")

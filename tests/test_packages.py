@@ -20,11 +20,13 @@ import tomllib
 import pytest
 
 from conftest import REPO, require, require_root_tools, sim_config_values
-from helpers.runtimes import PodmanGpus, gpu_nodes, other_gpu_node
+from helpers.runtimes import PodmanGpus, gpu_nodes, log_records, other_gpu_node, registered, wait_for_record
 
 from gpuhook import __version__, config as cfg, install
 
 RENDER = os.path.join(REPO, "packaging", "render.py")
+# The oci-hooks files both packages install in /usr/share/containers/oci/hooks.d: name -> stage.
+HOOKS_D_FILES = {"gpuhook.json": "prestart", "gpuhook-poststop.json": "poststop"}
 VENDOR = os.path.join(REPO, "packaging", "vendor", "nvidia-ml-py")
 SITE = "/usr/lib/python3/dist-packages"
 CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
@@ -118,14 +120,19 @@ def test_deb_holds_the_whole_package_the_generated_files_and_pynvml(packages, tm
     assert source_package_files() <= installed | {"gpuhook/_vendor/pynvml.py"}
     with open(f"{tmp_path}{SITE}/gpuhook/_vendor/pynvml.py", "rb") as f, open(f"{VENDOR}/pynvml.py", "rb") as g:
         assert f.read() == g.read()
-    with open(f"{tmp_path}/usr/share/containers/oci/hooks.d/gpuhook.json") as f, \
-            open(os.path.join(REPO, "hooks.d", "gpuhook.json")) as g:
-        assert f.read() == g.read()
+    assert sorted(os.listdir(f"{tmp_path}/usr/share/containers/oci/hooks.d")) == sorted(HOOKS_D_FILES)
+    for name in HOOKS_D_FILES:  # one file per stage, each exactly what the repository holds
+        with open(f"{tmp_path}/usr/share/containers/oci/hooks.d/{name}") as f, \
+                open(os.path.join(REPO, "hooks.d", name)) as g:
+            assert f.read() == g.read(), name
     with open(f"{tmp_path}/etc/gpuhook/config.toml") as f:
         assert f.read() == render("config")
-    for path in ("/usr/bin/gpuhook", "/usr/share/man/man1/gpuhook.1.gz",
-                 "/usr/share/doc/gpuhook/examples/gpuhook-annotated.json"):
+    for path in ("/usr/bin/gpuhook", "/usr/share/man/man1/gpuhook.1.gz"):
         assert os.path.exists(tmp_path / path.lstrip("/")), path
+    for name in ("gpuhook-annotated.json", "gpuhook-poststop-annotated.json"):
+        with open(f"{tmp_path}/usr/share/doc/gpuhook/examples/{name}") as f, \
+                open(os.path.join(REPO, "hooks.d", name)) as g:
+            assert f.read() == g.read(), name
     with open(f"{tmp_path}/usr/share/doc/gpuhook/copyright") as f:
         copyright_text = f.read()
     assert "License: BSD-3-clause" in copyright_text and "NVIDIA Corporation" in copyright_text
@@ -152,7 +159,10 @@ def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
     for path in source_package_files():
         assert f"{site}/{path}" in files, path
     assert f"{site}/gpuhook/_vendor/pynvml.py" in files
-    assert {"/usr/bin/gpuhook", "/usr/share/containers/oci/hooks.d/gpuhook.json", "/etc/gpuhook/config.toml"} <= files
+    assert {"/usr/bin/gpuhook", "/etc/gpuhook/config.toml"} <= files
+    assert {p for p in files if p.startswith("/usr/share/containers/oci/hooks.d/")} == \
+        {f"/usr/share/containers/oci/hooks.d/{name}" for name in HOOKS_D_FILES}
+    assert any(p.endswith("/gpuhook-poststop-annotated.json") for p in files)  # the documented example
     assert any(p.startswith(f"{site}/gpuhook/__pycache__/entry.") for p in files)  # byte-compiled
     assert run("rpm", "-qpc", packages["rpm"]).stdout.split() == ["/etc/gpuhook/config.toml"]
     requires = run("rpm", "-qpR", packages["rpm"]).stdout
@@ -164,9 +174,12 @@ def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
     with open(packages["rpm"], "rb") as rpm_file, open(payload, "wb") as out:
         subprocess.run(["rpm2archive", "-"], stdin=rpm_file, stdout=out, check=True)
     run("tar", "-xzf", str(payload), "-C", str(tmp_path))
-    with open(tmp_path / "usr/share/containers/oci/hooks.d/gpuhook.json") as f:
-        hook = json.load(f)["hook"]
-    assert hook["path"] == "/usr/bin/python3" and hook["args"][3] == f"{site}/gpuhook/launch.py"
+    for name, stage in HOOKS_D_FILES.items():
+        with open(tmp_path / "usr/share/containers/oci/hooks.d" / name) as f:
+            doc = json.load(f)
+        assert doc["stages"] == [stage] and doc["when"] == {"always": True}, name
+        assert doc["hook"]["path"] == "/usr/bin/python3"
+        assert doc["hook"]["args"][3:] == [f"{site}/gpuhook/launch.py", stage], name
 
 
 def dpkg_status(package: str = "gpuhook") -> str:
@@ -201,7 +214,7 @@ def test_installed_deb_runs_podman_containers_and_removes_cleanly(installed_deb,
     assert where.stdout.split() == [f"{SITE}/gpuhook/__init__.py", f"{SITE}/gpuhook/_vendor/pynvml.py"]
     assert os.path.exists(f"{SITE}/gpuhook/__pycache__/entry.cpython-{sys.version_info[0]}{sys.version_info[1]}.pyc")
 
-    # The packaged hooks.d file reads the packaged /etc/gpuhook/config.toml: point it at the
+    # The packaged hooks.d files read the packaged /etc/gpuhook/config.toml: point it at the
     # simulated host (this also makes it a modified conffile for the removal check below).
     gpus = PodmanGpus(bed, sim_host, probe, tmp_path, install.PACKAGE_HOOKS_DIR)
     try:
@@ -217,26 +230,34 @@ def test_installed_deb_runs_podman_containers_and_removes_cleanly(installed_deb,
         p = result.probes()
         assert gpu_nodes(p) == {"/dev/nvidia1"} and p["/dev/nvidia1"]["read"] == "ENXIO"
         assert p["/dev/other-gpu"]["read"] == "EPERM"
+        (start,) = log_records(gpus, "prestart")
+        # The packaged poststop file: podman runs it when it removes the stopped container.
+        assert wait_for_record(gpus, "poststop", start["container"])["decision"] == "cleaned up"
+        assert not registered(gpus, start["container"])
         result = gpus.run("deb-plain")
         assert result.returncode == 0, result.stderr
         assert not any(item["exists"] for path, item in result.probes().items() if path.startswith("/dev/nvidia"))
-        assert [line["decision"] for line in gpus.log_lines()] == ["gpus injected"]
+        assert gpus.podman.wait_until_idle()
+        assert [(line["stage"], line["decision"]) for line in gpus.log_lines()] == \
+            [("prestart", "gpus injected"), ("poststop", "cleaned up")]
     finally:
         gpus.podman.close()
 
-    # gpuhook install from the package registers exactly what the package ships.
-    admin_file = f"{install.ADMIN_HOOKS_DIR}/{install.HOOK_FILE_NAME}"
+    # gpuhook install from the package registers exactly what the package ships, both stages.
+    admin_files = [f"{install.ADMIN_HOOKS_DIR}/{name}" for name in HOOKS_D_FILES]
+    packaged_files = [f"{install.PACKAGE_HOOKS_DIR}/{name}" for name in HOOKS_D_FILES]
     run("/usr/bin/gpuhook", "install", "podman")
-    with open(admin_file) as f, open(f"{install.PACKAGE_HOOKS_DIR}/{install.HOOK_FILE_NAME}") as g:
-        assert f.read() == g.read()
+    for admin_file, packaged_file in zip(admin_files, packaged_files):
+        with open(admin_file) as f, open(packaged_file) as g:
+            assert f.read() == g.read(), admin_file
 
     with open(cfg.DEFAULT_PATH) as f:
         modified = f.read()
     removal = run("dpkg", "-r", "gpuhook")
     assert dpkg_status() == "deinstall ok config-files"
-    assert "removed /etc/containers/oci/hooks.d/gpuhook.json" in removal.stderr  # by the prerm
-    for gone in (admin_file, f"{install.PACKAGE_HOOKS_DIR}/{install.HOOK_FILE_NAME}", "/usr/bin/gpuhook",
-                 f"{SITE}/gpuhook"):
+    for admin_file in admin_files:  # taken back by the prerm
+        assert f"gpuhook: removed {admin_file}\n" in removal.stderr, removal.stderr
+    for gone in (*admin_files, *packaged_files, "/usr/bin/gpuhook", f"{SITE}/gpuhook"):
         assert not os.path.exists(gone), gone
     with open(cfg.DEFAULT_PATH) as f:
         assert f.read() == modified  # a conffile: kept, changes and all

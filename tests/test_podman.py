@@ -1,4 +1,5 @@
-"""podman runs gpuhook from the hooks.d file `gpuhook install podman` writes (issue 6).
+"""podman runs gpuhook from the hooks.d files `gpuhook install podman` writes (issue 6):
+gpuhook.json at prestart, gpuhook-poststop.json when podman removes the stopped container.
 
 Containers start from a busybox rootfs with podman's own storage, on the simulated GPU host.
 Device access is checked by errno inside the container: ENXIO = the device cgroup allows the
@@ -11,7 +12,8 @@ import os
 import pytest
 
 from conftest import LIBDIR, require_root_tools
-from helpers.runtimes import PodmanGpus, gpu_nodes, gpuhook_cli, other_gpu_node, read_json
+from helpers.runtimes import (PodmanGpus, gpu_nodes, gpuhook_cli, log_records, other_gpu_node, read_json,
+                              registered, wait_for_record)
 
 pytestmark = pytest.mark.root
 
@@ -45,9 +47,11 @@ def podman_gpus(make_podman_gpus, tmp_path):
 
 
 def test_installed_hooks_file_runs_gpuhook_for_podman(podman_gpus):
-    hook = read_json(f"{podman_gpus.podman.hooks_dir}/gpuhook.json")
-    assert hook["when"] == {"always": True} and hook["stages"] == ["prestart"]
-    assert hook["hook"]["args"][1:3] == ["-I", "-S"] and hook["hook"]["args"][-2:] == ["--config", podman_gpus.config]
+    for name, stage in (("gpuhook.json", "prestart"), ("gpuhook-poststop.json", "poststop")):
+        hook = read_json(f"{podman_gpus.podman.hooks_dir}/{name}")
+        assert hook["when"] == {"always": True} and hook["stages"] == [stage]
+        assert hook["hook"]["args"][1:3] == ["-I", "-S"]
+        assert hook["hook"]["args"][-3:] == [stage, "--config", podman_gpus.config]
 
     result = podman_gpus.run("gpu0", env=["NVIDIA_VISIBLE_DEVICES=0"], before=other_gpu_node(1),
                              paths=[OTHER, f"{LIBDIR}/libcuda.so.1"])
@@ -57,8 +61,25 @@ def test_installed_hooks_file_runs_gpuhook_for_podman(podman_gpus):
     assert p["/dev/nvidia0"]["read"] == "ENXIO" and p["/dev/nvidiactl"]["read"] == "ENXIO"
     assert p[OTHER]["read"] == "EPERM"  # GPU 1 exists on the host but is not this container's
     assert p[f"{LIBDIR}/libcuda.so.1"]["type"] == "reg"
-    (line,) = podman_gpus.log_lines()
+    (line,) = log_records(podman_gpus, "prestart")
     assert line["decision"] == "gpus injected" and line["gpus"] == [podman_gpus.uuid(0)]
+
+
+def test_podman_runs_the_poststop_hook_when_it_removes_a_gpu_container(podman_gpus):
+    podman_gpus.configure(health={"mode": "fallback"})  # the file the installed hooks name
+    result = podman_gpus.run("stops", env=["NVIDIA_VISIBLE_DEVICES=2"])
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {"/dev/nvidia2"}
+    (start,) = log_records(podman_gpus, "prestart")
+    assert start["decision"] == "gpus injected" and start["health"]["mode"] == "fallback"
+    assert isinstance(start["registered"], dict), start["registered"]  # the health registry knew it
+
+    stop = wait_for_record(podman_gpus, "poststop", start["container"])
+    assert stop["decision"] == "cleaned up", stop
+    assert [gpu["uuid"] for gpu in stop["health"]["gpus"]] == [podman_gpus.uuid(2)]
+    assert not registered(podman_gpus, start["container"])
+    assert podman_gpus.podman.wait_until_idle()
+    assert len(log_records(podman_gpus, "poststop")) == 1
 
 
 def test_podman_container_without_request_is_untouched(podman_gpus):
@@ -67,6 +88,7 @@ def test_podman_container_without_request_is_untouched(podman_gpus):
     p = result.probes()
     assert not any(item["exists"] for path, item in p.items() if path.startswith("/dev/nvidia"))
     assert not os.path.exists(f"{result.rootfs}{LIBDIR}")
+    assert podman_gpus.podman.wait_until_idle()  # its poststop hook has run too, and logged nothing
     assert podman_gpus.log_lines() == []
 
 
@@ -82,17 +104,24 @@ def test_cdi_annotations_and_legacy_cuda_images_reach_the_hook_through_podman(po
 
 def test_annotated_variant_runs_only_for_cdi_annotations(podman_gpus, tmp_path):
     install_podman(tmp_path / "hooks.d", podman_gpus.config, "--annotated")
+    for name in ("gpuhook.json", "gpuhook-poststop.json"):
+        assert "annotations" in read_json(tmp_path / "hooks.d" / name)["when"], name
     annotations = {"cdi.k8s.io/gpuhook-test_req": "nvidia.com/gpu=1"}
     result = podman_gpus.run("annotated", annotations=annotations, before=other_gpu_node(0), paths=[OTHER])
     assert result.returncode == 0, result.stderr
     p = result.probes()
     assert gpu_nodes(p) == {"/dev/nvidia1"} and p["/dev/nvidia1"]["read"] == "ENXIO"
     assert p[OTHER]["read"] == "EPERM"
-    # The documented trade-off: podman never starts the hook for an env-only request.
+    (start,) = log_records(podman_gpus, "prestart")
+    assert wait_for_record(podman_gpus, "poststop", start["container"])["decision"] == "cleaned up"
+    # The documented trade-off: podman never starts the hook for an env-only request, at
+    # either stage (ungated, the poststop hook would log "not registered" for it).
     result = podman_gpus.run("env-only", env=["NVIDIA_VISIBLE_DEVICES=0"])
     assert result.returncode == 0, result.stderr
     assert gpu_nodes(result.probes()) == set()
-    assert [line["decision"] for line in podman_gpus.log_lines()] == ["gpus injected"]
+    assert podman_gpus.podman.wait_until_idle()
+    assert [(line["stage"], line["container"]) for line in podman_gpus.log_lines()] == \
+        [("prestart", start["container"]), ("poststop", start["container"])]
 
 
 def refused_by_the_users_hook(result) -> bool:
@@ -112,6 +141,7 @@ def test_a_replaced_user_hooks_file_is_backed_up_where_podman_ignores_it_and_res
 
     install_podman(hooks_dir, gpus.config)
     assert json.loads((hooks_dir / "gpuhook.json.gpuhook-bak").read_text()) == failing
+    assert sorted(os.listdir(hooks_dir)) == ["gpuhook-poststop.json", "gpuhook.json", "gpuhook.json.gpuhook-bak"]
     result = gpus.run("installed", env=["NVIDIA_VISIBLE_DEVICES=3"])
     assert result.returncode == 0, result.stderr  # the backup is not a *.json file: not run
     assert gpu_nodes(result.probes()) == {"/dev/nvidia3"}

@@ -16,9 +16,12 @@ CONTAINERD_CONFIG = click.option("--containerd-config", metavar="FILE",
 DRY_RUN = click.option("--dry-run", is_flag=True, help="Print the change as a unified diff; change nothing.")
 
 TARGETS_HELP = (
-    "TARGET is podman or crio (an oci-hooks file, gpuhook.json, in the hooks dir), containerd "
-    "(a base runtime spec with gpuhook's hook, and config.toml's runc runtime pointed at it) or "
-    "runc-bundle (gpuhook's hook in BUNDLE/config.json). "
+    "gpuhook is registered for two stages: prestart (give the container its GPUs, checked and "
+    "cleaned) and poststop (kill what the stopped container left on them). "
+    "TARGET is podman or crio (one oci-hooks file per stage in the hooks dir: "
+    f"{install.HOOK_FILE_NAME} and {install.POSTSTOP_FILE_NAME}), containerd "
+    "(a base runtime spec with gpuhook's hooks, and config.toml's runc runtime pointed at it) or "
+    "runc-bundle (gpuhook's hooks in BUNDLE/config.json). "
 )
 
 
@@ -42,8 +45,9 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
 @BUNDLE
 @HOOKS_DIR
 @click.option("--annotated", is_flag=True, help=(
-    "podman, crio: run the hook only for containers with a CDI annotation naming nvidia.com/gpu "
-    "(cdi.k8s.io/...); containers that ask by environment variable or volume mount get no GPU."))
+    "podman, crio: run the hook (both stages) only for containers with a CDI annotation naming "
+    "nvidia.com/gpu (cdi.k8s.io/...); containers that ask by environment variable or volume mount "
+    "get no GPU."))
 @OUTPUT
 @CONTAINERD_CONFIG
 @click.option("--base-spec", metavar="FILE",

@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from conftest import NODE_PATHS, GpuContainers
 
 from gpuhook import testbed
+from gpuhook.health import registry
 
 
 class PodmanGpus(GpuContainers):
@@ -57,3 +59,35 @@ def other_gpu_node(minor: int) -> str:
     """Shell that makes a node for another GPU inside the container (opening it must give EPERM)."""
     return f"busybox mknod /dev/other-gpu c 195 {minor}"
 
+
+
+def log_records(gpus, stage) -> list:
+    """The hook's log records (GpuContainers.log_lines) of one stage."""
+    return [line for line in gpus.log_lines() if line.get("stage") == stage]
+
+
+def wait_for_record(gpus, stage, container, timeout=30) -> dict:
+    """The log record of `stage` for `container` (its id), waiting up to `timeout` seconds for
+    it: podman runs poststop hooks while it cleans up a stopped container, which conmon's
+    `podman container cleanup` may also do; podman 4.3 has done it by the time `podman run
+    --rm` returns, but the tests do not depend on which podman process runs the hook."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [line for line in log_records(gpus, stage) if line.get("container") == container]
+        if found:
+            (record,) = found
+            return record
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"no {stage} record for container {container} in {gpus.log} after {timeout}s: "
+                                 f"{gpus.log_lines()}")
+        time.sleep(0.1)
+
+
+def registered(gpus, container) -> bool:
+    """Whether the health registry of `gpus` (the state-dir conftest.sim_config_values sets)
+    holds `container`. The registry's directory must exist, so that a wrong path cannot pass
+    for a registry the poststop hook emptied."""
+    state_dir = f"{os.path.dirname(gpus.log)}/run"
+    directory = os.path.dirname(registry.entry_path(state_dir, container))
+    assert os.path.isdir(directory), f"no health registry at {directory}"
+    return registry.load(state_dir, container) is not None
