@@ -46,7 +46,7 @@ def run_stage(stage: str, config_path: str | None) -> int:
             try:
                 with open(bundle + "/config.json", "rb") as f:
                     spec = f.read(prescan.MAX_CONFIG_BYTES + 1)
-            except OSError:
+            except (OSError, ValueError):  # unreadable or an impossible path: the full parser says why
                 spec = None
             if spec is not None and len(spec) <= prescan.MAX_CONFIG_BYTES \
                     and not prescan.may_request_gpu(state, spec):

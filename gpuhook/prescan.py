@@ -90,8 +90,8 @@ def bundle_of(state: bytes) -> str | None:
     if not members:
         return None
     raw = members.get(b"bundle")
-    if not raw or 92 in raw or raw[:1] != b"/":
-        return None
+    if not raw or 92 in raw or raw[:1] != b"/" or min(raw) < 0x20:
+        return None  # escapes and control bytes (invalid in JSON strings): the full parser decides
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
