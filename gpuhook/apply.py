@@ -22,10 +22,16 @@ import time
 
 from gpuhook import fastjson, linux, safepath
 from gpuhook.cgroup import hierarchy
-from gpuhook.errors import ApplyError, DeadlineError, HostError
+from gpuhook.errors import ApplyError, DeadlineError, GpuhookError, HostError
 from gpuhook.plan import ProcMask
 
 _MS = {"ro": linux.MS_RDONLY, "nosuid": linux.MS_NOSUID, "nodev": linux.MS_NODEV, "noexec": linux.MS_NOEXEC}
+_MOUNT_ATTR = {"ro": linux.MOUNT_ATTR_RDONLY, "nosuid": linux.MOUNT_ATTR_NOSUID, "nodev": linux.MOUNT_ATTR_NODEV,
+               "noexec": linux.MOUNT_ATTR_NOEXEC}
+# open_tree/mount_setattr/move_mount (Linux 5.12+): a bind mount gets its read-only and
+# nosuid flags before it is attached, and stays reachable by fd for undo. Older kernels fall
+# back to mount(MS_BIND) + remount. Switched off once ENOSYS is seen, or by tests.
+use_new_mount_api = True
 # The worker's own deadline is this much shorter than the hook's, so it can clean up itself.
 CLEANUP_MARGIN = 1.0
 PROGRESS_BYTES = 4096
@@ -122,8 +128,8 @@ def apply(plan, deadline: float) -> Outcome:
         added = _grant(place, plan.rules)
         try:
             report = _run_worker(plan, ns_fd, user_fd, proc_files, deadline)
-        except BaseException:
-            _revoke(place, added)
+        except BaseException as err:
+            _undo_grant(place, added, err)
             raise
         return Outcome(place.mode, added, report.get("notes", []), report.get("steps", 0))
     finally:
@@ -150,23 +156,30 @@ def _grant(place, rules) -> list:
 
     try:
         systemd.Systemd().register(place.cgroup_path, rules)
-    except BaseException:
-        _revoke(place, added)
+    except BaseException as err:
+        _undo_grant(place, added, err)
         raise
     return added
 
 
-def _revoke(place, added) -> None:
+def _undo_grant(place, added, err: BaseException) -> None:
+    """Take back a grant while `err` unwinds; a failed undo is added to err's hint."""
+    problems = _revoke(place, added)
+    if problems and isinstance(err, GpuhookError):
+        err.hint = "; ".join(filter(None, [err.hint, "undo: " + "; ".join(problems)]))
+
+
+def _revoke(place, added) -> list:
+    """Take back a grant; returns the problems (it never raises: it runs while unwinding)."""
     if not added:
-        return
+        return []
     if place.mode == hierarchy.V1:
         from gpuhook.cgroup import v1
 
-        v1.revoke(place.directory, added)
-    else:
-        from gpuhook.cgroup import v2
+        return v1.revoke(place.directory, added)
+    from gpuhook.cgroup import v2
 
-        v2.revoke(place.directory, added)
+    return v2.revoke(place.directory, added)
 
 
 def _run_worker(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float) -> dict:
@@ -286,6 +299,7 @@ def _worker(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: i
                 raise TimeoutError("deadline passed")
             action()
         work.changes.forget()
+        work.forget_mounts()
         work.close_sources()
         send({"ok": True, "notes": work.notes, "steps": work.count})
         return 0
@@ -309,7 +323,7 @@ class _Work:
         self.deadline = deadline
         self.root = -1
         self.changes = safepath.Changes()
-        self.mounted: list[str] = []  # container paths we mounted on, in order
+        self.mounted: list = []  # (container path, fd of the mount or -1), in the order made
         self.notes: list[str] = []
         self.count = 0
         self.sources: dict = {}  # host path -> O_PATH fd, opened before any change
@@ -403,9 +417,7 @@ class _Work:
         self._bind_fd(src, src_st, mount.target, mount.kind, mount.options)
 
     def _bind_fd(self, src: int, src_st, target_path: str, kind: str, options) -> None:
-        """Bind the open host file `src` at `target_path` in the rootfs, then remount it with
-        `options` through a fresh fd of what is now at the target, after checking that it is
-        the mount we just made."""
+        """Bind the open host file `src` at `target_path` in the rootfs with `options`."""
         parent, name = self.parent(target_path)
         target = self._new_mount_point(parent, name, kind)
         if target is None:  # something is there already: ours from an earlier run, or in the way
@@ -414,10 +426,45 @@ class _Work:
             ensure = safepath.ensure_dir if kind == "dir" else safepath.ensure_file
             target = ensure(self.root, target_path, self.changes, parent_fd=parent)
         try:
-            linux.mount(linux.fd_path(src), linux.fd_path(target), None, linux.MS_BIND)
+            if not self._attach(src, target, target_path, options):
+                self._bind_and_remount(src, src_st, target, target_path, options)
         finally:
             os.close(target)
-        self.mounted.append(target_path)
+        self.count += 1
+
+    def _attach(self, src: int, target: int, target_path: str, options) -> bool:
+        """Attach a detached clone of `src`, its flags already set, on `target`; False when
+        the kernel lacks the new mount API."""
+        global use_new_mount_api
+        if not use_new_mount_api:
+            return False
+        try:
+            tree = linux.open_tree_clone(src)
+        except OSError as err:
+            if err.errno == 38:  # ENOSYS
+                use_new_mount_api = False
+                return False
+            raise
+        try:
+            attrs = 0
+            for option in options:
+                attrs |= _MOUNT_ATTR[option]
+            linux.mount_setattr(tree, attrs)
+            linux.move_mount(tree, target)
+        except OSError as err:
+            os.close(tree)
+            if err.errno == 38:  # open_tree without mount_setattr (5.2-5.11)
+                use_new_mount_api = False
+                return False
+            raise
+        self.mounted.append((target_path, tree))
+        return True
+
+    def _bind_and_remount(self, src: int, src_st, target: int, target_path: str, options) -> None:
+        """The classic way: bind, then remount with `options` through a fresh fd of what is
+        now at the target, after checking that it is the mount we just made."""
+        linux.mount(linux.fd_path(src), linux.fd_path(target), None, linux.MS_BIND)
+        self.mounted.append((target_path, -1))
         now = safepath.open_in_root(self.root, target_path, os.O_PATH, follow_final=False)
         try:
             st = os.fstat(now)
@@ -426,7 +473,6 @@ class _Work:
             linux.mount(None, linux.fd_path(now), None, linux.MS_BIND | linux.MS_REMOUNT | _flags(options))
         finally:
             os.close(now)
-        self.count += 1
 
     def _new_mount_point(self, parent: int, name: str, kind: str):
         """fd of a mount point made now (nothing can be mounted on it yet), or None if the
@@ -488,8 +534,12 @@ class _Work:
                     self.root, f"{ProcMask.target}/gpus/{bus}", os.O_PATH | os.O_DIRECTORY)))
             linux.mount("tmpfs", linux.fd_path(target), "tmpfs",
                         linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC, "mode=0555,size=1m")
-            self.mounted.append(ProcMask.target)
+            self.mounted.append((ProcMask.target, -1))
             top = safepath.open_in_root(self.root, ProcMask.target, os.O_RDONLY | os.O_DIRECTORY)
+            if os.fstat(top).st_dev == os.fstat(target).st_dev:
+                os.close(top)
+                raise OSError(16, "changed under us while mounting", ProcMask.target)
+            self.mounted[-1] = (ProcMask.target, os.dup(top))  # undo by fd, wherever it is by then
             try:
                 for name, text in files.items():
                     parts = name.split("/")
@@ -544,16 +594,25 @@ class _Work:
 
     def undo(self) -> list[str]:
         problems = []
-        for target in reversed(self.mounted):
+        for target, fd in reversed(self.mounted):
             try:
-                fd = safepath.open_in_root(self.root, target, os.O_PATH, follow_final=False)
-                try:
+                if fd >= 0:  # the mount itself, even if something moved it since
                     linux.umount2(linux.fd_path(fd), linux.MNT_DETACH)
-                finally:
-                    os.close(fd)
+                else:
+                    found = safepath.open_in_root(self.root, target, os.O_PATH, follow_final=False)
+                    try:
+                        linux.umount2(linux.fd_path(found), linux.MNT_DETACH)
+                    finally:
+                        os.close(found)
             except OSError as err:
                 problems.append(f"cannot unmount {target}: {err.strerror}")
-        self.mounted.clear()
+        self.forget_mounts()
         problems += self.changes.undo()
         self.close_sources()
         return problems
+
+    def forget_mounts(self) -> None:
+        for _, fd in self.mounted:
+            if fd >= 0:
+                os.close(fd)
+        self.mounted.clear()

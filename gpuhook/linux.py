@@ -1,4 +1,5 @@
-"""The Linux system calls Python's os module lacks (3.11): setns, mount, umount2, openat2, prctl.
+"""The Linux system calls Python's os module lacks (3.11): setns, mount, umount2, openat2,
+prctl, and the new mount API (open_tree, mount_setattr, move_mount).
 
 Thin ctypes wrappers, nothing else: each raises OSError with the errno and the call named,
 so callers translate it once into a gpuhook error. Only the GPU path imports this module.
@@ -20,22 +21,28 @@ MS_NODEV = 0x4
 MS_NOEXEC = 0x8
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
-MS_REC = 0x4000
-MS_PRIVATE = 1 << 18
-MS_SLAVE = 1 << 19
 
 MNT_DETACH = 0x2
 
-RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_NO_SYMLINKS = 0x04
-RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
 
 PR_SET_PDEATHSIG = 1
 
-# openat2 has the same number on every architecture (it was added after the unification).
+# These have the same number on every architecture (added after the syscall table unification).
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
 SYS_OPENAT2 = 437
+SYS_MOUNT_SETATTR = 442
+
+AT_EMPTY_PATH = 0x1000
+OPEN_TREE_CLONE = 1
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOVE_MOUNT_T_EMPTY_PATH = 0x40
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
 _SYSCALL_NUMBERS = {"x86_64": {"bpf": 321}, "aarch64": {"bpf": 280}}
 
 
@@ -87,6 +94,36 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) 
         ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),
     )
     return _check(result, "openat2", path)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _syscall(number: int, *args) -> int:
+    return _libc.syscall(ctypes.c_long(number), *args)
+
+
+def open_tree_clone(fd: int) -> int:
+    """A detached copy of the mount at `fd` (a bind mount not attached anywhere yet)."""
+    flags = OPEN_TREE_CLONE | os.O_CLOEXEC | AT_EMPTY_PATH
+    return _check(_syscall(SYS_OPEN_TREE, ctypes.c_int(fd), b"", ctypes.c_uint(flags)), "open_tree")
+
+
+def mount_setattr(fd: int, attr_set: int) -> None:
+    """Set mount attributes (MOUNT_ATTR_*) on the mount at `fd`, e.g. a detached tree."""
+    attr = _MountAttr(attr_set, 0, 0, 0)
+    result = _syscall(SYS_MOUNT_SETATTR, ctypes.c_int(fd), b"", ctypes.c_uint(AT_EMPTY_PATH),
+                      ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    _check(result, "mount_setattr")
+
+
+def move_mount(from_fd: int, to_fd: int) -> None:
+    """Attach the mount at `from_fd` on the file or directory at `to_fd`."""
+    flags = MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH
+    result = _syscall(SYS_MOVE_MOUNT, ctypes.c_int(from_fd), b"", ctypes.c_int(to_fd), b"", ctypes.c_uint(flags))
+    _check(result, "move_mount")
 
 
 def fd_path(fd: int) -> str:

@@ -151,3 +151,25 @@ def test_nvml_failure_fails_the_start_in_one_line_and_changes_nothing(bed, probe
         assert "NVML" in line, line
         assert host_mounts() == before
         assert_rootfs_clean(result.rootfs)
+
+
+def test_cgroup_v1_undo_takes_back_only_the_access_gpuhook_added(tmp_path):
+    """A container that could already read 195:0 keeps that when a failed start takes our
+    'rw' grant back (the kernel merges both into one entry; only 'w' was ours)."""
+    from gpuhook.cgroup import v1
+    from gpuhook.cgroup.devices import char_device, parse_v1_line
+
+    directory = f"/sys/fs/cgroup/devices/gpuhook-undo-{os.getpid()}"
+    os.makedirs(directory)
+    try:
+        with open(f"{directory}/devices.deny", "w") as f:
+            f.write("a *:* rwm")
+        with open(f"{directory}/devices.allow", "w") as f:
+            f.write("c 195:0 r")
+        added = v1.grant(directory, [char_device(195, 0, "rw"), char_device(195, 1, "rw")])
+        assert [r.v1_line() for r in added] == ["c 195:0 w", "c 195:1 rw"]
+        assert sorted(r.v1_line() for r in v1.current_rules(directory)) == ["c 195:0 rw", "c 195:1 rw"]
+        assert v1.revoke(directory, added) == []
+        assert v1.current_rules(directory) == [parse_v1_line("c 195:0 r")]
+    finally:
+        os.rmdir(directory)

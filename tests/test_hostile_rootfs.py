@@ -169,11 +169,14 @@ def test_mount_targets_in_a_rootfs_that_keeps_changing_never_leave_it(gpus, sent
     rootfs_box = {}
 
     def remember(rootfs):
+        os.makedirs(rootfs + "/usr", exist_ok=True)
         rootfs_box["path"] = rootfs
 
     stop = threading.Event()
+    flips = [0]
 
     def flipper():
+        moved = 0
         while not stop.is_set():
             rootfs = rootfs_box.get("path")
             if not rootfs:
@@ -183,10 +186,14 @@ def test_mount_targets_in_a_rootfs_that_keeps_changing_never_leave_it(gpus, sent
             try:
                 if os.path.islink(target):
                     os.remove(target)
-                    os.makedirs(target, exist_ok=True)
-                elif os.path.isdir(target) and not os.listdir(target):
-                    os.rmdir(target)
+                    os.mkdir(target)
+                elif os.path.isdir(target):  # move what the hook made aside, put a link to the host there
+                    moved += 1
+                    os.rename(target, f"{target}.moved{moved}")
                     os.symlink(f"{sentinel}/lib", target)
+                else:
+                    os.symlink(f"{sentinel}/lib", target)
+                flips[0] += 1
             except OSError:
                 pass
 
@@ -205,3 +212,4 @@ def test_mount_targets_in_a_rootfs_that_keeps_changing_never_leave_it(gpus, sent
         thread.join()
     assert (host_mounts(), snapshot(str(sentinel))) == before
     assert len(outcomes) == 12
+    assert flips[0] > 0  # the race was really run: the library dir did change under the hook

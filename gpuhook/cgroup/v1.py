@@ -30,18 +30,29 @@ def _write(directory: str, name: str, rule) -> None:
 
 
 def grant(directory: str, rules) -> list:
-    """Allow `rules` in the cgroup at `directory`; return the ones that were actually added."""
+    """Allow `rules` in the cgroup at `directory`; return exactly what was added.
+
+    A rule one existing entry covers is skipped. Otherwise the whole rule is written (the
+    kernel checks an access against one entry at a time, so a wildcard entry cannot lend the
+    letters a specific one lacks) and the kernel merges it into an entry for the same device;
+    what is returned, and later denied by `revoke`, is only the letters that entry did not
+    have already: taking our grant back never takes away access the container had.
+    """
     existing = current_rules(directory)
     added = []
     for rule in rules:
         if any(have.covers(rule) for have in existing):
             continue
+        same = [have for have in existing
+                if have.allow and (have.type, have.major, have.minor) == (rule.type, rule.major, rule.minor)]
+        had = set("".join(have.access for have in same))
+        missing = "".join(c for c in rule.access if c not in had)
         try:
             _write(directory, "devices.allow", rule)
         except OSError as err:
             revoke(directory, added)
             raise ApplyError("cgroup", f"cannot allow {rule.v1_line()} in {directory}: {err.strerror}") from err
-        added.append(rule)
+        added.append(rule._replace(access=missing))
     return added
 
 
