@@ -78,16 +78,6 @@ class Inventory(record(
 
     __slots__ = ()
 
-    def mig_instances(self, gpu_minor: int) -> tuple:
-        """(gpu instance, compute instance) ids with capability files for GPU `gpu_minor`."""
-        found = []
-        prefix = f"gpu{gpu_minor}/mig/"
-        for path in self.capabilities:
-            parts = path[len(prefix):].split("/") if path.startswith(prefix) else []
-            if len(parts) == 3 and parts[0].startswith("gi") and parts[1].startswith("ci") and parts[2] == "access":
-                found.append((int(parts[0][2:]), int(parts[1][2:])))
-        return tuple(sorted(found))
-
 
 def _read(path: str, what: str, limit: int = 1 << 20) -> str:
     try:
@@ -358,20 +348,21 @@ def inventory_from_dict(doc: dict) -> Inventory:
 
 
 def host_node(config, path: str):
-    """(mode, uid, gid) of the host's device node `path` (/dev/...), or None if absent."""
-    host = config.device_root + path[len("/dev"):]
-    try:
-        st = os.stat(host)
-    except OSError:
-        if config.dev_root:
-            return None
+    """(mode, uid, gid, host path) of the host's device node for `path` (/dev/...), or None.
+
+    Looked for under dev-root, else <driver-root>/dev falling back to /dev (a driver
+    container's root usually has no /dev of its own)."""
+    candidates = [config.device_root + path[len("/dev"):]]
+    if not config.dev_root and candidates[0] != path:
+        candidates.append(path)
+    for host in candidates:
         try:
-            st = os.stat(path)
+            st = os.stat(host)
         except OSError:
-            return None
-    if not stat.S_ISCHR(st.st_mode):
-        return None
-    return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, host
+    return None
 
 
 class ContainerFacts(record("ContainerFacts", "lib64 lib32 glibc")):

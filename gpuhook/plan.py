@@ -114,8 +114,8 @@ def make_plan(state, spec, request, selection, inventory, config, container, nod
 
     `selection` is request.Selection (GPUs, MIG devices, MIG capabilities);
     `container` is discover.ContainerFacts (library dirs, glibc or not); `node_info(path)`
-    returns the host node's (mode, uid, gid) or None; all come from discovery so this
-    stays pure.
+    returns the host node's (mode, uid, gid, host path) or None; all come from discovery,
+    so this function itself reads nothing.
     """
     gpus = selection.gpus
     if request.empty:
@@ -149,9 +149,12 @@ def make_plan(state, spec, request, selection, inventory, config, container, nod
     userns = "user" in spec.namespaces
     nodes = []
     for path, major, minor in wanted_nodes:
-        info = node_info(path) or (DEFAULT_NODE_MODE, 0, 0)
-        host_path = config.device_root + path[len("/dev"):] if userns else None
-        nodes.append(DeviceNode(path, major, minor, *info, host_path))
+        found = node_info(path)
+        mode, uid, gid, host_path = found or (DEFAULT_NODE_MODE, 0, 0, None)
+        if userns and host_path is None:
+            raise HostError(f"{path} must be bound into a container with a user namespace, but the host has "
+                            f"no such node (dev-root: {config.device_root})")
+        nodes.append(DeviceNode(path, major, minor, mode, uid, gid, host_path if userns else None))
     if userns:
         notes.append("user namespace: device nodes are bind-mounted from the host, files are made as the "
                      "container's root")

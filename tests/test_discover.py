@@ -85,7 +85,7 @@ def test_simulated_host_is_discovered_completely(sim_host):
     assert cuda.host_path.startswith(sim_host["directory"] + "/driver/")
     assert {b.container_path for b in inv.binaries} >= {"/usr/bin/nvidia-smi", "/usr/bin/nvidia-cuda-mps-server"}
     assert len(inv.firmware) == 2 and inv.ipc[0].kind == "socket"
-    assert discover.host_node(c, "/dev/nvidia0") == (0o666, 0, 0)
+    assert discover.host_node(c, "/dev/nvidia0") == (0o666, 0, 0, f"{sim_host['directory']}/dev/nvidia0")
     assert discover.host_node(c, "/dev/nvidia9") is None
 
 
@@ -121,3 +121,10 @@ def test_container_facts_by_image_family(tmp_path):
     assert discover.container_facts(str(hostile), c, "x86_64") == ("/usr/lib64", "/usr/lib", False)
     forced = cfg.from_mapping({"container-lib-dir": "/opt/nvidia/lib"})
     assert discover.container_facts(str(plain), forced).lib64 == "/opt/nvidia/lib"
+
+
+def test_host_node_falls_back_to_dev_only_without_dev_root(tmp_path):
+    null = cfg.from_mapping({"driver-root": str(tmp_path)})  # <driver-root>/dev does not exist
+    assert discover.host_node(null, "/dev/null")[3] == "/dev/null"
+    strict = cfg.from_mapping({"driver-root": str(tmp_path), "dev-root": str(tmp_path)})
+    assert discover.host_node(strict, "/dev/null") is None

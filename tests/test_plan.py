@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from gpuhook import config as cfg
 from gpuhook import oci
 from gpuhook import request as req
@@ -78,7 +80,8 @@ def test_display_adds_modeset_and_missing_libraries_are_noted():
 
 
 def test_node_mode_and_owner_come_from_the_host_node():
-    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0"], node_info=lambda p: (0o660, 0, 44) if p == "/dev/nvidia0" else None)
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0"],
+                    node_info=lambda p: (0o660, 0, 44, "/host/dev/nvidia0") if p == "/dev/nvidia0" else None)
     modes = {n.path: (n.mode, n.gid) for n in plan.nodes}
     assert modes["/dev/nvidia0"] == (0o660, 44) and modes["/dev/nvidiactl"] == (0o666, 0)
 
@@ -113,13 +116,21 @@ def test_image_without_glibc_gets_no_ld_cache_update():
     assert "/usr/lib64/libcuda.so.550.54.15" in [m.target for m in plan.mounts]
 
 
-def test_user_namespaced_container_gets_device_nodes_bound_from_the_host():
-    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=1"], namespaces=("mount", "user"))
+def test_user_namespaced_container_gets_device_nodes_bound_from_where_discovery_found_them():
+    found = lambda p: (0o666, 0, 0, "/drv/dev" + p[4:]) if p != "/dev/nvidiactl" else (0o666, 0, 0, p)
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=1"], namespaces=("mount", "user"), node_info=found)
     assert plan.userns is True
     assert [(n.path, n.host_path) for n in plan.nodes] == [
-        ("/dev/nvidiactl", "/dev/nvidiactl"), ("/dev/nvidia-uvm", "/dev/nvidia-uvm"),
-        ("/dev/nvidia-uvm-tools", "/dev/nvidia-uvm-tools"), ("/dev/nvidia3", "/dev/nvidia3")]
-    assert all(n.host_path is None for n in plan_for(["NVIDIA_VISIBLE_DEVICES=1"]).nodes)
+        ("/dev/nvidiactl", "/dev/nvidiactl"), ("/dev/nvidia-uvm", "/drv/dev/nvidia-uvm"),
+        ("/dev/nvidia-uvm-tools", "/drv/dev/nvidia-uvm-tools"), ("/dev/nvidia3", "/drv/dev/nvidia3")]
+    assert all(n.host_path is None for n in plan_for(["NVIDIA_VISIBLE_DEVICES=1"], node_info=found).nodes)
+
+
+def test_user_namespaced_container_needs_the_host_nodes():
+    from gpuhook.errors import HostError
+
+    with pytest.raises(HostError, match="must be bound into a container with a user namespace"):
+        plan_for(["NVIDIA_VISIBLE_DEVICES=1"], namespaces=("user",))
 
 
 def test_empty_request_plans_nothing():
