@@ -55,6 +55,10 @@ KEYS = (
     _key("accept-volume-mounts", "bool", True,
          "Honour /dev/null mounts at /var/run/nvidia-container-devices/<id> (the Kubernetes device "
          "plugin's volume-mounts strategy; only the runtime can add them)."),
+    _key("accept-cdi-annotations", "bool", True,
+         "Honour CDI annotations (cdi.k8s.io/*) naming nvidia.com/gpu. The kubelet or the "
+         "runtime sets them; set false where users can set annotations themselves (podman "
+         "--annotation, or a CRI runtime that forwards pod annotations to the container)."),
     _key("ldconfig", "path", "/sbin/ldconfig",
          "The HOST's ldconfig, run with an empty environment to update the container's ld cache. "
          "Never taken from the image."),
@@ -216,11 +220,13 @@ def defaults() -> Config:
     return from_mapping({}, "defaults")
 
 
-def load(path: str | None = None, environ: dict | None = None, use_cache: bool = True) -> Config:
+def load(path: str | None = None, environ: dict | None = None, use_cache: bool = True,
+         write_cache: bool = True) -> Config:
     """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file.
 
     The parsed TOML is cached under /run (gpuhook.cache) keyed by the file's identity and
-    timestamps: parsing TOML costs the hook more than the rest of its decision.
+    timestamps: parsing TOML costs the hook more than the rest of its decision. `use_cache`
+    False ignores the cache; `write_cache` False reads it but never writes (dry runs).
     """
     explicit = path
     if explicit is None and environ is not None:
@@ -249,7 +255,8 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
         os.close(fd)
     data = _parse_toml(raw, target)
     config = from_mapping(data, target)  # validate before caching: only good files are cached
-    if use_cache and cache.write(cache_path, {"identity": identity, "source": os.path.abspath(target), "data": data}):
+    if use_cache and write_cache and cache.write(
+            cache_path, {"identity": identity, "source": os.path.abspath(target), "data": data}):
         cache.prune_config_cache()
     return config
 

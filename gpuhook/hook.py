@@ -22,23 +22,27 @@ START_STAGES = ("prestart", "createRuntime")
 INTERNAL_ERROR = 70
 
 
-def build_plan(state, spec, config):
-    """The plan for one container: pure data, nothing changed.
+def build_plan(state, spec, config, write_cache: bool = True):
+    """The plan for one container: pure data, nothing changed (`write_cache` False: not even
+    gpuhook's own caches, for dry runs).
 
     NVML is consulted only when something needs it (NVIDIA_REQUIRE_* constraints, MIG
-    requests, a host with MIG instances), and then through the inventory cache.
+    requests, a host whose driver lists MIG capability files), and then through the
+    inventory cache.
     """
     request = req.resolve(spec, state.annotations, config)
     if request.empty:
         return empty_plan(state, spec, request)
-    inventory = load_inventory(config)
+    inventory = load_inventory(config, write=write_cache)
     requirements = () if reqs.disabled(spec.env) else reqs.collect(spec.env)
     facts, source = None, None
     if requirements or request.names_mig or inventory.capabilities:
-        facts, source = nvml_facts(config, inventory)
+        facts, source = nvml_facts(config, inventory, write=write_cache)
     selection = req.select(request, inventory.gpus, facts)
     if requirements:
-        reqs.evaluate(spec.env, host_facts(inventory, facts, selection))
+        host = host_facts(inventory, facts, selection)
+        for requirement in requirements:
+            reqs.check(requirement, host)
     container = discover.container_facts(spec.rootfs, config)
     plan = make_plan(state, spec, request, selection, inventory, config, container,
                      lambda path: discover.host_node(config, path))
@@ -87,10 +91,11 @@ def prestart(state, spec, config, deadline: float, record: dict | None = None) -
     return plan, outcome
 
 
-def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, record: dict) -> None:
+def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, record: dict,
+             base_dir: str | None = None) -> None:
     """After a container stopped: clean up what it left on its GPUs (gpuhook.health). Only
     the state's id is needed; a bundle that is already gone costs the log its names only."""
-    state = oci.parse_state(state_bytes)
+    state = oci.parse_state(state_bytes, base_dir)
     record["container"] = state.id
     try:
         spec = oci.parse_spec(spec_bytes if spec_bytes is not None else oci.read_config_bytes(state.bundle),
@@ -107,8 +112,9 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
 
 
 def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
-             spec_bytes: bytes | None = None) -> int:
-    """Entry for the runtime. Returns the exit code; prints one line on failure."""
+             spec_bytes: bytes | None = None, base_dir: str | None = None) -> int:
+    """Entry for the runtime. Returns the exit code; prints one line on failure. `base_dir`
+    lets a state file given by hand name its bundle relatively."""
     started = time.monotonic()
     log_path = cfg.default("log-file")
     record = {"stage": stage}
@@ -117,13 +123,10 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         log_path = config.log_file
         deadline = started + config.deadline_seconds
         if stage == "poststop":
-            poststop(state_bytes, spec_bytes, config, deadline, record)
+            poststop(state_bytes, spec_bytes, config, deadline, record, base_dir)
             return 0
-        state, spec = read_container(state_bytes, spec_bytes)
+        state, spec = read_container(state_bytes, spec_bytes, base_dir)
         record.update(container=state.id, **journal.k8s_names({**spec.annotations, **state.annotations}))
-        if stage not in START_STAGES:
-            record["decision"] = "nothing to do at this stage"
-            return 0
         plan, outcome = prestart(state, spec, config, deadline, record)
         record.update(decision="untouched" if plan.empty else "gpus injected", wants=plan.wants,
                       channel=plan.channel, gpus=[g.uuid for g in plan.gpus],

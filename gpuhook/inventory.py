@@ -20,7 +20,6 @@ from gpuhook import cache, discover
 from gpuhook.record import record
 
 FORMAT = 2
-BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 class MigDevice(record("MigDevice", "index uuid gpu_instance_id compute_instance_id name")):
@@ -80,7 +79,7 @@ def fingerprint(config, driver_version: str) -> dict:
     devices = [line for line in _read_text(f"{proc}/devices").splitlines() if "nvidia" in line]
     return {
         "format": FORMAT,
-        "boot_id": _read_text(BOOT_ID).strip(),
+        "boot_id": cache.boot_id(),
         "driver_version": driver_version,
         "roots": [config.driver_root, config.device_root, proc, config.nvml_library],
         "gpu_dirs": gpu_dirs,
@@ -100,8 +99,9 @@ def _cached(config):
     return key, None
 
 
-def load(config) -> "discover.Inventory":
-    """The host inventory: from the cache when the host is unchanged, else read and cached."""
+def load(config, write: bool = True) -> "discover.Inventory":
+    """The host inventory: from the cache when the host is unchanged, else read (and cached,
+    unless `write` is False: dry runs change nothing)."""
     key, doc = _cached(config)
     if doc is not None:
         try:
@@ -109,7 +109,8 @@ def load(config) -> "discover.Inventory":
         except (KeyError, TypeError, ValueError, AttributeError):
             pass  # damaged or from another version: rebuild below
     inventory = discover.inventory(config)
-    cache.write(cache_path(config), {"key": key, "inventory": discover.inventory_to_dict(inventory)})
+    if write:
+        cache.write(cache_path(config), {"key": key, "inventory": discover.inventory_to_dict(inventory)})
     return inventory
 
 
@@ -117,8 +118,9 @@ CACHED = "NVML facts from the inventory cache"
 QUERIED = "NVML queried; inventory cache refreshed"
 
 
-def nvml_facts(config, inventory) -> tuple:
-    """(NvmlFacts, where they came from: CACHED or QUERIED) for this host."""
+def nvml_facts(config, inventory, write: bool = True) -> tuple:
+    """(NvmlFacts, where they came from: CACHED or QUERIED) for this host; asked of NVML only
+    when not cached, and then cached unless `write` is False."""
     key, doc = _cached(config)
     if doc is not None and isinstance(doc.get("nvml"), dict):
         try:
@@ -135,7 +137,7 @@ def nvml_facts(config, inventory) -> tuple:
             for m in gpu.mig_devices or ()))
         for gpu in seen.gpus if not gpu.lost
     })
-    if any(gpu.lost for gpu in seen.gpus):
+    if any(gpu.lost for gpu in seen.gpus) or not write:
         return facts, QUERIED  # a lost GPU is a moment's state, not the host's: never cache it
     if doc is None:
         doc = {"key": key, "inventory": discover.inventory_to_dict(inventory)}

@@ -5,13 +5,14 @@ Channels, in order of trust (docs/reference section 3):
 1. ``/dev/null`` mounts at ``/var/run/nvidia-container-devices/<id>`` — only the runtime or
    the Kubernetes device plugin can add mounts (policy ``accept-volume-mounts``);
 2. CDI annotations ``cdi.k8s.io/<anything>`` naming ``nvidia.com/gpu=<index|uuid|all>`` —
-   set by the runtime or kubelet, never by the image;
+   set by the runtime or kubelet, never by the image (policy ``accept-cdi-annotations``:
+   where users can set annotations themselves, turn it off);
 3. the environment: ``NVIDIA_VISIBLE_DEVICES`` (and the legacy-image rule), which any image
    can set. It is honoured from unprivileged containers only while
    ``accept-env-when-unprivileged`` is true, like NVIDIA's default.
 
 A runtime-provided request (1 or 2) wins over the environment. Resolution is pure: it reads
-the parsed spec and returns data; matching ids to real GPUs happens in `select_gpus`.
+the parsed spec and returns data; matching ids to real GPUs happens in `select`.
 """
 
 
@@ -178,8 +179,11 @@ def resolve(spec, state_annotations: dict, config) -> Request:
             notes.append("volume-mount request ignored (accept-volume-mounts = false)")
     cdi_ids = _from_cdi(annotations, notes)
     if cdi_ids is not None:
-        trusted += [i for i in cdi_ids if i not in trusted]
-        channels.append(CDI)
+        if config.accept_cdi_annotations:
+            trusted += [i for i in cdi_ids if i not in trusted]
+            channels.append(CDI)
+        else:
+            notes.append("CDI annotation request ignored (accept-cdi-annotations = false)")
     if trusted:
         caps = parse_capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES") or None)
         if "NVIDIA_VISIBLE_DEVICES" in env:
@@ -312,11 +316,6 @@ def _capability_gpus(ids, variable: str, gpus, parents) -> bool:
         if gpu not in parents:
             raise RequestError(f"{variable} names GPU {gpu.index} ({gpu.uuid}), which the container does not get")
     return True
-
-
-def select_gpus(request: Request, gpus) -> tuple:
-    """The whole GPUs a request names on a host without MIG (see `select`)."""
-    return select(request, gpus).gpus
 
 
 def _match(ident: str, gpus):

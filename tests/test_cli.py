@@ -103,3 +103,54 @@ def test_list_and_config_on_the_simulated_host(sim_host):
     done = gpuhook("config", "--json", env={"GPUHOOK_CONFIG": sim_host["config"]})
     shown = json.loads(done.stdout)
     assert shown["source"] == sim_host["config"] and shown["values"]["proc-root"].endswith("/proc")
+
+
+def test_bare_group_prints_its_help():
+    for args in ((), ("cgroup",)):
+        done = gpuhook(*args)
+        assert done.returncode == 0 and done.stderr == b""
+        assert done.stdout.decode().startswith("Usage: gpuhook")
+
+
+def test_os_errors_are_one_line_not_a_traceback():
+    done = gpuhook("simulate", "/proc/gpuhook-cannot-be-here")
+    assert done.returncode == 4
+    err = done.stderr.decode()
+    assert err.count("\n") == 1 and "Traceback" not in err and "/proc/gpuhook-cannot-be-here" in err
+
+
+def test_config_text_output_is_the_configuration_as_toml(sim_host):
+    import tomllib
+
+    done = gpuhook("config", "--config", sim_host["config"])
+    assert done.returncode == 0, done.stderr
+    shown = tomllib.loads(done.stdout.decode())
+    as_json = json.loads(gpuhook("config", "--json", "--config", sim_host["config"]).stdout)["values"]
+    assert shown == as_json
+
+
+def test_poststop_is_described_as_what_it_does():
+    text = gpuhook("poststop", "--help").stdout.decode()
+    assert "stopped container" in text and "never fails" in " ".join(text.split())
+    assert "--dry-run" not in text
+
+
+def test_a_state_file_with_a_relative_bundle_works_without_dry_run_too(sim_host):
+    state = os.path.join(SAMPLES, "runc-gpu0.json")  # pid 4242: no such container here
+    done = gpuhook("prestart", "--state", state, "--config", sim_host["config"])
+    assert done.returncode != 0
+    err = done.stderr.decode()
+    assert "must be an absolute path" not in err and "4242" in err
+
+
+def test_dry_run_writes_no_cache(tmp_path, sim_host):
+    from gpuhook import cache
+
+    config = tmp_path / "c.toml"
+    config.write_text(f'proc-root = "{sim_host["directory"]}/proc"\n'
+                      f'driver-root = "{sim_host["directory"]}/driver"\nstate-dir = "{tmp_path}/state"\n')
+    done = gpuhook("prestart", "--dry-run", "--state", os.path.join(SAMPLES, "runc-gpu0.json"),
+                   "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "state").exists()
+    assert not os.path.exists(cache.config_cache_path(str(config)))

@@ -127,19 +127,24 @@ def test_cdi_empty_device_name_is_an_error():
 
 def test_select_by_index_uuid_and_all():
     r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES=3,{GPUS[1].uuid.lower()}"]))
-    assert [g.index for g in req.select_gpus(r, GPUS)] == [3, 1]
-    assert req.select_gpus(resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"])), GPUS) == GPUS
-    assert req.select_gpus(resolve(spec(["NVIDIA_VISIBLE_DEVICES=none"])), GPUS) == ()
+    assert [g.index for g in req.select(r, GPUS).gpus] == [3, 1]
+    assert req.select(resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"])), GPUS).gpus == GPUS
+    assert req.select(resolve(spec(["NVIDIA_VISIBLE_DEVICES=none"])), GPUS).gpus == ()
 
 
 def test_same_gpu_by_index_and_uuid_is_given_once():
     r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES=1,{GPUS[1].uuid}"]))
-    assert [g.index for g in req.select_gpus(r, GPUS)] == [1]
+    assert [g.index for g in req.select(r, GPUS).gpus] == [1]
 
 
 @pytest.mark.parametrize("ident", ["7", "GPU-nope", "-1", "1.0", "０"])
 def test_missing_gpu_lists_the_real_ones(ident):
     r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES={ident}"]))
     with pytest.raises(RequestError) as err:
-        req.select_gpus(r, GPUS)
+        req.select(r, GPUS).gpus
     assert "does not exist" in err.value.message and GPUS[3].uuid in err.value.message
+
+
+def test_cdi_annotations_ignored_by_policy():
+    r = resolve(spec(annotations={"cdi.k8s.io/a": "nvidia.com/gpu=0"}), **{"accept-cdi-annotations": False})
+    assert r.empty and "accept-cdi-annotations" in r.notes[-1]

@@ -11,7 +11,12 @@ import sys
 import click
 
 from gpuhook import __version__
+from gpuhook import config as cfg
 from gpuhook.errors import GpuhookError
+
+# The --config option of every command that reads gpuhook's configuration.
+CONFIG_OPTION = click.option("--config", "config_path", metavar="FILE",
+                             help=f"Configuration file (default: ${cfg.ENV_VAR} or {cfg.DEFAULT_PATH}).")
 
 # name -> (module, attribute, one-line help). Modules live in gpuhook.cli.
 COMMANDS = {
@@ -63,7 +68,11 @@ def fail(err: GpuhookError):
     sys.exit(err.exit_code)
 
 
+INTERNAL_ERROR = 70
+
+
 def main(args=None) -> None:
+    """Run the CLI; every failure ends as one `gpuhook: ...` line and its exit code."""
     try:
         cli.main(args=args, prog_name="gpuhook", standalone_mode=False)
     except GpuhookError as err:
@@ -72,8 +81,19 @@ def main(args=None) -> None:
         click.echo("gpuhook: aborted", err=True)
         sys.exit(1)
     except click.ClickException as err:
+        no_args = getattr(click.exceptions, "NoArgsIsHelpError", ())
+        if no_args and isinstance(err, no_args):  # click >= 8.2: a bare group asks for its help
+            click.echo(err.ctx.get_help())
+            sys.exit(0)
         click.echo(f"gpuhook: {' '.join(err.format_message().split())}", err=True)
         sys.exit(err.exit_code)
     except click.exceptions.Exit as err:
         sys.exit(err.exit_code)
+    except OSError as err:  # a file a command needed, named by the OS
+        where = f"{err.filename}: " if err.filename else ""
+        click.echo(f"gpuhook: {where}{err.strerror or err}", err=True)
+        sys.exit(4)
+    except Exception as err:  # a bug: one line, not a traceback
+        click.echo(f"gpuhook: internal error: {type(err).__name__}: {err}".splitlines()[0], err=True)
+        sys.exit(INTERNAL_ERROR)
     sys.exit(0)

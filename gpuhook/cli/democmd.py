@@ -14,13 +14,25 @@ echo "--- NVIDIA device nodes in the container's /dev"
 ls -l /dev | grep nvidia
 echo "--- nvidia-smi (simulated; reports what open(2) says for each node)"
 /usr/bin/nvidia-smi
-echo "--- a GPU the container did not ask for (node made inside, minor {other})"
-mknod /dev/not-mine c 195 {other}
-cat /dev/not-mine 2>&1 | sed 's/^/    /'
-echo "--- driver libraries mounted read-only (first lines of $(ls {libdir} | wc -l) entries in {libdir})"
+{not_mine}echo "--- driver libraries mounted read-only (first lines of $(ls {libdir} | wc -l) entries in {libdir})"
 ls -l {libdir} | head -6
 echo "    mount of libcuda: $(grep ' {libdir}/libcuda.so' /proc/self/mountinfo | cut -d' ' -f5,6)"
 """
+NOT_MINE = r"""echo "--- a GPU the container did not ask for (node made inside, minor {minor})"
+mknod /dev/not-mine c 195 {minor}
+cat /dev/not-mine 2>&1 | sed 's/^/    /'
+"""
+
+
+def _not_requested(gpus, visible: str):
+    """Minor of a simulated GPU that NVIDIA_VISIBLE_DEVICES=`visible` does not name, or None."""
+    wanted = {part.strip().lower() for part in visible.split(",")}
+    if "all" in wanted:
+        return None
+    for gpu in gpus:
+        if str(gpu["index"]) not in wanted and gpu["uuid"].lower() not in wanted:
+            return gpu["minor"]
+    return None
 
 
 @click.command(help=(
@@ -33,6 +45,8 @@ echo "    mount of libcuda: $(grep ' {libdir}/libcuda.so' /proc/self/mountinfo |
               help="Where the simulated host, bundle and runc state go (replaced on each run).")
 @click.option("--visible", default="0,1", show_default=True, help="NVIDIA_VISIBLE_DEVICES for the container.")
 def demo(workdir, visible):
+    if os.geteuid() != 0:
+        raise click.ClickException("gpuhook demo needs root: it builds device nodes and starts a runc container")
     workdir = os.path.abspath(workdir)
     if os.path.isdir(workdir):
         if not os.path.exists(f"{workdir}/.gpuhook-demo"):
@@ -44,11 +58,11 @@ def demo(workdir, visible):
     sim = host.build(f"{workdir}/host", gpus=4)
     bed = testbed.Testbed(workdir)
     libdir = "/usr/lib64"
-    requested = {p.strip() for p in visible.split(",")}
-    other = next((g["minor"] for g in sim["gpus"] if str(g["index"]) not in requested), 3)
+    other = _not_requested(sim["gpus"], visible)
+    not_mine = NOT_MINE.format(minor=other) if other is not None else ""
     bundle = bed.bundle(
         "demo",
-        args=["/bin/busybox", "sh", "-c", SCRIPT.format(other=other, libdir=libdir)],
+        args=["/bin/busybox", "sh", "-c", SCRIPT.format(not_mine=not_mine, libdir=libdir)],
         env=[f"NVIDIA_VISIBLE_DEVICES={visible}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"],
         hooks={"prestart": [testbed.hook_entry(sim["config"])]},
         edit=lambda spec: spec["process"]["env"].append("PATH=/bin:/usr/bin"),

@@ -6,10 +6,9 @@ import os
 import click
 
 from gpuhook import config as cfg
+from gpuhook.cli import CONFIG_OPTION
 from gpuhook.errors import InputError
 
-CONFIG_OPTION = click.option("--config", "config_path", metavar="FILE",
-                             help=f"Configuration file (default: ${cfg.ENV_VAR} or {cfg.DEFAULT_PATH}).")
 DEADLINE_OPTION = click.option("--deadline", "deadline_seconds", type=click.FloatRange(min=0.1, max=3600),
                                metavar="SECONDS", help="Time for all GPUs together (default: health.deadline-seconds).")
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON.")

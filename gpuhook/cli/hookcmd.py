@@ -8,6 +8,7 @@ import click
 
 from gpuhook import config as cfg
 from gpuhook import hook, schema
+from gpuhook.cli import CONFIG_OPTION
 from gpuhook.errors import InputError
 from gpuhook.plan import render_text
 
@@ -22,16 +23,19 @@ def _read_state(path):
         raise InputError(f"cannot read state file {path}: {err.strerror}") from err
 
 
-def _stage_command(stage: str):
+STATE_OPTION = click.option("--state", "state_path", metavar="FILE", type=click.Path(dir_okay=False),
+                            help="Read the OCI state from FILE instead of stdin (a relative bundle "
+                                 "path in it is taken relative to FILE).")
+
+
+def _start_command(stage: str):
     @click.command(name=stage, help=(
-        f"Run the {stage} hook: read the OCI state (stdin or --state), inject the GPUs the "
-        "container requested. With --dry-run, print the plan and change nothing; a sample "
-        "state's relative bundle path is taken relative to the state file."
+        f"Run the {stage} hook: read the OCI state (stdin or --state) and give the container "
+        "the GPUs it requested, checked first. With --dry-run, print the plan and change "
+        "nothing (not even gpuhook's own caches)."
     ))
-    @click.option("--config", "config_path", metavar="FILE",
-                  help=f"Configuration file (default: ${cfg.ENV_VAR} or {cfg.DEFAULT_PATH}).")
-    @click.option("--state", "state_path", metavar="FILE", type=click.Path(dir_okay=False),
-                  help="Read the OCI state from FILE instead of stdin.")
+    @CONFIG_OPTION
+    @STATE_OPTION
     @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
     @click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan as JSON.")
     def command(config_path, state_path, dry_run, as_json):
@@ -39,10 +43,10 @@ def _stage_command(stage: str):
         if not dry_run:
             if as_json:
                 raise click.UsageError("--json goes with --dry-run")
-            sys.exit(hook.run_hook(stage, raw, config_path))
-        config = cfg.load(config_path, os.environ)
+            sys.exit(hook.run_hook(stage, raw, config_path, base_dir=base_dir))
+        config = cfg.load(config_path, os.environ, write_cache=False)
         state, spec = hook.read_container(raw, base_dir=base_dir)
-        plan = hook.build_plan(state, spec, config)
+        plan = hook.build_plan(state, spec, config, write_cache=False)
         deviations = [f"state deviates from the OCI schema (accepted leniently): {d}"
                       for d in schema.state_deviations(raw)]
         plan = plan._replace(notes=plan.notes + tuple(deviations))
@@ -54,6 +58,17 @@ def _stage_command(stage: str):
     return command
 
 
-prestart = _stage_command("prestart")
-create_runtime = _stage_command("createRuntime")
-poststop = _stage_command("poststop")
+prestart = _start_command("prestart")
+create_runtime = _start_command("createRuntime")
+
+
+@click.command(name="poststop", help=(
+    "Run the poststop hook: read the OCI state of a stopped container (stdin or --state), "
+    "kill the processes it left on its GPUs and, with health.reset-on-release, reset a GPU "
+    "it was the last user of. Always exits 0: a stop never fails; problems go to the log."
+))
+@CONFIG_OPTION
+@STATE_OPTION
+def poststop(config_path, state_path):
+    raw, base_dir = _read_state(state_path)
+    sys.exit(hook.run_hook("poststop", raw, config_path, base_dir=base_dir))

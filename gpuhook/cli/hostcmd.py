@@ -6,9 +6,8 @@ import os
 import click
 
 from gpuhook import config as cfg
+from gpuhook.cli import CONFIG_OPTION
 
-CONFIG_OPTION = click.option("--config", "config_path", metavar="FILE",
-                             help=f"Configuration file (default: ${cfg.ENV_VAR} or {cfg.DEFAULT_PATH}).")
 
 
 @click.command(name="list", help=(
@@ -62,7 +61,7 @@ def show_config(config_path, as_json):
         click.echo(json.dumps({"source": config.source, "values": config.as_dict()}, indent=2))
         return
     click.echo(f"# source: {config.source}")
-    section = None
+    section = ""  # top-level keys come first and need no table header
     for key in cfg.KEYS:
         if key.section != section:
             section = key.section

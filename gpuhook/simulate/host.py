@@ -290,15 +290,11 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
                               call_latency_ms=nvml_latency_ms, init_latency_ms=nvml_init_latency_ms)
     simnvml.save(state_file, state)
 
-    config_text = (
-        "# Written by `gpuhook simulate`: points gpuhook at the simulated host in this directory.\n"
-        f'driver-root = "{driver}"\n'
-        f'dev-root = "{dev}"\n'
-        f'proc-root = "{proc}"\n'
-        f'log-file = "{directory}/gpuhook.log"\n'
-        f'state-dir = "{directory}/run"\n'
-        f'nvml-library = "{nvml_library}"\n'
-    )
+    values = {"driver-root": driver, "dev-root": dev, "proc-root": proc, "log-file": f"{directory}/gpuhook.log",
+              "state-dir": f"{directory}/run", "nvml-library": nvml_library}
+    # A JSON string is a valid TOML basic string: quotes and backslashes in paths survive.
+    config_text = "# Written by `gpuhook simulate`: points gpuhook at the simulated host in this directory.\n" + \
+        "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
     _write(f"{directory}/config.toml", config_text)
     host = {
         "directory": directory,
