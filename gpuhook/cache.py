@@ -1,50 +1,80 @@
-"""Small JSON caches under /run, so an unchanged host is never read twice the expensive way.
+"""gpuhook's JSON state files, and the caches built on them.
 
-Two things are cached, each keyed by everything that could change its content:
+Every state file (caches, health reports, stamps, the container registry) is written to a
+temporary name in its directory and renamed into place, so a reader sees the old document
+or the new one, never half of one, and is read without following a symlink; a missing or
+damaged file reads as None.
+
+Two caches keep an unchanged host from being read twice the expensive way, each keyed by
+everything that could change its content:
 
 - the parsed configuration file, keyed by the file's identity and timestamps (tomllib and
-  its imports cost more than the rest of the hook's decision);
-- the host inventory (gpuhook.inventory), keyed by driver version, boot id and the cheap
-  fingerprints of what the expensive reads depend on.
+  its imports cost more than the rest of the hook's decision), under /run/gpuhook;
+- the host inventory (gpuhook.inventory) in <state-dir>, keyed by driver version, boot id
+  and the cheap fingerprints of what the expensive reads depend on.
 
-Files are written to a temporary name and renamed into place, so readers see the old file
-or the new one, never half of one; anything unreadable, damaged or stale is simply rebuilt.
 Caching is best effort: a cache that cannot be written never fails a container start.
 """
 
-from gpuhook import fastjson
 import os
 
+from gpuhook import fastjson
+
 CONFIG_CACHE_DIR = "/run/gpuhook/config-cache"
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
-def read(path: str):
+def boot_id() -> str:
+    """This boot's id ("" if unreadable): state from an earlier boot is never trusted."""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def read(path: str, limit: int = 16 << 20):
     """The JSON document at `path`, or None if missing or damaged."""
     try:
-        with open(path, "rb") as f:
-            return fastjson.loads(f.read(16 << 20))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return fastjson.loads(f.read(limit))
     except (OSError, ValueError, RecursionError):
         return None
 
 
-def write(path: str, document) -> bool:
-    """Write `document` atomically (temp file + rename); False if it could not be written."""
+def write_atomic(path: str, document, mode: int = 0o600, dir_mode: int = 0o700) -> None:
+    """Write `document` as JSON to `path` atomically; raises OSError (or TypeError for a
+    document JSON cannot hold)."""
     directory = os.path.dirname(path)
-    temp = f"{path}.{os.getpid()}.tmp"
+    os.makedirs(directory, mode=dir_mode, exist_ok=True)
+    temp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    data = (fastjson.dumps(document) + "\n").encode()
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, fastjson.dumps(document).encode())
+            while data:
+                data = data[os.write(fd, data):]
         finally:
             os.close(fd)
-        os.replace(temp, path)
-        return True
-    except (OSError, TypeError, ValueError):
+        os.rename(temp, path)
+    except OSError:
         try:
             os.unlink(temp)
         except OSError:
             pass
+        raise
+
+
+def write(path: str, document) -> bool:
+    """Best-effort `write_atomic` for caches: False if it could not be written."""
+    try:
+        write_atomic(path, document)
+        return True
+    except (OSError, TypeError, ValueError):
         return False
 
 

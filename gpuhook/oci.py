@@ -8,10 +8,9 @@ unusable with a message that names the field and what was wrong with it.
 
 from gpuhook import fastjson
 from gpuhook.errors import InputError
+from gpuhook.prescan import MAX_CONFIG_BYTES, MAX_STATE_BYTES  # one limit for the fast and the full path
 from gpuhook.record import record
 
-MAX_STATE_BYTES = 4 << 20
-MAX_CONFIG_BYTES = 64 << 20
 
 # Statuses a container can have while its prestart/createRuntime hooks run.
 STARTING_STATUSES = ("creating", "created")

@@ -14,10 +14,9 @@ import tomllib
 import pytest
 
 from conftest import require_root_tools
-from helpers.runtimes import (gpu_nodes, gpuhook_cli, log_records, other_gpu_node, read_json, registered,
+from helpers.runtimes import (Containerd, gpu_nodes, gpuhook_cli, log_records, other_gpu_node, read_json, registered,
                               wait_for_record)
 
-from gpuhook import testbed
 
 pytestmark = pytest.mark.root
 
@@ -28,7 +27,7 @@ OTHER = "/dev/other-gpu"
 @pytest.fixture
 def containerd(tmp_path):
     require_root_tools("containerd", "ctr", "runc")
-    daemon = testbed.Containerd(str(tmp_path / "containerd"))
+    daemon = Containerd(str(tmp_path / "containerd"))
     daemon.write_config()
     yield daemon
     daemon.stop()

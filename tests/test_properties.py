@@ -91,7 +91,7 @@ def test_request_resolution_returns_a_request_or_a_request_error(value, accept_u
     config = cfg.from_mapping({"accept-env-when-unprivileged": accept_unprivileged})
     try:
         r = req.resolve(spec, {}, config)
-        gpus = req.select_gpus(r, GPUS)
+        gpus = req.select(r, GPUS).gpus
     except RequestError as err:
         assert "\n" not in err.one_line()
         return

@@ -16,11 +16,11 @@ import fcntl
 import os
 import time
 
-from gpuhook import fastjson
+from gpuhook import cache
+from gpuhook.cache import boot_id  # noqa: F401  (re-exported: reports, stamps and the registry use it)
 from gpuhook.errors import InputError
 
 FORMAT = 1
-BOOT_ID = "/proc/sys/kernel/random/boot_id"
 UUID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
 MAX_UUID = 96  # NVML's buffer for a UUID is 96 bytes
 
@@ -49,52 +49,20 @@ def lock_path(state_dir: str, uuid: str) -> str:
     return f"{health_dir(state_dir)}/locks/{checked_uuid(uuid)}.lock"
 
 
-def boot_id() -> str:
-    try:
-        with open(BOOT_ID) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def boottime() -> float:
     """Seconds since boot, suspend included: comparable between processes, immune to clock changes."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def write_json(path: str, document, mode: int = 0o644) -> None:
-    """Write `document` to `path` atomically (temp file in the same directory, rename).
-    Raises OSError; the caller decides whether that matters."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    temp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-    data = (fastjson.dumps(document) + "\n").encode()
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.rename(temp, path)
-    except OSError:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
+    """Write `document` to `path` atomically (gpuhook.cache). Raises OSError; the caller
+    decides whether that matters."""
+    cache.write_atomic(path, document, mode=mode, dir_mode=0o755)
 
 
 def read_json(path: str):
     """The JSON document at `path`, or None when it is missing or damaged."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return fastjson.loads(f.read(1 << 20))
-    except (OSError, ValueError, RecursionError):
-        return None
+    return cache.read(path, limit=1 << 20)
 
 
 # --- reports --------------------------------------------------------------------------------
