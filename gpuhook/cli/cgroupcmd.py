@@ -15,8 +15,9 @@ def cgroup():
 @cgroup.command(name="show", help=(
     "Print the device rules in effect for a container: on cgroup v1 the cgroup's devices.list, "
     "on cgroup v2 every attached device program decoded into rules (first match wins; an "
-    "access needs every program's allow). Rules gpuhook added are marked, and so are allowed "
-    "devices the container's systemd scope does not know (a daemon-reload would remove them)."))
+    "access needs every program's allow). On v2 the rules gpuhook added are marked (v1 keeps "
+    "no record of who added a rule); on both, allowed devices the container's systemd scope "
+    "does not know are flagged (a daemon-reload would remove them)."))
 @click.option("--pid", type=int, metavar="PID", help="A process in the container (e.g. the pid `runc state` shows).")
 @click.option("--path", "directory", metavar="CGROUP_DIR", help="The container's cgroup directory instead of a pid.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
