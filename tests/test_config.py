@@ -67,11 +67,14 @@ def test_paths_are_normalized():
     assert cfg.from_mapping({"driver-root": "/"}).driver_root == "/"
 
 
-def test_readme_documents_every_key():
+def test_readme_documents_every_key_with_its_default():
+    import json
+
     with open(os.path.join(REPO, "README.md")) as f:
         readme = f.read()
     for key in cfg.KEYS:
-        assert f"`{key.dotted}`" in readme, f"README does not document {key.dotted}"
+        row = f"| `{key.dotted}` | `{json.dumps(key.default)}` |"
+        assert row in readme, f"README's configuration table lacks {row}"
 
 
 def test_parsed_config_is_cached_and_invalidated_by_any_change(tmp_path, monkeypatch):
