@@ -150,3 +150,14 @@ def host_mounts() -> list:
     """The host's mount table (mount point and source), for before/after comparisons."""
     with open("/proc/self/mountinfo") as f:
         return sorted(" ".join(line.split()[3:5]) for line in f)
+
+
+def private_nvml_state(sim: dict, tmp_path, monkeypatch) -> str:
+    """A test's own copy of a simulated host's NVML state, which the simulated library and
+    nvidia-smi of this test process (and its children) then read."""
+    from gpuhook.simulate import nvml as simnvml
+
+    path = str(tmp_path / "nvml.json")
+    shutil.copy(sim["nvml_state"], path)
+    monkeypatch.setenv(simnvml.ENV_VAR, path)
+    return path

@@ -16,7 +16,7 @@ from gpuhook.errors import HostError, NvmlError
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
 
-from conftest import REPO, require_root_tools
+from conftest import REPO, private_nvml_state, require_root_tools
 
 MIG_GPU = 1
 
@@ -30,10 +30,8 @@ def sim(tmp_path_factory):
 
 @pytest.fixture
 def state(sim, tmp_path, monkeypatch):
-    path = str(tmp_path / "nvml.json")
-    shutil.copy(sim["nvml_state"], path)
-    monkeypatch.setenv(simnvml.ENV_VAR, path)
-    return path
+    """This test's copy of the NVML state; the library and nvidia-smi read it."""
+    return private_nvml_state(sim, tmp_path, monkeypatch)
 
 
 @pytest.fixture

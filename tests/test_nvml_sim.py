@@ -6,7 +6,6 @@ and nvidia-smi at it), so tests edit GPUs freely on one shared simulated host.
 
 import ctypes
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -17,7 +16,7 @@ import pytest
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
 
-from conftest import require_root_tools
+from conftest import private_nvml_state, require_root_tools
 
 MIG_GPU = 3
 MIG_LAYOUT = ["3g.40gb", "2g.20gb", "1g.10gb"]
@@ -32,10 +31,7 @@ def sim(tmp_path_factory):
 @pytest.fixture
 def state(sim, tmp_path, monkeypatch):
     """This test's copy of the NVML state; the library and nvidia-smi read it."""
-    path = str(tmp_path / "nvml.json")
-    shutil.copy(sim["nvml_state"], path)
-    monkeypatch.setenv(simnvml.ENV_VAR, path)
-    return path
+    return private_nvml_state(sim, tmp_path, monkeypatch)
 
 
 def load_library(sim):
