@@ -16,11 +16,12 @@ directories, then our cgroup rules, and the error names the step. The worker rep
 step as it starts, so a deadline names the step that was cut off.
 """
 
+import errno
 import os
 import stat
 import time
 
-from gpuhook import fastjson, linux, safepath
+from gpuhook import fastjson, linux, mountinfo, safepath
 from gpuhook.cgroup import hierarchy
 from gpuhook.errors import ApplyError, DeadlineError, GpuhookError, HostError
 from gpuhook.plan import ProcMask
@@ -35,14 +36,16 @@ use_new_mount_api = True
 # The worker's own deadline is this much shorter than the hook's, so it can clean up itself.
 CLEANUP_MARGIN = 1.0
 PROGRESS_BYTES = 4096
+PROC_ROOT_INO = 1  # the root directory of every procfs instance (fs/proc/root.c)
 
 
 class Outcome:
-    def __init__(self, cgroup_mode: str, rules_added: list, notes: list, steps: int):
+    def __init__(self, cgroup_mode: str, rules_added: list, notes: list, steps: int, ldconfig_output: str = ""):
         self.cgroup_mode = cgroup_mode
         self.rules_added = rules_added
         self.notes = notes
         self.steps = steps
+        self.ldconfig_output = ldconfig_output  # for gpuhook's log only
 
 
 def _flags(options) -> int:
@@ -131,7 +134,8 @@ def apply(plan, deadline: float) -> Outcome:
         except BaseException as err:
             _undo_grant(place, added, err)
             raise
-        return Outcome(place.mode, added, report.get("notes", []), report.get("steps", 0))
+        return Outcome(place.mode, added, report.get("notes", []), report.get("steps", 0),
+                       report.get("ldconfig_output", ""))
     finally:
         os.close(ns_fd)
         if user_fd is not None:
@@ -252,7 +256,9 @@ def _collect(pid: int, read_end: int, deadline: float, progress) -> dict:
     if not final.get("ok"):
         problems = final.get("cleanup") or []
         hint = ("cleanup: " + "; ".join(problems)) if problems else None
-        raise ApplyError(final.get("step", last_step), final.get("error", "failed"), hint)
+        err = ApplyError(final.get("step", last_step), final.get("error", "failed"), hint)
+        err.detail = final.get("ldconfig_output") or None
+        raise err
     return final
 
 
@@ -272,15 +278,25 @@ def _worker(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: i
         for fd in (0, 1, 2):  # never hold the runtime's pipes
             os.dup2(devnull, fd)
         os.umask(0)
+        # Host files (and the host's ldconfig) are opened here, in the hook's own mount
+        # namespace: after setns a path like /sbin/ldconfig means whatever that namespace has
+        # there, which for a process that already pivoted is the image's (docs/security.md).
+        step = "open host sources"
+        work.open_sources()
+        host_root = os.stat("/")
         linux.setns(ns_fd, linux.CLONE_NEWNS)
         os.chdir("/")
+        step = "check the container's namespace"
+        here = os.stat("/")
+        if (here.st_dev, here.st_ino) != (host_root.st_dev, host_root.st_ino):
+            raise OSError(errno.EPERM, f"process {plan.pid} has already pivoted into its own root (a stale or "
+                                       f"wrong pid): gpuhook acts only on a container being created")
         step = "open rootfs"
         try:
             work.root = os.open(plan.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as err:
             raise OSError(err.errno, f"rootfs {plan.rootfs} is not a directory in the container's namespace")
-        step = "open host sources"
-        work.open_sources()
+        work.check_rootfs()
         if user_fd is not None:
             # Everything from here on runs as the container's root: files it creates belong
             # to the container, and the mount namespace (owned by its user namespace) lets
@@ -301,7 +317,7 @@ def _worker(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: i
         work.changes.forget()
         work.forget_mounts()
         work.close_sources()
-        send({"ok": True, "notes": work.notes, "steps": work.count})
+        send({"ok": True, "notes": work.notes, "steps": work.count, "ldconfig_output": work.ldconfig_output})
         return 0
     except BaseException as err:  # noqa: BLE001 - the worker reports everything
         problems = work.undo()
@@ -309,7 +325,8 @@ def _worker(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: i
         if isinstance(err, OSError) and err.filename:
             message = f"{err.filename}: {message}"
         try:
-            send({"ok": False, "step": step, "error": message or type(err).__name__, "cleanup": problems})
+            send({"ok": False, "step": step, "error": message or type(err).__name__, "cleanup": problems,
+                  "ldconfig_output": work.ldconfig_output})
         except OSError:
             pass
         return 1
@@ -326,8 +343,13 @@ class _Work:
         self.mounted: list = []  # (container path, fd of the mount or -1), in the order made
         self.notes: list[str] = []
         self.count = 0
-        self.sources: dict = {}  # host path -> O_PATH fd, opened before any change
+        self.sources: dict = {}  # host path -> O_PATH fd, opened in the host's namespace
+        self.clones: dict = {}  # container path -> detached clone of its source (new mount API)
+        self.local: dict = {}  # host path -> the same file opened in the container's namespace
         self.ldconfig_fd = -1
+        self.ldconfig_output = ""
+        self.shared_checked: set = set()  # mount ids known not to be shared
+        self.mount_table = None
         self.dirs: dict = {}  # container dir -> O_PATH fd, resolved (or made) once
 
     def parent(self, path: str) -> tuple:
@@ -339,19 +361,27 @@ class _Work:
         return fd, name
 
     def open_sources(self) -> None:
-        """Open every host file the plan mounts (and the host's ldconfig) up front, with the
-        host's credentials and in the container's mount namespace, where bind mounts need
-        their sources to be."""
-        wanted = [(m.source, m.kind) for m in self.plan.mounts]
-        wanted += [(n.host_path, "device") for n in self.plan.nodes if n.host_path]
-        for path, kind in wanted:
-            if path in self.sources:
-                continue
-            flags = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECTORY if kind == "dir" else 0)
-            try:
-                self.sources[path] = os.open(path, flags)
-            except OSError as err:
-                raise OSError(err.errno, f"host source {path}: {err.strerror}") from None
+        """Open every host file the plan mounts (and the host's ldconfig) up front, in the
+        hook's own mount namespace and with the host's credentials. With the new mount API
+        each source is also cloned here as a detached mount (open_tree only clones mounts of
+        the caller's namespace); the worker attaches the clones inside the container."""
+        global use_new_mount_api
+        wanted = [(m.source, m.kind, m.target) for m in self.plan.mounts]
+        wanted += [(n.host_path, "device", n.path) for n in self.plan.nodes if n.host_path]
+        for path, kind, target in wanted:
+            if path not in self.sources:
+                flags = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECTORY if kind == "dir" else 0)
+                try:
+                    self.sources[path] = os.open(path, flags)
+                except OSError as err:
+                    raise OSError(err.errno, f"host source {path}: {err.strerror}") from None
+            if use_new_mount_api:
+                try:
+                    self.clones[target] = linux.open_tree_clone(self.sources[path])
+                except OSError as err:
+                    if err.errno != errno.ENOSYS:
+                        raise
+                    use_new_mount_api = False
         if self.plan.ldcache is not None:
             path = self.plan.ldcache.ldconfig
             try:
@@ -359,13 +389,65 @@ class _Work:
             except OSError as err:
                 raise OSError(err.errno, f"host ldconfig {path}: {err.strerror}") from None
             if not stat.S_ISREG(os.fstat(self.ldconfig_fd).st_mode):
-                raise OSError(22, f"host ldconfig {path} is not a regular file")
+                raise OSError(errno.EINVAL, f"host ldconfig {path} is not a regular file")
+            from gpuhook import ldsandbox
+
+            try:
+                ldsandbox.require_static(self.ldconfig_fd, path)
+            except ldsandbox.SandboxError as err:
+                raise OSError(errno.EINVAL, str(err)) from None
+        self.host_proc_dev = os.stat("/proc").st_dev
+
+    def local_source(self, path: str) -> int:
+        """The host source `path` as seen in the container's namespace (the old mount API
+        binds only mounts of the caller's namespace), checked to be the very file opened
+        on the host before setns."""
+        fd = self.local.get(path)
+        if fd is None:
+            host = os.fstat(self.sources[path])
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (host.st_dev, host.st_ino):
+                os.close(fd)
+                raise OSError(errno.EPERM, f"host source {path} is another file in the container's namespace")
+            self.local[path] = fd
+        return fd
+
+    def check_rootfs(self) -> None:
+        """The rootfs we act on must be the one the runtime set up in this namespace: a mount
+        point here (runc and crun bind it onto itself, other runtimes mount an overlay there),
+        holding the container's own procfs when the spec mounts one. A rootfs planned from a
+        config.json the runtime read differently fails this (docs/security.md)."""
+        parent = os.open("..", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.root)
+        try:
+            if mountinfo.mount_id(parent) == mountinfo.mount_id(self.root):
+                raise OSError(errno.EPERM, f"rootfs {self.plan.rootfs} is not mounted in the container's namespace: "
+                                           f"it is not the root of the container being created")
+        finally:
+            os.close(parent)
+        if not self.plan.proc_in_rootfs:
+            return
+        try:
+            proc = safepath.open_in_root(self.root, "/proc", os.O_PATH | os.O_DIRECTORY, follow_final=False)
+        except OSError:
+            proc = -1
+        try:
+            ok = proc >= 0 and os.fstat(proc).st_ino == PROC_ROOT_INO and \
+                mountinfo.mount_id(proc) != mountinfo.mount_id(self.root)
+        finally:
+            if proc >= 0:
+                os.close(proc)
+        if not ok:
+            raise OSError(errno.EPERM, f"rootfs {self.plan.rootfs} has no procfs at /proc in the container's "
+                                       f"namespace: it is not the root of the container being created")
 
     def close_sources(self) -> None:
-        for fd in list(self.sources.values()) + list(self.dirs.values()):
+        for fd in [*self.sources.values(), *self.dirs.values(), *self.clones.values(), *self.local.values()]:
             os.close(fd)
         self.sources.clear()
         self.dirs.clear()
+        self.clones.clear()
+        self.local.clear()
         if self.ldconfig_fd >= 0:
             os.close(self.ldconfig_fd)
             self.ldconfig_fd = -1
@@ -403,22 +485,23 @@ class _Work:
 
     def bind_device(self, node) -> None:
         """The host's node bind-mounted at the container's path (user namespaces)."""
-        src = self.sources[node.host_path]
-        st = os.fstat(src)
+        st = os.fstat(self.sources[node.host_path])
         if not stat.S_ISCHR(st.st_mode) or st.st_rdev != os.makedev(node.major, node.minor):
-            raise OSError(22, f"host node {node.host_path} is not the character device {node.major}:{node.minor}")
-        self._bind_fd(src, st, node.path, "file", ("nosuid", "noexec"))
+            raise OSError(errno.EINVAL, f"host node {node.host_path} is not the character device "
+                                        f"{node.major}:{node.minor}")
+        self._bind(node.host_path, st, node.path, "file", ("nosuid", "noexec"))
 
     def bind(self, mount) -> None:
-        src = self.sources[mount.source]
-        src_st = os.fstat(src)
+        src_st = os.fstat(self.sources[mount.source])
         if mount.kind == "file" and not stat.S_ISREG(src_st.st_mode):
-            raise OSError(22, f"host source {mount.source} is {safepath.kind_of(src_st.st_mode)}")
-        self._bind_fd(src, src_st, mount.target, mount.kind, mount.options)
+            raise OSError(errno.EINVAL, f"host source {mount.source} is {safepath.kind_of(src_st.st_mode)}")
+        self._bind(mount.source, src_st, mount.target, mount.kind, mount.options)
 
-    def _bind_fd(self, src: int, src_st, target_path: str, kind: str, options) -> None:
-        """Bind the open host file `src` at `target_path` in the rootfs with `options`."""
+    def _bind(self, source: str, src_st, target_path: str, kind: str, options) -> None:
+        """Bind the host file `source` (opened as self.sources[source]) at `target_path` in
+        the rootfs with `options`."""
         parent, name = self.parent(target_path)
+        self.refuse_shared(parent, target_path)
         target = self._new_mount_point(parent, name, kind)
         if target is None:  # something is there already: ours from an earlier run, or in the way
             if self._already_mounted(target_path, src_st):
@@ -426,37 +509,47 @@ class _Work:
             ensure = safepath.ensure_dir if kind == "dir" else safepath.ensure_file
             target = ensure(self.root, target_path, self.changes, parent_fd=parent)
         try:
-            if not self._attach(src, target, target_path, options):
-                self._bind_and_remount(src, src_st, target, target_path, options)
+            if not self._attach(target, target_path, options):
+                self._bind_and_remount(self.local_source(source), src_st, target, target_path, options)
         finally:
             os.close(target)
         self.count += 1
 
-    def _attach(self, src: int, target: int, target_path: str, options) -> bool:
-        """Attach a detached clone of `src`, its flags already set, on `target`; False when
-        the kernel lacks the new mount API."""
+    def refuse_shared(self, parent: int, target_path: str) -> None:
+        """Refuse to mount into a directory whose mount is shared: a mount made there would
+        propagate to its peers, the host's mount table among them (a bidirectional volume,
+        or rootfsPropagation "shared"). Every mount gpuhook makes stays in the container."""
+        mount = mountinfo.mount_id(parent)
+        if mount in self.shared_checked:
+            return
+        if self.mount_table is None:
+            self.mount_table = {m.id: m for m in mountinfo.read()}
+        found = self.mount_table.get(mount)
+        if found is not None and found.shared:
+            raise OSError(errno.EPERM, f"{target_path} is on a shared mount (propagation to other mount "
+                                       f"namespaces, the host's included); gpuhook mounts nothing there")
+        self.shared_checked.add(mount)
+
+    def _attach(self, target: int, target_path: str, options) -> bool:
+        """Attach the detached clone of the source made on the host, its flags set and its
+        propagation private first, on `target`; False without the new mount API."""
         global use_new_mount_api
-        if not use_new_mount_api:
+        tree = self.clones.pop(target_path, None)
+        if tree is None:
             return False
-        try:
-            tree = linux.open_tree_clone(src)
-        except OSError as err:
-            if err.errno == 38:  # ENOSYS
-                use_new_mount_api = False
-                return False
-            raise
         try:
             attrs = 0
             for option in options:
                 attrs |= _MOUNT_ATTR[option]
-            linux.mount_setattr(tree, attrs)
+            linux.mount_setattr(tree, attrs, propagation=linux.MS_PRIVATE)
             linux.move_mount(tree, target)
         except OSError as err:
+            if err.errno != errno.ENOSYS:  # open_tree without mount_setattr (5.2-5.11)
+                os.close(tree)
+                raise
             os.close(tree)
-            if err.errno == 38:  # open_tree without mount_setattr (5.2-5.11)
-                use_new_mount_api = False
-                return False
-            raise
+            use_new_mount_api = False
+            return False
         self.mounted.append((target_path, tree))
         return True
 
@@ -469,7 +562,8 @@ class _Work:
         try:
             st = os.fstat(now)
             if (st.st_dev, st.st_ino) != (src_st.st_dev, src_st.st_ino):
-                raise OSError(16, "changed under us while mounting", target_path)
+                raise OSError(errno.EBUSY, "changed under us while mounting", target_path)
+            linux.mount(None, linux.fd_path(now), None, linux.MS_PRIVATE)
             linux.mount(None, linux.fd_path(now), None, linux.MS_BIND | linux.MS_REMOUNT | _flags(options))
         finally:
             os.close(now)
@@ -532,6 +626,7 @@ class _Work:
             for bus in self.plan.proc_mask.gpu_buses:
                 gpu_fds.append((bus, safepath.open_in_root(
                     self.root, f"{ProcMask.target}/gpus/{bus}", os.O_PATH | os.O_DIRECTORY)))
+            self.refuse_shared(target, ProcMask.target)
             linux.mount("tmpfs", linux.fd_path(target), "tmpfs",
                         linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC, "mode=0555,size=1m")
             self.mounted.append((ProcMask.target, -1))
@@ -557,12 +652,7 @@ class _Work:
                     os.mkdir("gpus", 0o555, dir_fd=top)
                     for bus, fd in gpu_fds:
                         os.mkdir(f"gpus/{bus}", 0o555, dir_fd=top)
-                        dest = safepath.open_in_root(self.root, f"{ProcMask.target}/gpus/{bus}",
-                                                     os.O_PATH | os.O_DIRECTORY, follow_final=False)
-                        try:
-                            linux.mount(linux.fd_path(fd), linux.fd_path(dest), None, linux.MS_BIND)
-                        finally:
-                            os.close(dest)
+                        self._bind_gpu_dir(fd, f"{ProcMask.target}/gpus/{bus}")
                 linux.mount(None, linux.fd_path(top), None,
                             linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC,
                             "mode=0555,size=1m")
@@ -574,22 +664,43 @@ class _Work:
             for _, fd in gpu_fds:
                 os.close(fd)
 
-    def ldconfig(self) -> None:
-        from gpuhook import child
+    def _bind_gpu_dir(self, source: int, path: str) -> None:
+        """The container's own /proc/driver/nvidia/gpus/<bus>, bound into the mask read-only,
+        nosuid, nodev, noexec (a bind keeps the source's flags until it is remounted)."""
+        dest = safepath.open_in_root(self.root, path, os.O_PATH | os.O_DIRECTORY, follow_final=False)
+        try:
+            linux.mount(linux.fd_path(source), linux.fd_path(dest), None, linux.MS_BIND)
+        finally:
+            os.close(dest)
+        now = safepath.open_in_root(self.root, path, os.O_PATH | os.O_DIRECTORY, follow_final=False)
+        try:
+            src, st = os.fstat(source), os.fstat(now)
+            if (st.st_dev, st.st_ino) != (src.st_dev, src.st_ino):
+                raise OSError(errno.EBUSY, "changed under us while mounting", path)
+            linux.mount(None, linux.fd_path(now), None, linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY |
+                        linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
+        finally:
+            os.close(now)
 
-        ldc = self.plan.ldcache
+    def ldconfig(self) -> None:
+        """The host's ldconfig builds the cache in a sandbox that holds nothing but a
+        read-only copy of the rootfs (gpuhook.ldsandbox); the cache is installed here, by
+        the /etc directory fd. Its output goes to gpuhook's log only: it can echo file
+        contents, which the container's user must not see in the start error."""
+        from gpuhook import ldsandbox
+
         etc = safepath.make_dirs(self.root, "/etc", self.changes)
-        os.close(etc)
-        # -r chroots into the rootfs by fd (a path could be swapped); -X leaves the image's
-        # own links alone (we made ours). The binary is the host's, opened before any change.
-        argv = ["ldconfig", "-X", "-r", linux.fd_path(self.root), *ldc.directories]
-        timeout = max(0.1, self.deadline - time.monotonic())
-        result = child.run(argv, timeout, env={}, executable=self.ldconfig_fd,
-                           pass_fds=(self.root, self.ldconfig_fd))
-        if result.timed_out:
-            raise TimeoutError(f"host ldconfig did not finish within {timeout:.1f}s; killed")
-        if result.status != 0:
-            raise OSError(5, f"host ldconfig exited with {result.status}: {result.tail()}")
+        try:
+            try:
+                cache, self.ldconfig_output = ldsandbox.build_cache(
+                    self.plan.rootfs, self.root, self.ldconfig_fd, self.plan.ldcache.directories, self.deadline,
+                    use_new_mount_api)
+            except ldsandbox.SandboxError as err:
+                self.ldconfig_output = err.output
+                raise OSError(errno.EIO, str(err)) from None
+            ldsandbox.install(etc, cache)
+        finally:
+            os.close(etc)
         self.count += 1
 
     def undo(self) -> list[str]:

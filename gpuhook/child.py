@@ -45,11 +45,13 @@ def kill_group(pid: int) -> None:
 
 
 def run(argv: list[str], timeout: float, env: dict | None = None, executable=None,
-        cwd: str = "/", pass_fds: tuple = (), output_cap: int = 64 << 10, before_exec=None) -> Result:
+        cwd: str = "/", pass_fds: tuple = (), output_cap: int = 64 << 10, before_exec=None,
+        stdin: int | None = None) -> Result:
     """Run argv with a minimal environment; kill its whole process group after `timeout`.
 
     `executable` may be an open fd (fexecve): the binary is then the one that was checked,
-    whatever happens to its path. `before_exec` runs in the child just before exec.
+    whatever happens to its path. `before_exec` runs in the child just before exec. `stdin`
+    is an open fd to give it instead of /dev/null (where /dev/null cannot be opened).
     """
     start = time.monotonic()
     env = MINIMAL_ENV if env is None else env
@@ -59,8 +61,7 @@ def run(argv: list[str], timeout: float, env: dict | None = None, executable=Non
         try:
             os.setpgid(0, 0)
             linux.prctl_set_pdeathsig(SIGKILL)
-            devnull = os.open("/dev/null", os.O_RDONLY)
-            os.dup2(devnull, 0)
+            os.dup2(os.open("/dev/null", os.O_RDONLY) if stdin is None else stdin, 0)
             os.dup2(write_end, 1)
             os.dup2(write_end, 2)
             for fd in pass_fds:

@@ -9,9 +9,12 @@ message, so the message must stand on its own.
 
 
 class GpuhookError(Exception):
-    """Base class. `message` is the one-line text; `hint` is an optional remedy."""
+    """Base class. `message` is the one-line text; `hint` is an optional remedy; `detail`
+    is text for gpuhook's log only, never shown to the container's user (it may quote files
+    the image chose, such as ldconfig's warnings)."""
 
     exit_code = 1
+    detail = None
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)

@@ -134,9 +134,13 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         if outcome is not None:
             record.update(cgroup=outcome.cgroup_mode, rules_added=[r.v1_line() for r in outcome.rules_added],
                           steps=outcome.steps, notes=list(plan.notes) + outcome.notes)
+            if outcome.ldconfig_output:
+                record["ldconfig_output"] = outcome.ldconfig_output
         return 0
     except GpuhookError as err:
         record.update(decision="failed", error=err.one_line())
+        if err.detail:
+            record["detail"] = err.detail
         if stage == "poststop":  # a stop never fails (issue 5, item 5): the problem is logged only
             return 0
         print(f"gpuhook: {err.one_line()}", file=sys.stderr)

@@ -15,6 +15,9 @@ SIGKILL = 9  # as signal.SIGKILL, without importing signal (and enum) on the hoo
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -28,6 +31,15 @@ RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 
 PR_SET_PDEATHSIG = 1
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+PR_SET_SECUREBITS = 28
+# SECBIT_NOROOT | SECBIT_NO_SETUID_FIXUP | SECBIT_KEEP_CAPS off, each with its lock bit:
+# uid 0 gets no capabilities from execve (include/uapi/linux/securebits.h).
+SECURE_NOROOT_LOCKED = 0x01 | 0x02 | 0x04 | 0x08
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 # These have the same number on every architecture (added after the syscall table unification).
 SYS_OPEN_TREE = 428
@@ -37,13 +49,15 @@ SYS_MOUNT_SETATTR = 442
 
 AT_EMPTY_PATH = 0x1000
 OPEN_TREE_CLONE = 1
+AT_RECURSIVE = 0x8000
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOVE_MOUNT_T_EMPTY_PATH = 0x40
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_NOEXEC = 0x8
-_SYSCALL_NUMBERS = {"x86_64": {"bpf": 321}, "aarch64": {"bpf": 280}}
+_SYSCALL_NUMBERS = {"x86_64": {"bpf": 321, "pivot_root": 155, "capset": 126},
+                    "aarch64": {"bpf": 280, "pivot_root": 41, "capset": 91}}
 
 
 def syscall_number(name: str) -> int:
@@ -73,6 +87,39 @@ def _b(path):
 def mount(source, target, fstype, flags: int, data=None) -> None:
     result = _libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data))
     _check(result, "mount", target)
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    _check(_libc.syscall(ctypes.c_long(syscall_number("pivot_root")), _b(new_root), _b(put_old)), "pivot_root")
+
+
+def prctl(option: int, arg2: int = 0) -> None:
+    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                       ctypes.c_ulong(0)), "prctl", option)
+
+
+def drop_all_capabilities() -> None:
+    """Leave this process, and whatever it executes, with no capability at all, even as uid 0:
+    empty bounding and ambient sets, SECBIT_NOROOT locked, then empty effective, permitted and
+    inheritable sets, and no_new_privs (capabilities(7), "Capabilities and execution of
+    programs by root")."""
+    cap = 0
+    while True:  # the bounding set first: dropping it needs CAP_SETPCAP, which goes last
+        if _libc.prctl(ctypes.c_int(PR_CAPBSET_DROP), ctypes.c_ulong(cap), 0, 0, 0) < 0:
+            if ctypes.get_errno() == 22:  # EINVAL: past the last capability this kernel knows
+                break
+            _check(-1, "prctl PR_CAPBSET_DROP", cap)
+        cap += 1
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    prctl(PR_SET_SECUREBITS, SECURE_NOROOT_LOCKED)
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable}, all zero
+    _check(_libc.syscall(ctypes.c_long(syscall_number("capset")), header, data), "capset")
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
 def umount2(target, flags: int = 0) -> None:
@@ -105,16 +152,19 @@ def _syscall(number: int, *args) -> int:
     return _libc.syscall(ctypes.c_long(number), *args)
 
 
-def open_tree_clone(fd: int) -> int:
-    """A detached copy of the mount at `fd` (a bind mount not attached anywhere yet)."""
-    flags = OPEN_TREE_CLONE | os.O_CLOEXEC | AT_EMPTY_PATH
+def open_tree_clone(fd: int, recursive: bool = False) -> int:
+    """A detached copy of the mount at `fd` (a bind mount not attached anywhere yet), with
+    its submounts when `recursive`. The mount must be in the caller's mount namespace."""
+    flags = OPEN_TREE_CLONE | os.O_CLOEXEC | AT_EMPTY_PATH | (AT_RECURSIVE if recursive else 0)
     return _check(_syscall(SYS_OPEN_TREE, ctypes.c_int(fd), b"", ctypes.c_uint(flags)), "open_tree")
 
 
-def mount_setattr(fd: int, attr_set: int) -> None:
-    """Set mount attributes (MOUNT_ATTR_*) on the mount at `fd`, e.g. a detached tree."""
-    attr = _MountAttr(attr_set, 0, 0, 0)
-    result = _syscall(SYS_MOUNT_SETATTR, ctypes.c_int(fd), b"", ctypes.c_uint(AT_EMPTY_PATH),
+def mount_setattr(fd: int, attr_set: int, recursive: bool = False, propagation: int = 0) -> None:
+    """Set mount attributes (MOUNT_ATTR_*) and optionally the propagation type (MS_PRIVATE)
+    on the mount at `fd` (and its submounts when `recursive`), e.g. a detached tree."""
+    attr = _MountAttr(attr_set, 0, propagation, 0)
+    flags = AT_EMPTY_PATH | (AT_RECURSIVE if recursive else 0)
+    result = _syscall(SYS_MOUNT_SETATTR, ctypes.c_int(fd), b"", ctypes.c_uint(flags),
                       ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
     _check(result, "mount_setattr")
 

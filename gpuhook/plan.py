@@ -60,11 +60,13 @@ class LdCacheUpdate(record("LdCacheUpdate", "ldconfig directories")):
 
 class Plan(record("Plan", (
     "container_id pid rootfs wants channel capabilities gpus "
-    "nodes mounts symlinks rules proc_mask ldcache notes migs userns"
-), defaults=((), False))):
+    "nodes mounts symlinks rules proc_mask ldcache notes migs userns proc_in_rootfs"
+), defaults=((), False, False))):
     """`gpus` are the GPUs whose node the container gets (whole GPUs and MIG parents);
     `migs` the MIG devices (request.MigTarget); `userns` whether the container has a user
-    namespace (the apply layer then works as the container's root, and binds device nodes)."""
+    namespace (the apply layer then works as the container's root, and binds device nodes);
+    `proc_in_rootfs` whether the spec mounts a procfs at /proc, which the apply layer then
+    expects to find in the rootfs it joined (docs/security.md, "the right container")."""
 
     __slots__ = ()
 
@@ -87,6 +89,7 @@ class Plan(record("Plan", (
                             for m in self.migs],
             "device_nodes": [dict(n._asdict(), mode=f"{n.mode:04o}") for n in self.nodes],
             "user_namespace": self.userns,
+            "proc_in_rootfs": self.proc_in_rootfs,
             "mounts": [dict(m._asdict(), options=list(m.options)) for m in self.mounts],
             "symlinks": [s._asdict() for s in self.symlinks],
             "cgroup_rules": [r.as_dict() for r in self.rules],
@@ -196,7 +199,8 @@ def make_plan(state, spec, request, selection, inventory, config, container, nod
     return Plan(
         state.id, state.pid, spec.rootfs, request.wants, request.channel, caps, tuple(gpus),
         tuple(nodes), tuple(mounts), tuple(symlinks), rules, proc_mask, ldcache, tuple(notes),
-        tuple(selection.migs), userns,
+        tuple(selection.migs), userns, any(m.destination.rstrip("/") == "/proc" and m.type == "proc"
+                                           for m in spec.mounts),
     )
 
 

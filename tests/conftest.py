@@ -51,6 +51,16 @@ def probe(tmp_path_factory):
     return out
 
 
+def fake_ldconfig(directory, mode: str = "SPY") -> str:
+    """A static stand-in for the host's ldconfig (tests/helpers/fake_ldconfig.c): SPY, HANG
+    or FAIL. Returns its path, `directory`/ldconfig."""
+    require_root_tools("gcc")
+    out = os.path.join(str(directory), "ldconfig")
+    defines = [] if mode == "SPY" else [f"-D{mode}"]
+    subprocess.run(["gcc", "-static", "-O2", *defines, "-o", out, f"{HERE}/helpers/fake_ldconfig.c"], check=True)
+    return out
+
+
 @pytest.fixture
 def bed(tmp_path):
     require_root_tools("runc")

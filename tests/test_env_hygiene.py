@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from conftest import require_root_tools
+from conftest import fake_ldconfig, require_root_tools
 
 pytestmark = pytest.mark.root
 
@@ -50,11 +50,7 @@ def evil(tmp_path):
 
 def test_image_environment_reaches_neither_the_hook_nor_its_children(gpus, evil, tmp_path):
     marker, lib, env = evil
-    spy = tmp_path / "ldconfig-spy"
-    spy_out = tmp_path / "ldconfig-env"
-    spy.write_text(f"#!/bin/sh\n{{ env; echo CWD=$(pwd); }} > {spy_out}\nexec /sbin/ldconfig \"$@\"\n")
-    spy.chmod(0o755)
-    gpus.configure(ldconfig=str(spy))
+    gpus.configure(ldconfig=fake_ldconfig(tmp_path))  # a spy: it prints what it sees
 
     def copy_traps_into_image(rootfs):  # the image carries the same traps at the same paths
         os.makedirs(rootfs + str(lib), exist_ok=True)
@@ -66,8 +62,26 @@ def test_image_environment_reaches_neither_the_hook_nor_its_children(gpus, evil,
     assert result.returncode == 0, result.stderr
     assert result.probes()["/dev/nvidia0"]["read"] == "ENXIO"
     assert not marker.exists(), marker.read_text()
-    seen = spy_out.read_text().split()
-    assert seen == ["CWD=/"] or sorted(seen) == ["CWD=/", "PWD=/"], seen  # sh adds PWD itself
+    seen = gpus.log_lines()[-1]["ldconfig_output"].splitlines()
+    assert not [line for line in seen if line.startswith("ENV ")], seen
+    assert "CWD /" in seen
+
+
+def test_host_ldconfig_runs_with_no_capability_no_procfs_and_a_read_only_rootfs(gpus, tmp_path):
+    """The sandbox the host's ldconfig runs in (gpuhook.ldsandbox), as ldconfig sees it."""
+    gpus.configure(ldconfig=fake_ldconfig(tmp_path))
+    result = gpus.run("ldconfig-sandbox", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode == 0, result.stderr
+    seen = gpus.log_lines()[-1]["ldconfig_output"].splitlines()
+    assert "CAPS 0 0 0 0 0 0" in seen and "BOUNDING_SYS_ADMIN 0" in seen and "NO_NEW_PRIVS 1" in seen
+    assert f"RLIMIT_AS {512 << 20}" in seen and "RLIMIT_CPU 10" in seen
+    assert "OPEN /proc/1/root/etc/hostname No such file or directory" in seen
+    assert "OPEN /proc/self/mountinfo No such file or directory" in seen
+    assert "OPEN /sys/kernel/uevent_seqnum No such file or directory" in seen
+    assert "OPEN /dev/zero Permission denied" in seen  # the copy of the rootfs is nodev
+    assert "WRITE_ROOTFS Read-only file system" in seen
+    with open(result.rootfs + "/etc/ld.so.cache", "rb") as f:
+        assert f.read().startswith(b"glibc-ld.so.cache1.1")  # what it wrote, installed
 
 
 def test_runtime_environment_python_variables_are_ignored_without_hook_env(gpus, evil, bed):

@@ -3,12 +3,11 @@ nothing, and no child outlives the hook. (Issue 7, item 4.) The bpf, NVML and re
 faults live with their features (tests/test_cgroup_v2.py, tests/test_health*.py)."""
 
 import os
-import shutil
 import time
 
 import pytest
 
-from conftest import LIBDIR, host_mounts
+from conftest import LIBDIR, fake_ldconfig, host_mounts
 
 pytestmark = pytest.mark.root
 
@@ -16,19 +15,6 @@ pytestmark = pytest.mark.root
 def gpuhook_line(result) -> str:
     (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
     return line
-
-
-def our_processes(tag: str) -> list:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if tag.encode() in f.read():
-                        found.append(int(pid))
-            except OSError:
-                pass
-    return found
 
 
 def assert_rootfs_clean(rootfs):
@@ -87,14 +73,21 @@ def test_cgroup_write_failure_names_the_rule(gpus, tmp_path):
                 time.sleep(0.1)
 
 
+def processes_running(binary: str) -> list:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.readlink(f"/proc/{pid}/exe") == binary:
+                    found.append(int(pid))
+            except OSError:
+                pass
+    return found
+
+
 def test_hanging_ldconfig_is_killed_at_the_deadline_with_its_children(gpus, tmp_path):
-    tag = f"gpuhook-hang-{os.getpid()}"
-    sleeper = tmp_path / tag  # a copy of sleep whose name we can find in /proc
-    shutil.copy("/bin/sleep", sleeper)
-    hang = tmp_path / "ldconfig"
-    hang.write_text(f"#!/bin/sh\n{sleeper} 600 &\nexec {sleeper} 600\n")
-    hang.chmod(0o755)
-    gpus.configure(ldconfig=str(hang), **{"deadline-seconds": 3})
+    hang = fake_ldconfig(tmp_path, "HANG")  # it forks a child that hangs too
+    gpus.configure(ldconfig=hang, **{"deadline-seconds": 3})
     before = host_mounts()
     start = time.monotonic()
     result = gpus.run("fault-ldconfig", env=["NVIDIA_VISIBLE_DEVICES=0"])
@@ -104,21 +97,32 @@ def test_hanging_ldconfig_is_killed_at_the_deadline_with_its_children(gpus, tmp_
     assert "ldconfig" in line and "did not finish" in line
     assert took < 10, took  # the hook's own deadline, far below runc's hook timeout (30 s)
     time.sleep(0.2)
-    assert our_processes(tag) == []
+    assert processes_running(hang) == []
     assert host_mounts() == before
     assert_rootfs_clean(result.rootfs)
 
 
-def test_failing_ldconfig_reports_its_output(gpus, tmp_path):
-    bad = tmp_path / "ldconfig"
-    bad.write_text("#!/bin/sh\necho 'ldconfig: cannot do it' >&2\nexit 3\n")
-    bad.chmod(0o755)
-    gpus.configure(ldconfig=str(bad))
+def test_failing_ldconfig_fails_the_start_and_its_output_goes_to_the_log_only(gpus, tmp_path):
+    gpus.configure(ldconfig=fake_ldconfig(tmp_path, "FAIL"))
     result = gpus.run("fault-ldconfig-exit", env=["NVIDIA_VISIBLE_DEVICES=0"])
     assert result.returncode != 0
     line = gpuhook_line(result)
-    assert "host ldconfig exited with 3: ldconfig: cannot do it" in line
+    assert "host ldconfig exited with 3" in line and "cannot do it" not in line
+    assert gpus.log_lines()[-1]["detail"] == "ldconfig: cannot do it\n"
     assert_rootfs_clean(result.rootfs)
+
+
+def test_a_dynamically_linked_or_script_ldconfig_is_refused(gpus, tmp_path):
+    """In the container's root a dynamic ldconfig would load the image's loader, a script
+    the image's shell: either would be image code running as root."""
+    script = tmp_path / "ldconfig.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o755)
+    for ldconfig, why in ((str(script), "not an ELF binary"), ("/bin/true", "dynamically linked")):
+        gpus.configure(ldconfig=ldconfig)
+        result = gpus.run("fault-ldconfig-kind", env=["NVIDIA_VISIBLE_DEVICES=0"])
+        assert result.returncode != 0 and why in gpuhook_line(result)
+        assert_rootfs_clean(result.rootfs)
 
 
 def test_missing_host_ldconfig(gpus, tmp_path):

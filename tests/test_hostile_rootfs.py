@@ -6,6 +6,7 @@ start either gives the container a safe result or fails with one clear gpuhook l
 (Issue 7, item 1; CVE-2024-0132, CVE-2024-0134, CVE-2025-23359 were escapes of this kind.)
 """
 
+import json
 import os
 import shutil
 import socket
@@ -213,3 +214,142 @@ def test_mount_targets_in_a_rootfs_that_keeps_changing_never_leave_it(gpus, sent
     assert (host_mounts(), snapshot(str(sentinel))) == before
     assert len(outcomes) == 12
     assert flips[0] > 0  # the race was really run: the library dir did change under the hook
+
+
+# The host's real ldconfig against images that aim it at the host through procfs magic links
+# (before pivot_root the container's /proc/1/root is the runtime's init, whose root is the
+# host's /), at special files, or at huge ones. gpuhook.ldsandbox runs it where none of these
+# exist; each start ends in the container's own cache or one clean failure, and the host's
+# sentinel is untouched.
+HOST_SECRET = "HOSTSECRET-must-never-show"
+
+
+def ldconfig_trap(kind, sentinel):
+    host = str(sentinel)
+    magic = f"/proc/1/root{host}"
+
+    def setup(rootfs):
+        os.makedirs(rootfs + "/etc/ld.so.conf.d", exist_ok=True)
+        if kind == "aux cache dir -> host dir":
+            os.makedirs(rootfs + "/var/cache", exist_ok=True)
+            _link(rootfs, "/var/cache/ldconfig", f"{magic}/etc")
+        elif kind == "var/cache -> host dir":
+            os.makedirs(rootfs + "/var", exist_ok=True)
+            _link(rootfs, "/var/cache", f"{magic}/etc")
+        elif kind == "etc/ld.so.cache -> host cache by magic link":
+            _link(rootfs, "/etc/ld.so.cache", f"{magic}/etc/ld.so.cache")
+        elif kind == "include of a host file, then ldconfig fails":
+            with open(rootfs + "/etc/ld.so.conf", "w") as f:
+                f.write(f"include {magic}/etc/secret.conf\ninclude /etc/ld.so.conf.d/*.conf\n")
+            with open(rootfs + "/etc/ld.so.conf.d/huge.conf", "wb") as f:
+                f.truncate(8 << 30)  # sparse: 8 GiB of zeros, no newline
+        elif kind == "include /dev/zero":
+            with open(rootfs + "/etc/ld.so.conf", "w") as f:
+                f.write("include /dev/zero\n")
+        elif kind == "huge sparse file in ld.so.conf.d":
+            with open(rootfs + "/etc/ld.so.conf.d/huge.conf", "wb") as f:
+                f.truncate(8 << 30)
+        elif kind == "scanned lib dir -> host dir by magic link":
+            _link(rootfs, "/usr/local/lib", f"{magic}/lib")
+            with open(rootfs + "/etc/ld.so.conf", "w") as f:
+                f.write("/usr/local/lib\n")
+        else:
+            raise AssertionError(kind)
+
+    return setup
+
+
+LDCONFIG_TRAPS = (
+    "aux cache dir -> host dir",
+    "var/cache -> host dir",
+    "etc/ld.so.cache -> host cache by magic link",
+    "include of a host file, then ldconfig fails",
+    "include /dev/zero",
+    "huge sparse file in ld.so.conf.d",
+    "scanned lib dir -> host dir by magic link",
+)
+
+
+@pytest.mark.parametrize("kind", LDCONFIG_TRAPS)
+def test_ldconfig_never_reaches_the_host_through_magic_links_or_special_files(gpus, sentinel, kind):
+    (sentinel / "etc" / "secret.conf").write_text(f"x={HOST_SECRET}\n")
+    before = (host_mounts(), snapshot(str(sentinel)))
+    start = time.monotonic()
+    result = gpus.run("ld-hostile", env=["NVIDIA_VISIBLE_DEVICES=0"], rootfs_setup=ldconfig_trap(kind, sentinel))
+    took = time.monotonic() - start
+    assert (host_mounts(), snapshot(str(sentinel))) == before, kind
+    assert HOST_SECRET not in result.stderr + result.stdout
+    assert HOST_SECRET not in json.dumps(gpus.log_lines())  # not even read
+    assert took < 15, took  # bounded by ldconfig's limits, not by the hook's 25 s deadline
+    if result.returncode != 0:
+        (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+        assert "host ldconfig" in line, line
+    else:
+        assert result.probes()["/dev/nvidia0"]["read"] == "ENXIO"
+
+
+def test_swapping_etc_for_a_magic_link_while_ldconfig_scans_never_reaches_the_host(gpus, sentinel):
+    """A second process (a sidecar sharing the rootfs) flips the image's /etc between a
+    directory and a link to the host's /etc through /proc/1/root while ldconfig scans a big
+    directory, over many starts. The host's ld.so.cache never changes."""
+    rootfs_box = {}
+    magic_etc = f"/proc/1/root{sentinel}/etc"
+
+    def setup(rootfs):
+        many = rootfs + "/usr/local/lib"
+        os.makedirs(many)
+        for i in range(3000):
+            with open(f"{many}/libpad{i}.so.1", "w") as f:
+                f.write("not an ELF file")
+        with open(rootfs + "/etc/ld.so.conf", "w") as f:
+            f.write("/usr/local/lib\n")
+        rootfs_box["path"] = rootfs
+
+    stop = threading.Event()
+    flips = [0]
+
+    def ldconfig_running() -> bool:
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and os.readlink(f"/proc/{pid}/exe").endswith("/ldconfig"):
+                    return True
+            except OSError:
+                pass
+        return False
+
+    def flipper():
+        # The attacker's best timing: /etc is a real directory whenever the hook checks it,
+        # and a link to the host the moment ldconfig runs.
+        while not stop.is_set():
+            rootfs = rootfs_box.get("path")
+            if not rootfs:
+                time.sleep(0.001)
+                continue
+            etc = rootfs + "/etc"
+            try:
+                if ldconfig_running() and not os.path.islink(etc):
+                    os.rename(etc, etc + ".real")
+                    os.symlink(magic_etc, etc)
+                    flips[0] += 1
+                elif os.path.islink(etc) and not ldconfig_running():
+                    os.remove(etc)
+                    os.rename(etc + ".real", etc)
+            except OSError:
+                pass
+
+    before = (host_mounts(), snapshot(str(sentinel)))
+    thread = threading.Thread(target=flipper, daemon=True)
+    thread.start()
+    outcomes = []
+    try:
+        for i in range(10):
+            rootfs_box.clear()
+            result = gpus.run(f"etc-race{i}", env=["NVIDIA_VISIBLE_DEVICES=0"], rootfs_setup=setup)
+            outcomes.append(result.returncode)
+            if result.returncode != 0:
+                assert "gpuhook:" in result.stderr or "runc" in result.stderr
+    finally:
+        stop.set()
+        thread.join()
+    assert (host_mounts(), snapshot(str(sentinel))) == before
+    assert flips[0] > 0

@@ -21,15 +21,16 @@ SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
 from gpuhook import apply, safepath
-from gpuhook.plan import Plan
+from gpuhook.plan import BindMount, Plan
 
 apply.use_new_mount_api = {new_api!r}
 root = {root!r}
-plan = Plan("c", 1, root, "gpus", "env", frozenset(), (), (), (), (), (), None, None, ())
+lib = BindMount({source!r}, "/usr/lib64/libcuda.so.1", "file", ("ro", "nosuid", "nodev"))
+plan = Plan("c", 1, root, "gpus", "env", frozenset(), (), (), (lib,), (), (), None, None, ())
 work = apply._Work(plan, time.monotonic() + 10)
+work.open_sources()
 work.root = os.open(root, os.O_PATH | os.O_DIRECTORY)
-src = os.open({source!r}, os.O_PATH | os.O_CLOEXEC)
-work._bind_fd(src, os.fstat(src), "/usr/lib64/libcuda.so.1", "file", ("ro", "nosuid", "nodev"))
+work.bind(lib)
 
 def mounts():
     return [l.split()[4:6] for l in open("/proc/self/mountinfo") if "libcuda.so.1" in l]

@@ -1,0 +1,77 @@
+/* Stand-ins for the host's ldconfig, built static (gpuhook runs no other kind). One of:
+ *   -DHANG  never finishes, and leaves a child that never finishes either;
+ *   -DFAIL  prints a line and exits 3;
+ *   (none)  a spy: prints what it can see of its environment, credentials, limits and
+ *           filesystem, then writes a minimal ld.so.cache where -C says.
+ * The spy's output reaches gpuhook's log only, which is what the tests read. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/capability.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+extern char **environ;
+
+static const char *cache_path(int argc, char **argv) {
+    for (int i = 1; i + 1 < argc; i++)
+        if (strcmp(argv[i], "-C") == 0)
+            return argv[i + 1];
+    return "/etc/ld.so.cache";
+}
+
+static void try_open(const char *path) {
+    FILE *f = fopen(path, "r");
+    printf("OPEN %s %s\n", path, f ? "ok" : strerror(errno));
+    if (f)
+        fclose(f);
+}
+
+int main(int argc, char **argv) {
+#if defined(HANG)
+    (void)argc; (void)argv;
+    if (fork() == 0)
+        for (;;) pause();
+    for (;;) pause();
+#elif defined(FAIL)
+    (void)argc; (void)argv;
+    fprintf(stderr, "ldconfig: cannot do it\n");
+    return 3;
+#else
+    for (char **e = environ; *e; e++)
+        printf("ENV %s\n", *e);
+    char cwd[256];
+    printf("CWD %s\n", getcwd(cwd, sizeof cwd) ? cwd : "?");
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    memset(data, 0, sizeof data);
+    syscall(SYS_capget, &header, data);
+    printf("CAPS %x %x %x %x %x %x\n", data[0].effective, data[1].effective, data[0].permitted,
+           data[1].permitted, data[0].inheritable, data[1].inheritable);
+    printf("BOUNDING_SYS_ADMIN %d\n", prctl(PR_CAPBSET_READ, CAP_SYS_ADMIN, 0, 0, 0));
+    printf("NO_NEW_PRIVS %d\n", prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0));
+    struct rlimit limit;
+    getrlimit(RLIMIT_AS, &limit);
+    printf("RLIMIT_AS %llu\n", (unsigned long long)limit.rlim_cur);
+    getrlimit(RLIMIT_CPU, &limit);
+    printf("RLIMIT_CPU %llu\n", (unsigned long long)limit.rlim_cur);
+    try_open("/proc/1/root/etc/hostname");
+    try_open("/proc/self/mountinfo");
+    try_open("/sys/kernel/uevent_seqnum");
+    try_open("/dev/zero");
+    FILE *w = fopen("/etc/written-by-ldconfig", "w");
+    printf("WRITE_ROOTFS %s\n", w ? "ok" : strerror(errno));
+    FILE *cache = fopen(cache_path(argc, argv), "w");
+    if (!cache) {
+        printf("CACHE %s\n", strerror(errno));
+        return 1;
+    }
+    fputs("glibc-ld.so.cache1.1", cache);
+    fwrite("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 1, 28, cache);
+    fclose(cache);
+    return 0;
+#endif
+}
