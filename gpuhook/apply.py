@@ -23,7 +23,7 @@ import time
 
 from gpuhook import fastjson, linux, mountinfo, safepath
 from gpuhook.cgroup import hierarchy
-from gpuhook.errors import ApplyError, DeadlineError, GpuhookError, HostError
+from gpuhook.errors import ApplyError, DeadlineError, GpuhookError, HostError, InputError
 from gpuhook.plan import ProcMask
 
 _MS = {"ro": linux.MS_RDONLY, "nosuid": linux.MS_NOSUID, "nodev": linux.MS_NODEV, "noexec": linux.MS_NOEXEC}
@@ -121,7 +121,7 @@ def apply(plan, deadline: float) -> Outcome:
     if plan.empty:
         return Outcome("", [], [], 0)
     if plan.pid <= 0:
-        raise ApplyError("state", "the state has no container pid; gpuhook runs as a prestart or createRuntime hook")
+        raise InputError("state: no container pid; gpuhook runs as a prestart or createRuntime hook")
     ns_fd = open_container_mntns(plan.pid)
     user_fd = None
     try:

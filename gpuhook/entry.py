@@ -44,8 +44,7 @@ def run_stage(stage: str, config_path: str | None) -> int:
         bundle = prescan.bundle_of(state)
         if bundle is not None:
             try:
-                with open(bundle + "/config.json", "rb") as f:
-                    spec = f.read(prescan.MAX_CONFIG_BYTES + 1)
+                spec = prescan.read_regular_file(bundle + "/config.json", prescan.MAX_CONFIG_BYTES + 1)
             except (OSError, ValueError):  # unreadable or an impossible path: the full parser says why
                 spec = None
             if spec is not None and len(spec) <= prescan.MAX_CONFIG_BYTES \

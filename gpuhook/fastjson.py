@@ -34,17 +34,21 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
-def loads(text):
-    """Parse one JSON document (str or UTF-8 bytes); raises ValueError like json.loads."""
+def loads(text, object_pairs_hook=None):
+    """Parse one JSON document (str or UTF-8 bytes); raises ValueError like json.loads.
+    `object_pairs_hook` builds each object from its (key, value) pairs, as in json."""
     if isinstance(text, (bytes, bytearray)):
         text = bytes(text).decode("utf-8")
     if _json is None:
         import json
 
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=object_pairs_hook)
     if text.startswith("\ufeff"):
         raise ValueError("Unexpected UTF-8 BOM (decode using utf-8-sig): line 1 column 1 (char 0)")
-    scan = _json.make_scanner(_Context)
+    context = _Context
+    if object_pairs_hook is not None:
+        context = type("_PairsContext", (_Context,), {"object_pairs_hook": staticmethod(object_pairs_hook)})
+    scan = _json.make_scanner(context)
     start = _skip(text, 0)
     try:
         value, end = scan(text, start)
@@ -55,7 +59,7 @@ def loads(text):
         # json already; otherwise it fails without one. Errors are rare: let json say it.
         import json
 
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=object_pairs_hook)
     end = _skip(text, end)
     if end != len(text):
         raise ValueError(f"Extra data: {_where(text, end)}")

@@ -8,6 +8,7 @@ returned flag so tests can see it).
 
 from gpuhook import fastjson
 import os
+import stat
 import time
 
 
@@ -35,8 +36,12 @@ def write(path: str, record: dict) -> bool:
     line.update(record)
     try:
         data = (fastjson.dumps(line, default=str) + "\n").encode()
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+        # Non-blocking: a FIFO put where the log goes must not stall the start.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                     0o640)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
             return os.write(fd, data) == len(data)
         finally:
             os.close(fd)

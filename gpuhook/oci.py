@@ -8,7 +8,8 @@ unusable with a message that names the field and what was wrong with it.
 
 from gpuhook import fastjson
 from gpuhook.errors import InputError
-from gpuhook.prescan import MAX_CONFIG_BYTES, MAX_STATE_BYTES  # one limit for the fast and the full path
+from gpuhook.prescan import MAX_CONFIG_BYTES, MAX_STATE_BYTES, read_regular_file  # one limit and one reader
+                                                                                   # for the fast and the full path
 from gpuhook.record import record
 
 
@@ -41,6 +42,32 @@ class Mount(record("Mount", "destination source type options")):
     __slots__ = ()
 
 
+# Every member name gpuhook reads from the state or config.json, case-folded. runc parses
+# with Go's encoding/json, which matches member names case-insensitively and lets the last
+# duplicate win; Python's json lets the last exact duplicate win. So {"root":…,"Root":…}
+# meant one rootfs to runc and another to gpuhook. Any object holding two names that fold
+# to the same one of these is refused (docs/security.md, "parser differentials").
+_FIELDS = frozenset(name.lower() for name in (
+    "ociVersion", "id", "status", "pid", "bundle", "annotations", "root", "path", "readonly", "process",
+    "env", "capabilities", "bounding", "mounts", "destination", "source", "type", "options", "linux",
+    "namespaces", "devices", "resources", "cgroupsPath", "uidMappings", "gidMappings", "hooks",
+))
+
+
+def _unambiguous_object(pairs: list) -> dict:
+    doc = {}
+    folded = set()
+    for key, value in pairs:
+        fold = key.lower()
+        if key in doc or (fold in _FIELDS and fold in folded):
+            raise ValueError(f"member {key[:64]!r} appears twice (names are matched case-insensitively "
+                             f"by the runtime)")
+        if fold in _FIELDS:
+            folded.add(fold)
+        doc[key] = value
+    return doc
+
+
 def _decode(raw: bytes, what: str):
     if not raw.strip():
         raise InputError(f"{what} is empty")
@@ -49,7 +76,7 @@ def _decode(raw: bytes, what: str):
     except UnicodeDecodeError as err:
         raise InputError(f"{what} is not UTF-8 (byte {err.start})") from err
     try:
-        return fastjson.loads(text)
+        return fastjson.loads(text, object_pairs_hook=_unambiguous_object)
     except RecursionError as err:
         raise InputError(f"{what} is nested too deeply") from err
     except ValueError as err:
@@ -132,14 +159,14 @@ def _normalize(path: str) -> str:
 def read_config_bytes(bundle: str) -> bytes:
     path = bundle.rstrip("/") + "/config.json"
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        raw = read_regular_file(path, MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise InputError(f"bundle {bundle} has no config.json") from None
     except NotADirectoryError:
         raise InputError(f"bundle {bundle} is not a directory") from None
     except OSError as err:
-        raise InputError(f"cannot read {path}: {err.strerror}") from err
+        what = "is not a regular file" if err.errno == 22 else f"cannot be read: {err.strerror}"
+        raise InputError(f"{path} {what}") from err
     if len(raw) > MAX_CONFIG_BYTES:
         raise InputError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB")
     return raw

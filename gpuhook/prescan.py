@@ -26,6 +26,22 @@ _VISIBLE = b'"NVIDIA_VISIBLE_DEVICES='
 # Bounds on what the hook reads at all; the full parser reports anything larger.
 MAX_STATE_BYTES = 4 << 20
 MAX_CONFIG_BYTES = 64 << 20
+_S_IFMT, _S_IFREG = 0o170000, 0o100000
+
+
+def read_regular_file(path: str, limit: int) -> bytes:
+    """Up to `limit` bytes of the regular file at `path`. Opened non-blocking and checked
+    before reading: a FIFO or a device there (a bundle path the runtime took from a user)
+    must not block the hook until the runtime kills it. Raises OSError (EINVAL for a file
+    that is not regular). Uses the built-in posix module: nothing is imported."""
+    import posix
+
+    fd = posix.open(path, posix.O_RDONLY | posix.O_NONBLOCK | posix.O_CLOEXEC)
+    if posix.fstat(fd).st_mode & _S_IFMT != _S_IFREG:
+        posix.close(fd)
+        raise OSError(22, "not a regular file", path)
+    with open(fd, "rb") as f:
+        return f.read(limit)
 
 
 def top_level_strings(data: bytes) -> dict[bytes, bytes] | None:

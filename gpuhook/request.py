@@ -23,6 +23,12 @@ VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 CDI_KIND = "nvidia.com/gpu"
 
+# Bounds on what a request may name: far above any real host (NVML supports 64 GPUs, 7 MIG
+# devices each), far below what could make parsing or matching slow.
+MAX_IDS = 1024
+MAX_ID_LENGTH = 256
+MAX_INDEX_DIGITS = 9
+
 CAPABILITIES = ("compute", "compat32", "graphics", "utility", "video", "display", "ngx")
 DEFAULT_CAPABILITIES = frozenset({"utility", "compute"})
 
@@ -83,13 +89,22 @@ def _nothing(notes=()):
     return Request(NOTHING, (), frozenset(), "", tuple(notes))
 
 
-def _split_ids(value: str) -> list[str]:
-    seen: list[str] = []
+def _split_ids(value: str, where: str = "NVIDIA_VISIBLE_DEVICES") -> list[str]:
+    """The comma-separated ids in `value`, stripped and de-duplicated in order (linear time)."""
+    seen: dict = {}
     for part in value.split(","):
         part = part.strip()
-        if part and part not in seen:
-            seen.append(part)
-    return seen
+        if part:
+            seen[part] = None
+            _check_id(part, len(seen), where)
+    return list(seen)
+
+
+def _check_id(ident: str, count: int, where: str) -> None:
+    if count > MAX_IDS:
+        raise RequestError(f"{where} names more than {MAX_IDS} devices")
+    if len(ident) > MAX_ID_LENGTH:
+        raise RequestError(f"{where}: device id {ident[:40]!r}... is longer than {MAX_ID_LENGTH} characters")
 
 
 def parse_capabilities(value: str | None, legacy: bool = False) -> frozenset:
@@ -112,8 +127,11 @@ def parse_capabilities(value: str | None, legacy: bool = False) -> frozenset:
     return frozenset(caps) if caps else DEFAULT_CAPABILITIES
 
 
-def _from_mounts(spec) -> list[str] | None:
-    ids: list[str] = []
+def _from_mounts(spec, notes: list) -> list[str] | None:
+    """Ids from the device plugin's volume-mounts channel. Only a bind mount of /dev/null
+    counts: that is what the plugin asks for, and nothing an image or a user can add by
+    itself is one (an image VOLUME or a tmpfs at that path is ignored, with a note)."""
+    ids: dict = {}
     prefix = VOLUME_MOUNT_ROOT + "/"
     for mount in spec.mounts:
         dest = "/" + "/".join(p for p in mount.destination.split("/") if p and p != ".")
@@ -122,13 +140,20 @@ def _from_mounts(spec) -> list[str] | None:
         if not dest.startswith(prefix):
             continue
         device = dest[len(prefix):]
-        if device and "/" not in device and device not in ids:
-            ids.append(device)
-    return ids or None
+        if not device or "/" in device:
+            continue
+        is_bind = mount.type == "bind" or "bind" in mount.options or "rbind" in mount.options
+        if mount.source != "/dev/null" or not is_bind:
+            if len(notes) < 16:
+                notes.append(f"mount at {dest[:120]!r} ignored: a device request is a bind mount of /dev/null")
+            continue
+        ids[device] = None
+        _check_id(device, len(ids), "volume mounts")
+    return list(ids) or None
 
 
 def _from_cdi(annotations: dict, notes: list) -> list[str] | None:
-    ids: list[str] = []
+    ids: dict = {}
     found = False
     for key in sorted(annotations):
         if not key.startswith(CDI_ANNOTATION_PREFIX):
@@ -139,15 +164,16 @@ def _from_cdi(annotations: dict, notes: list) -> list[str] | None:
                 continue
             kind, sep, name = entry.partition("=")
             if not sep or kind != CDI_KIND:
-                notes.append(f"CDI device {entry[:80]!r} in {key} is not {CDI_KIND}; left to other tools")
+                if len(notes) < 16:
+                    notes.append(f"CDI device {entry[:80]!r} in {key[:80]} is not {CDI_KIND}; left to other tools")
                 continue
             found = True
             name = name.strip()
             if not name:
-                raise RequestError(f"CDI annotation {key}: empty device name in {entry[:80]!r}")
-            if name not in ids:
-                ids.append(name)
-    return ids if found else None
+                raise RequestError(f"CDI annotation {key[:80]}: empty device name in {entry[:80]!r}")
+            ids[name] = None
+            _check_id(name, len(ids), "CDI annotations")
+    return list(ids) if found else None
 
 
 def _as_request(ids: list[str], caps, channel: str, notes: list) -> Request:
@@ -170,7 +196,7 @@ def resolve(spec, state_annotations: dict, config) -> Request:
 
     trusted: list[str] = []
     channels = []
-    mount_ids = _from_mounts(spec)
+    mount_ids = _from_mounts(spec, notes)
     if mount_ids is not None:
         if config.accept_volume_mounts:
             trusted += mount_ids
@@ -180,7 +206,7 @@ def resolve(spec, state_annotations: dict, config) -> Request:
     cdi_ids = _from_cdi(annotations, notes)
     if cdi_ids is not None:
         if config.accept_cdi_annotations:
-            trusted += [i for i in cdi_ids if i not in trusted]
+            trusted = list(dict.fromkeys(trusted + cdi_ids))
             channels.append(CDI)
         else:
             notes.append("CDI annotation request ignored (accept-cdi-annotations = false)")
@@ -215,7 +241,7 @@ def _with_mig_capabilities(request: Request, spec) -> Request:
     reconfigure or watch MIG on its GPUs, so only privileged containers may ask (as NVIDIA)."""
     found = {}
     for name, field in (("NVIDIA_MIG_CONFIG_DEVICES", "mig_config"), ("NVIDIA_MIG_MONITOR_DEVICES", "mig_monitor")):
-        ids = _split_ids(spec.env.get(name, ""))
+        ids = _split_ids(spec.env.get(name, ""), name)
         if not ids or request.empty:
             continue
         if not spec.privileged:
@@ -290,7 +316,7 @@ def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bo
     else:
         parent_id, _, mig_index = ident.partition(":")
         gpu = _match(parent_id, gpus)
-        if gpu is not None and mig_index.isdigit() and mig_index.isascii():
+        if gpu is not None and mig_index.isdigit() and mig_index.isascii() and len(mig_index) <= MAX_INDEX_DIGITS:
             if gpu.uuid not in migs_by_gpu:
                 raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}), but GPU {gpu.index} "
                                    f"({gpu.uuid}) is not in MIG mode")
@@ -320,6 +346,8 @@ def _capability_gpus(ids, variable: str, gpus, parents) -> bool:
 
 def _match(ident: str, gpus):
     if ident.isdigit() and ident.isascii():
+        if len(ident) > MAX_INDEX_DIGITS:
+            return None
         index = int(ident)
         for gpu in gpus:
             if gpu.index == index:

@@ -190,7 +190,7 @@ def _holds(requirement: Requirement, constraint: Constraint, host: HostFacts, gp
         return (have.lower() == constraint.value.lower()) == (constraint.operator == "=")
     want = _version(constraint.value)
     if want is None:
-        raise _malformed(requirement, constraint, f"{constraint.value!r} is not a version (digits and dots)")
+        raise _malformed(requirement, constraint, f"{_short(constraint.value, 40)} is not a version (digits and dots)")
     mine = _version(have)
     if mine is None:
         raise HostError(f"{requirement.variable}: cannot check {constraint.text}: the host's {constraint.key} "
@@ -200,9 +200,15 @@ def _holds(requirement: Requirement, constraint: Constraint, host: HostFacts, gp
             ">": order > 0, ">=": order >= 0}[constraint.operator]
 
 
+MAX_VERSION_PART = 18
+
+
 def _version(text: str):
-    """A version as a comparable tuple with trailing zeros dropped; None if not digits and dots."""
+    """A version as a comparable tuple with trailing zeros dropped; None if not digits and dots
+    (or a part is longer than any real version's: int() refuses over 4300 digits)."""
     if not text or not text[0].isdigit() or any(c not in "0123456789." for c in text):
+        return None
+    if any(len(p) > MAX_VERSION_PART for p in text.split(".")):
         return None
     parts = [int(p) for p in text.split(".") if p]
     while parts and parts[-1] == 0:
@@ -226,7 +232,8 @@ def _legacy_major_minor(version: str) -> str:
     parts = core.split(".")
     valid = (
         1 <= len(parts) <= 3
-        and all(p.isdigit() and p.isascii() and (p == "0" or not p.startswith("0")) for p in parts)
+        and all(p.isdigit() and p.isascii() and len(p) <= MAX_VERSION_PART and (p == "0" or not p.startswith("0"))
+                for p in parts)
         and (not (dash or plus) or len(parts) == 3)
         and all(_semver_identifiers(x) for x, present in ((prerelease, dash), (build, plus)) if present)
     )
@@ -248,9 +255,15 @@ def _describe_host(host: HostFacts, gpu) -> str:
     return ", ".join(facts)
 
 
+def _short(text: str, limit: int = 80) -> str:
+    """`text` quoted, cut to `limit` characters: a message is one line a person reads."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 def _malformed(requirement: Requirement, constraint: Constraint, problem: str) -> RequirementError:
     return RequirementError(
-        f"{requirement.variable}: malformed constraint {constraint.text!r}: {problem}", SYNTAX_HINT,
+        f"{requirement.variable}: malformed constraint {_short(constraint.text)}: {problem[:160]}",
+        SYNTAX_HINT,
         variable=requirement.variable, constraint=constraint.text)
 
 

@@ -82,8 +82,8 @@ CASES = [
     Case("pid is negative", 2, "out of range", state=S(pid=-5)),
     Case("pid is huge", 2, "out of range", state=S(pid=10 ** 12)),
     Case("pid is a bool", 2, "'pid' must be a whole number", state=S(pid=True)),
-    Case("pid zero with a request", 5, "no container pid", state=S(pid=0)),
-    Case("pid missing with a request", 5, "no container pid", state=S(pid=...)),
+    Case("pid zero with a request", 2, "no container pid", state=S(pid=0)),
+    Case("pid missing with a request", 2, "no container pid", state=S(pid=...)),
     Case("pid of a dead process", 4, "is gone", state=S(pid="DEAD")),
     Case("pid not a container", 4, "shares the hook's mount namespace", state=S(pid="SELF")),
     Case("status running", 2, "status 'running'", state=S(status="running")),
@@ -116,7 +116,12 @@ CASES = [
          spec={"root": {"path": "rootfs"}, "process": {"env": GPU_ENV}, "mounts": [{"source": "/dev/null"}]}),
     Case("bounding caps wrong type", 2, "bounding must be a list of strings",
          spec={"root": {"path": "rootfs"}, "process": {"env": GPU_ENV, "capabilities": {"bounding": [1]}}}),
-    Case("config.json is a directory", 2, "cannot read", setup="config-dir"),
+    Case("config.json is a directory", 2, "is not a regular file", setup="config-dir"),
+    Case("config.json is a FIFO", 2, "is not a regular file", setup="config-fifo"),
+    Case("root and Root: runc takes the last, case-insensitively", 2, "appears twice",
+         raw_spec=b'{"root":{"path":"rootfs"},"Root":{"path":"/tmp"},"process":{"env":["NVIDIA_VISIBLE_DEVICES=0"]}}'),
+    Case("duplicate pid in the state", 2, "appears twice",
+         raw_state=b'{"id":"x","status":"creating","pid":1,"PID":2,"bundle":"/tmp"}'),
     Case("rootfs missing", 2, "container rootfs", spec={"root": {"path": "no-such-rootfs"}, "process": {"env": GPU_ENV}}),
     # --- request values
     Case("unknown gpu id", 3, "requested GPU 'garbage'", env=["NVIDIA_VISIBLE_DEVICES=garbage"]),
@@ -127,11 +132,19 @@ CASES = [
          env=["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,bogus"]),
     Case("newline in the device list", 3, "does not exist", env=["NVIDIA_VISIBLE_DEVICES=0\n1"]),
     Case("NUL in the device list", 3, "does not exist", env=["NVIDIA_VISIBLE_DEVICES=0\u00001"]),
-    Case("enormous list of unknown ids", 3, "requested GPU 'GPU-00000000'", env=[f"NVIDIA_VISIBLE_DEVICES={BIG_IDS}"]),
+    Case("enormous list of unknown ids", 3, "more than 1024 devices", env=[f"NVIDIA_VISIBLE_DEVICES={BIG_IDS}"]),
     Case("enormous list of duplicates", 4, "is gone", env=["NVIDIA_VISIBLE_DEVICES=" + ",".join(["1"] * 50000)],
          state=S(pid="DEAD")),
     Case("empty CDI device name", 3, "empty device name", env=[],
          state=S(annotations={"cdi.k8s.io/x": "nvidia.com/gpu="})),
+    Case("200k distinct ids", 3, "more than 1024 devices",
+         env=["NVIDIA_VISIBLE_DEVICES=" + ",".join(f"GPU-{i}" for i in range(200_000))]),
+    Case("50k CDI names", 3, "more than 1024 devices", env=[],
+         state=S(annotations={"cdi.k8s.io/x": ",".join(f"nvidia.com/gpu={i}" for i in range(50_000))})),
+    Case("an index of 5000 digits", 3, "longer than 256", env=["NVIDIA_VISIBLE_DEVICES=" + "7" * 5000]),
+    Case("an index of 250 digits", 3, "does not exist", env=["NVIDIA_VISIBLE_DEVICES=" + "7" * 250]),
+    Case("a requirement of 5000 digits", 3, "is not a version",
+         env=GPU_ENV + ["NVIDIA_REQUIRE_CUDA=cuda>=" + "1" * 5000]),
     Case("unicode everywhere", 3, "does not exist", env=["NVIDIA_VISIBLE_DEVICES=GPU-\u00e9\u4e2d\U0001f600"]),
     # --- gpuhook's own configuration
     Case("config.toml broken", 2, "invalid TOML", config="driver-root = [\n"),
@@ -167,6 +180,8 @@ def world(tmp_path, sim_host):
         spec = case.spec or {"root": {"path": "rootfs"}, "process": {"env": case.env if case.env is not None else GPU_ENV}}
         if case.setup == "config-dir":
             (bundle / "config.json").mkdir()
+        elif case.setup == "config-fifo":
+            os.mkfifo(bundle / "config.json")
         else:
             raw_spec = case.raw_spec if case.raw_spec is not None else json.dumps(spec).encode()
             (bundle / "config.json").write_bytes(raw_spec)

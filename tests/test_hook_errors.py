@@ -75,7 +75,7 @@ def test_a_process_in_the_hooks_own_mount_namespace_is_refused(hook_env):
 def test_missing_pid_for_a_real_run(hook_env):
     config, bundle = hook_env
     done = run(config, {"id": "x", "status": "creating", "bundle": str(bundle)})
-    assert done.returncode == 5
+    assert done.returncode == 2
     assert "no container pid" in one_line(done)
 
 

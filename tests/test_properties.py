@@ -112,3 +112,43 @@ def test_capabilities_parse_or_name_the_unknown_one(parts):
         assert "unknown driver capability" in err.message
         return
     assert caps <= set(req.CAPABILITIES) and caps
+
+
+# Values at and beyond the parsers' size limits: long digit runs (int() refuses over 4300
+# digits), thousands of ids, ids longer than any real one.
+huge_words = st.one_of(
+    st.integers(min_value=1, max_value=6000).map(lambda n: "9" * n),
+    st.integers(min_value=1, max_value=3000).map(lambda n: ",".join(str(i) for i in range(n))),
+    st.integers(min_value=200, max_value=400).map(lambda n: "GPU-" + "a" * n),
+    st.integers(min_value=1, max_value=6000).map(lambda n: "0:" + "1" * n),
+)
+
+
+@SETTINGS
+@given(st.lists(huge_words | device_words, min_size=1, max_size=4).map(",".join),
+       st.sampled_from(["env", "cdi", "mount", "require"]))
+def test_oversized_requests_are_request_errors_never_crashes(value, channel):
+    """Any request, however large, resolves or is refused with a RequestError (exit 3)."""
+    env, annotations, mounts = ["NVIDIA_VISIBLE_DEVICES=0"], None, []
+    if channel == "env":
+        env = [f"NVIDIA_VISIBLE_DEVICES={value}"]
+    elif channel == "cdi":
+        annotations = {"cdi.k8s.io/x": ",".join(f"nvidia.com/gpu={v}" for v in value.split(","))}
+    elif channel == "mount":
+        mounts = [{"destination": f"/var/run/nvidia-container-devices/{v}", "source": "/dev/null", "type": "bind"}
+                  for v in value.split(",")[:2000] if v and "/" not in v]
+    else:
+        env.append(f"NVIDIA_REQUIRE_CUDA=cuda>={value.replace(',', '.')}")
+    doc = {"root": {"path": "rootfs"}, "process": {"env": env}, "mounts": mounts}
+    if annotations:
+        doc["annotations"] = annotations
+    spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
+    try:
+        request = req.resolve(spec, {}, cfg.from_mapping({}))
+        req.select(request, GPUS)
+        from gpuhook import requirements as reqs
+
+        for requirement in reqs.collect(spec.env):
+            reqs.check(requirement, reqs.HostFacts("12.4", "550.54.15", []))
+    except RequestError as err:
+        assert "\n" not in err.one_line() and len(err.one_line()) < 1024

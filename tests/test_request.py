@@ -95,8 +95,40 @@ def test_volume_mounts_win_over_the_environment_and_are_deduplicated():
 
 
 def test_volume_mount_all_and_run_alias():
-    r = resolve(spec(mounts=[{"destination": "/run/nvidia-container-devices/all"}]))
+    r = resolve(spec(mounts=[{"destination": "/run/nvidia-container-devices/all", "source": "/dev/null",
+                              "type": "none", "options": ["rbind", "ro"]}]))
     assert r.wants == req.ALL
+
+
+@pytest.mark.parametrize("mount", [
+    {"destination": "/var/run/nvidia-container-devices/all", "type": "tmpfs", "source": "tmpfs"},
+    {"destination": "/var/run/nvidia-container-devices/all", "type": "bind", "source": "/etc/hostname"},
+    {"destination": "/var/run/nvidia-container-devices/all", "source": "/dev/null"},  # not a bind
+    # podman: an image's VOLUME becomes a named volume bound from its storage
+    {"destination": "/var/run/nvidia-container-devices/all", "type": "bind",
+     "source": "/var/lib/containers/storage/volumes/abc/_data", "options": ["rbind"]},
+])
+def test_only_a_bind_of_dev_null_is_a_volume_mount_request(mount):
+    for policy in ({}, {"accept-env-when-unprivileged": False, "accept-cdi-annotations": False}):
+        r = resolve(spec(mounts=[mount]), **policy)
+        assert r.empty and any("bind mount of /dev/null" in n for n in r.notes)
+
+
+def test_requests_are_bounded():
+    many = ",".join(f"GPU-{i}" for i in range(200_000))
+    with pytest.raises(RequestError, match="more than 1024 devices"):
+        resolve(spec([f"NVIDIA_VISIBLE_DEVICES={many}"]))
+    cdi = ",".join(f"nvidia.com/gpu={i}" for i in range(50_000))
+    with pytest.raises(RequestError, match="more than 1024 devices"):
+        resolve(spec(annotations={"cdi.k8s.io/x": cdi}))
+    with pytest.raises(RequestError, match="longer than 256"):
+        resolve(spec(["NVIDIA_VISIBLE_DEVICES=" + "a" * 10_000]))
+
+
+def test_an_index_with_thousands_of_digits_is_a_request_error_not_a_crash():
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=" + "9" * 200]))
+    with pytest.raises(RequestError, match="does not exist"):
+        req.select(r, GPUS)
 
 
 def test_volume_mounts_work_for_unprivileged_containers_even_when_env_is_refused():
