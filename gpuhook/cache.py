@@ -16,7 +16,9 @@ everything that could change its content:
 Caching is best effort: a cache that cannot be written never fails a container start.
 """
 
+import errno
 import os
+import stat
 
 from gpuhook import fastjson
 
@@ -33,14 +35,45 @@ def boot_id() -> str:
         return ""
 
 
+def trusted(st) -> bool:
+    """Whether a file or directory with stat `st` can only have been written by us: owned by
+    this (root) user and writable by nobody else. A state file that fails this is ignored:
+    under a runtime's umask of 0, or in a directory someone else made, it could be forged."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def ensure_dir(path: str, mode: int = 0o700) -> None:
+    """Make directory `path` with exactly `mode` (its missing parents 0755), whatever the
+    umask, and check it is ours and writable by nobody else; raises OSError (EPERM) if not."""
+    missing = []
+    current = path.rstrip("/") or "/"
+    while not os.path.lexists(current):
+        missing.append(current)
+        current = os.path.dirname(current)
+    for i, directory in enumerate(reversed(missing)):
+        want = mode if i == len(missing) - 1 else 0o755
+        try:
+            os.mkdir(directory, want)
+        except FileExistsError:
+            continue  # made by a concurrent writer: checked below like any other
+        os.chmod(directory, want, follow_symlinks=False)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or not trusted(st):
+        raise OSError(errno.EPERM, "not a directory owned by root and writable only by it", path)
+
+
 def read(path: str, limit: int = 16 << 20):
-    """The JSON document at `path`, or None if missing or damaged."""
+    """The JSON document at `path`, or None if missing, damaged, or not trusted (see
+    `trusted`: the file and its directory)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or not trusted(st) or not trusted(os.lstat(os.path.dirname(path) or ".")):
+                return None
             return fastjson.loads(f.read(limit))
     except (OSError, ValueError, RecursionError):
         return None
@@ -48,14 +81,15 @@ def read(path: str, limit: int = 16 << 20):
 
 def write_atomic(path: str, document, mode: int = 0o600, dir_mode: int = 0o700) -> None:
     """Write `document` as JSON to `path` atomically; raises OSError (or TypeError for a
-    document JSON cannot hold)."""
+    document JSON cannot hold). The directory is made with `dir_mode` (gpuhook.cache.ensure_dir)."""
     directory = os.path.dirname(path)
-    os.makedirs(directory, mode=dir_mode, exist_ok=True)
+    ensure_dir(directory, dir_mode)
     temp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     data = (fastjson.dumps(document) + "\n").encode()
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         try:
+            os.fchmod(fd, mode)  # exactly `mode`, whatever the umask
             while data:
                 data = data[os.write(fd, data):]
         finally:

@@ -10,6 +10,7 @@ against it by tests/test_config.py.
 """
 
 import os
+import stat
 
 from gpuhook import cache
 from gpuhook.errors import ConfigError
@@ -233,7 +234,7 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
         explicit = environ.get(ENV_VAR) or None
     target = explicit or DEFAULT_PATH
     try:
-        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         if explicit is None:
             return defaults()
@@ -241,7 +242,10 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
     except OSError as err:
         raise ConfigError(f"cannot read config file {target}: {err.strerror}") from err
     try:
-        identity = cache.file_identity(os.fstat(fd))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"config file {target} is not a regular file")
+        identity = cache.file_identity(st)
         cache_path = cache.config_cache_path(target)
         if use_cache:
             cached = cache.read(cache_path)

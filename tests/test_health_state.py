@@ -86,13 +86,14 @@ def test_only_gpu_and_mig_uuids_become_file_names(state_dir, bad):
 
 # --- reports --------------------------------------------------------------------------------
 
-def test_reports_are_replaced_whole_and_readable_by_others(state_dir):
+def test_reports_are_replaced_whole_and_readable_by_root_only(state_dir):
     store.write_report(state_dir, {"uuid": UUID, "status": "healthy"})
     store.write_report(state_dir, {"uuid": UUID, "status": "unhealthy"})
     assert store.read_report(state_dir, UUID) == {"uuid": UUID, "status": "unhealthy"}
     directory = store.health_dir(state_dir)
     assert os.listdir(directory) == [f"{UUID}.json"]  # no temporary file left
-    assert stat.S_IMODE(os.stat(f"{directory}/{UUID}.json").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(f"{directory}/{UUID}.json").st_mode) == 0o600  # pods, pids, GPUs
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
 
 
 def test_a_report_never_follows_a_planted_symlink(state_dir, tmp_path):

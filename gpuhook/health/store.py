@@ -54,10 +54,11 @@ def boottime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
-def write_json(path: str, document, mode: int = 0o644) -> None:
-    """Write `document` to `path` atomically (gpuhook.cache). Raises OSError; the caller
-    decides whether that matters."""
-    cache.write_atomic(path, document, mode=mode, dir_mode=0o755)
+def write_json(path: str, document, mode: int = 0o600) -> None:
+    """Write `document` to `path` atomically (gpuhook.cache), readable by root only (reports
+    and registry entries name pods, pids and GPUs). Raises OSError; the caller decides
+    whether that matters."""
+    cache.write_atomic(path, document, mode=mode, dir_mode=0o700)
 
 
 def read_json(path: str):
@@ -151,7 +152,7 @@ class GpuLock:
     def acquire(self, until: float, cancelled=None) -> bool:
         """True once held; False when monotonic time `until` passed (or `cancelled()` said so)
         first. Raises OSError when the lock file cannot be opened."""
-        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+        cache.ensure_dir(os.path.dirname(self.path), 0o700)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         pause = 0.002
         while True:

@@ -1,0 +1,89 @@
+"""gpuhook's own state files (caches, health reports, registry) cannot be forged or read by
+other local users, whatever the runtime's umask, and are never trusted when they could have
+been written by someone else."""
+
+import os
+import stat
+
+import pytest
+
+from conftest import require_root_tools
+
+from gpuhook import cache
+from gpuhook import config as cfg
+
+pytestmark = pytest.mark.root
+NOBODY = 65534
+
+
+@pytest.fixture
+def umask_zero():
+    old = os.umask(0)  # what a runtime started with umask 0 hands the hook
+    yield
+    os.umask(old)
+
+
+def test_state_files_and_their_directories_are_private_under_a_umask_of_0(tmp_path, umask_zero):
+    path = tmp_path / "run" / "gpuhook" / "health" / "report.json"
+    cache.write_atomic(str(path), {"a": 1})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    for parent in (tmp_path / "run", tmp_path / "run" / "gpuhook"):
+        assert stat.S_IMODE(parent.stat().st_mode) == 0o755  # made 0755, not 0777
+
+
+def test_health_reports_and_registry_entries_are_readable_by_root_only(tmp_path, umask_zero):
+    from gpuhook.health import store
+
+    path = tmp_path / "state" / "health" / "x.json"
+    store.write_json(str(path), {"pod": "secret-pod"})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_a_state_file_someone_else_could_have_written_is_ignored(tmp_path):
+    require_root_tools()
+    good = tmp_path / "d" / "f.json"
+    cache.write_atomic(str(good), {"ok": True})
+    assert cache.read(str(good)) == {"ok": True}
+    os.chown(good, NOBODY, NOBODY)
+    assert cache.read(str(good)) is None  # another user's file
+    os.chown(good, 0, 0)
+    os.chmod(good, 0o666)
+    assert cache.read(str(good)) is None  # anyone could have written it
+    os.chmod(good, 0o600)
+    os.chmod(good.parent, 0o777)
+    assert cache.read(str(good)) is None  # anyone could have put it there
+    with pytest.raises(OSError):
+        cache.write_atomic(str(good), {"ok": False})  # and we do not write into such a directory
+
+
+def test_a_directory_another_user_made_is_not_used(tmp_path):
+    require_root_tools()
+    planted = tmp_path / "planted"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, NOBODY, NOBODY)
+    with pytest.raises(OSError):
+        cache.ensure_dir(str(planted))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(OSError):
+        cache.ensure_dir(str(link))
+
+
+def test_a_forged_config_cache_entry_is_not_trusted(tmp_path, monkeypatch):
+    """The parsed config is cached by the config file's identity alone; a forged entry
+    would turn every policy off (or point ldconfig anywhere). It must be ours to count."""
+    require_root_tools()
+    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "config-cache"))
+    config_file = tmp_path / "config.toml"
+    config_file.write_text("accept-volume-mounts = false\n")
+    assert cfg.load(str(config_file)).accept_volume_mounts is False  # parsed, then cached
+    entry = cache.config_cache_path(str(config_file))
+    doc = cache.read(entry)
+    doc["data"]["accept-volume-mounts"] = True
+    with open(entry, "w") as f:
+        import json
+
+        json.dump(doc, f)
+    os.chown(entry, NOBODY, NOBODY)  # a local user's forgery
+    assert cfg.load(str(config_file)).accept_volume_mounts is False
