@@ -24,7 +24,16 @@ class GpuhookError(Exception):
     def one_line(self) -> str:
         text = self.message if not self.hint else f"{self.message} ({self.hint})"
         # A runtime shows our stderr inline; never let input smuggle extra lines into it.
-        return " ".join(text.split())
+        return printable(" ".join(text.split()))
+
+
+def printable(text: str) -> str:
+    """`text` with every control or format character (newlines, terminal escapes, bidi
+    overrides) replaced by '?': names from a pod spec or an image must not forge report
+    lines or drive the operator's terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 class InputError(GpuhookError):

@@ -151,7 +151,10 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         record.update(decision="internal error", error=repr(err), traceback=traceback.format_exc())
         if stage == "poststop":
             return 0
-        print(f"gpuhook: internal error: {type(err).__name__}: {err}".splitlines()[0], file=sys.stderr)
+        from gpuhook.errors import printable
+
+        print(printable(f"gpuhook: internal error: {type(err).__name__}: {err}".splitlines()[0])[:1000],
+              file=sys.stderr)
         return INTERNAL_ERROR
     finally:
         record["seconds"] = round(time.monotonic() - started, 4)

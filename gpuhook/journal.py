@@ -28,6 +28,12 @@ def k8s_names(annotations: dict) -> dict:
     return found
 
 
+def _private_dir(path: str) -> bool:
+    """The log's directory must not be writable by other users (who could swap the file)."""
+    st = os.stat(os.path.dirname(path) or ".")
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def write(path: str, record: dict) -> bool:
     """Append `record` to the log at `path`; True if it was written."""
     if not path:
@@ -40,8 +46,9 @@ def write(path: str, record: dict) -> bool:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
                      0o640)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return False
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or not _private_dir(path):
+                return False  # a FIFO, another user's file, or a directory anyone can write to
             return os.write(fd, data) == len(data)
         finally:
             os.close(fd)

@@ -270,3 +270,23 @@ def test_concurrent_updates_lose_nothing(tmp_path):
         w.join(60)
     assert [w.exitcode for w in workers] == [0, 0, 0, 0]
     assert simnvml.load(path)["gpus"][0]["reset_count"] == 160
+
+
+@pytest.mark.parametrize("kind", ["empty dir of another user", "symlink to a dir", "world-writable dir"])
+def test_simulate_refuses_a_target_someone_else_could_swap(tmp_path, kind):
+    """Root loads the simulated NVML library from the target later: a directory another user
+    made (the old README example was /tmp/sim) or a symlink would hand that user root."""
+    require_root_tools()
+    target = tmp_path / "sim"
+    if kind == "empty dir of another user":
+        target.mkdir()
+        os.chown(target, 65534, 65534)
+    elif kind == "symlink to a dir":
+        (tmp_path / "elsewhere").mkdir()
+        target.symlink_to(tmp_path / "elsewhere")
+    else:
+        target.mkdir()
+        os.chmod(target, 0o777)
+    with pytest.raises(simhost.SimulationError, match="owned by root"):
+        simhost.build(str(target), gpus=1)
+    assert not (tmp_path / "elsewhere" / "driver").exists()

@@ -6,18 +6,31 @@ only our additions. The kernel parses one rule per write(2).
 """
 
 import os
+import stat
 
 from gpuhook.cgroup.devices import parse_v1_line
 from gpuhook.errors import ApplyError
 
 
 def current_rules(directory: str) -> list:
+    """The rules in `directory`/devices.list. `gpuhook cgroup show --path` takes any
+    directory: a planted symlink or FIFO there must not make root read (or print, or wait
+    on) another file, and a line that is no rule is never quoted back."""
+    path = f"{directory}/devices.list"
     try:
-        with open(f"{directory}/devices.list") as f:
-            text = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ApplyError("cgroup", f"{path} is not a regular file")
+            text = os.read(fd, 1 << 20).decode("ascii", "replace")
+        finally:
+            os.close(fd)
     except OSError as err:
-        raise ApplyError("cgroup", f"cannot read {directory}/devices.list: {err.strerror}") from err
-    return [parse_v1_line(line) for line in text.splitlines() if line.strip()]
+        raise ApplyError("cgroup", f"cannot read {path}: {err.strerror}") from err
+    try:
+        return [parse_v1_line(line) for line in text.splitlines() if line.strip()]
+    except ValueError:
+        raise ApplyError("cgroup", f"{path} holds a line that is not a device rule") from None
 
 
 def _write(directory: str, name: str, rule) -> None:

@@ -7,7 +7,7 @@ import click
 
 from gpuhook import config as cfg
 from gpuhook.cli import CONFIG_OPTION
-from gpuhook.errors import InputError
+from gpuhook.errors import InputError, printable
 
 DEADLINE_OPTION = click.option("--deadline", "deadline_seconds", type=click.FloatRange(min=0.1, max=3600),
                                metavar="SECONDS", help="Time for all GPUs together (default: health.deadline-seconds).")
@@ -51,9 +51,9 @@ def render(report) -> str:
             line += f"  {result.failure()}"
         if result.users:
             line += "  used by: " + ", ".join(result.users)
-        lines.append(line)
+        lines.append(printable(line))  # pod names and evidence come from pods and processes
     for cut in report.cut_off:
-        lines.append(f"cut off: {cut.text()}")
+        lines.append(printable(f"cut off: {cut.text()}"))
     return "\n".join(lines)
 
 

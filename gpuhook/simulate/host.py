@@ -194,6 +194,19 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
     os.chmod(path, mode)
 
 
+def _check_target(directory: str) -> None:
+    """Make `directory` (0755), or accept an existing one only if it is a real directory that
+    root owns and nobody else can write. Root later loads the "NVML" library built there: a
+    directory another user made (say /tmp/sim), or a symlink, would let that user swap it."""
+    from gpuhook import cache
+
+    try:
+        cache.ensure_dir(directory, 0o755)
+    except OSError as err:
+        raise SimulationError(f"{directory} is a symlink, or not a directory owned by root and writable only by "
+                              f"it; choose a private directory (e.g. under /var/lib)") from err
+
+
 def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VERSION,
           model: str = DEFAULT_MODEL, seed: str = "default", machine: str | None = None,
           cuda_version: str | None = None, brand: str = DEFAULT_BRAND, mig: dict | None = None,
@@ -230,11 +243,12 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
     if multiarch is None:
         raise SimulationError(f"unsupported machine {machine}")
     directory = os.path.abspath(directory)
-    if os.path.exists(directory) and os.listdir(directory):
+    _check_target(directory)
+    if os.listdir(directory):
         if not os.path.exists(os.path.join(directory, MARKER)):
             raise SimulationError(f"{directory} is not empty and is not a simulated host; refusing to replace it")
         shutil.rmtree(directory)
-    os.makedirs(directory, exist_ok=True)
+        _check_target(directory)
 
     driver = f"{directory}/driver"
     libdir = f"{driver}/usr/lib/{multiarch}"
