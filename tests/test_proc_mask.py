@@ -67,6 +67,9 @@ def test_proc_driver_nvidia_is_masked_read_only_with_only_the_containers_gpus(tm
     assert out["gpu_info"] == "Bus Location: 0000:28:00.0\n"
     top = [m for m in out["mounts"] if m[0] == str(fake)]
     assert top and top[0][1].startswith("ro,") and top[0][2] == "tmpfs"
+    gpu_dir = [m for m in out["mounts"] if m[0] == f"{fake}/gpus/0000:28:00.0"]
+    # the container's own GPU dir, bound in: read-only, nosuid, nodev, noexec like the rest
+    assert gpu_dir and gpu_dir[0][1].split(",")[:4] == ["ro", "nosuid", "nodev", "noexec"]
     assert out["write"] == "Read-only file system"
     assert host_mounts() == before
     assert (fake / "params").read_text() == "ModifyDeviceFiles: 1\n"  # the real tree is untouched
