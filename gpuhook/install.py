@@ -31,10 +31,12 @@ else changed since. Directories gpuhook created stay.
 
 import copy
 import difflib
+import errno
 import json
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -319,22 +321,45 @@ def _parse_json_object(text: str, where: str) -> dict:
     return doc
 
 
+MAX_FILE_BYTES = 16 << 20
+
+
 def _read_text(path: str) -> str | None:
-    """A file's text exactly as stored (no newline translation); None when it is absent."""
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            return f.read()
-    except FileNotFoundError:
+    """A file's text exactly as stored (no newline translation); None when it is absent.
+    A symlink, FIFO or device is refused, not followed: config and hooks directories can be
+    user-owned, and a planted link must not make root hand back another file."""
+    data = _read_bytes(path)
+    if data is None:
         return None
-    except IsADirectoryError:
-        raise InstallError(f"{path} is a directory, not a file") from None
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise InstallError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+
+
+def _read_bytes(path: str, want_stat: bool = False):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise InstallError(f"{path} is a symlink; gpuhook does not follow links when installing") from None
+        raise InstallError(f"cannot read {path}: {err.strerror}") from err
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise InstallError(f"{path} is a directory, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise InstallError(f"{path} is not a regular file")
+        data = os.read(fd, MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise InstallError(f"{path} is larger than {MAX_FILE_BYTES >> 20} MiB")
     except OSError as err:
         raise InstallError(f"cannot read {path}: {err.strerror}") from err
-
-
-# --- podman and CRI-O: hooks.d ----------------------------------------------------------
+    finally:
+        os.close(fd)
+    return (data, st) if want_stat else data
 
 
 def _hooks_d_is_ours(text: str) -> bool:
@@ -784,35 +809,66 @@ def apply(plan: InstallPlan) -> list[str]:
 
 def _write_atomic(path: str, text: str) -> None:
     """Replace `path` with `text` in one rename, keeping an existing file's mode and owner."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        st = None
-    tmp = f"{path}.gpuhook-tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        with open(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if st is not None:
-            os.chmod(tmp, st.st_mode & 0o7777)
-            if os.geteuid() == 0:
-                os.chown(tmp, st.st_uid, st.st_gid)
-        else:
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    _replace(path, text.encode("utf-8"))
 
 
 def _copy_atomic(source: str, target: str) -> None:
-    tmp = f"{target}.gpuhook-tmp"
-    shutil.copy2(source, tmp)
-    os.replace(tmp, target)
+    data, st = _read_bytes(source, want_stat=True)
+    _replace(target, data, st)
+
+
+def _replace(path: str, data: bytes, like=None) -> None:
+    """Replace `path` with `data` through its directory's fd: a temporary file made with
+    O_EXCL|O_NOFOLLOW, mode and owner set by fd (from `like`, else from the file it
+    replaces, else 0644 root), then renameat. Nothing is resolved twice by path, so a link
+    planted in a user-owned directory is never followed."""
+    directory, name = os.path.split(path)
+    _make_dirs(directory)
+    dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if like is None:
+            try:
+                like = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                like = None
+            if like is not None and not stat.S_ISREG(like.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file; refusing to replace it", path)
+        tmp = f".{name}.gpuhook-{os.getpid()}-{os.urandom(4).hex()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+                if like is not None:
+                    if os.geteuid() == 0:
+                        os.fchown(fd, like.st_uid, like.st_gid)
+                    os.fchmod(fd, like.st_mode & 0o7777)
+                else:
+                    os.fchmod(fd, 0o644)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            raise
+    finally:
+        os.close(dir_fd)
+
+
+def _make_dirs(directory: str) -> None:
+    """Make `directory` and its missing parents 0755, whatever the umask."""
+    missing = []
+    while directory and not os.path.lexists(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o755)
+            os.chmod(path, 0o755, follow_symlinks=False)
+        except FileExistsError:
+            pass

@@ -420,11 +420,30 @@ def test_options_for_another_target_are_errors(args, message):
 def test_a_write_failure_is_a_one_line_error_and_leaves_the_old_file(tmp_path):
     hooks_dir = tmp_path / "hooks.d"
     write(hooks_dir / "gpuhook.json", "{}")
-    (hooks_dir / "gpuhook.json.gpuhook-tmp").mkdir()  # where the new content would be written
+    os.mkfifo(hooks_dir / "gpuhook-poststop.json")  # in the way of the second file
     done = gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), check=False)
-    one_line_error(done, f"cannot change {hooks_dir}/gpuhook.json.gpuhook-tmp: Is a directory",
-                   "done before the failure: backed up")
+    one_line_error(done, "gpuhook-poststop.json is not a regular file")
     assert (hooks_dir / "gpuhook.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("planted", ["gpuhook.json", "gpuhook-poststop.json"])
+def test_install_never_follows_a_link_planted_in_a_user_owned_hooks_dir(tmp_path, planted):
+    """A user who owns the hooks dir links our file name to a root file: install must not
+    overwrite it, chown it to the user, or read it back on uninstall."""
+    hooks_dir = tmp_path / "hooks.d"
+    hooks_dir.mkdir()
+    victim = tmp_path / "root-file"
+    victim.write_text("root's precious file\n")
+    os.chmod(victim, 0o600)
+    (hooks_dir / planted).symlink_to(victim)
+    os.chown(hooks_dir, 65534, 65534)
+    done = gpuhook_cli("install", "podman", "--hooks-dir", str(hooks_dir), check=False)
+    one_line_error(done, "is a symlink")
+    assert victim.read_text() == "root's precious file\n"
+    st = victim.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
+    done = gpuhook_cli("uninstall", "podman", "--hooks-dir", str(hooks_dir), check=False)
+    assert "precious" not in done.stdout + done.stderr
 
 
 # --- containerd --------------------------------------------------------------------------
