@@ -134,8 +134,8 @@ def cgroup_parent() -> str:
 class FakeContainer:
     """A registered "container": its own cgroup, an init, and processes started in it."""
 
-    def __init__(self, name):
-        self.cgroup = f"{cgroup_parent()}/gpuhook-test-{name}-{uuidlib.uuid4().hex[:8]}"
+    def __init__(self, name, parent=None):
+        self.cgroup = f"{parent.cgroup if parent else cgroup_parent()}/gpuhook-test-{name}-{uuidlib.uuid4().hex[:8]}"
         os.mkdir(self.cgroup)
         self.id = f"{name}-{uuidlib.uuid4().hex[:12]}"
         self.shims, self.pids = [], []
@@ -182,12 +182,12 @@ class FakeContainer:
 def containers():
     made = []
 
-    def make(name="ctr"):
-        made.append(FakeContainer(name))
+    def make(name="ctr", parent=None):
+        made.append(FakeContainer(name, parent))
         return made[-1]
 
     yield make
-    for container in made:
+    for container in reversed(made):  # nested ones first
         container.close()
 
 
@@ -621,3 +621,66 @@ def test_an_error_inside_a_gpu_check_reaches_the_caller_and_frees_the_lock(confi
     lock = store.GpuLock(config.state_dir, gpu(sim, 0))
     assert lock.acquire(time.monotonic() + 0.5)
     lock.release()
+
+
+# --- poststop and ownership cannot be turned against live containers or the host ---------------
+
+def test_a_poststop_naming_a_live_container_changes_nothing(sim, tmp_path, nvml_state, containers):
+    config = make_config(sim, tmp_path, **{"reset-on-release": True})
+    running = containers("live-target")
+    entry = running.register(config.state_dir, gpu(sim, 0))
+    worker = running.spawn("sleep", "600")
+    simnvml.add_process(nvml_state, 0, pid=worker, used_memory=GIB)
+    record = {}
+    hooks.after_stop(stopped_state(running.id), config, time.monotonic() + 10, record)
+    assert record["decision"].startswith("nothing cleaned: container") and "still running" in record["decision"]
+    assert alive(worker) and gpu_state(nvml_state, 0)["reset_count"] == 0
+    assert registry.load(config.state_dir, running.id) == entry
+
+
+def test_a_reused_id_only_cleans_up_the_container_that_is_gone(sim, tmp_path, nvml_state, containers):
+    """Two runtime roots, one container id: the poststop of the gone one must not drop the
+    live one's entry, kill its processes or reset its GPU."""
+    config = make_config(sim, tmp_path, **{"reset-on-release": True})
+    gone, live = containers("same-id-a"), containers("same-id-b")
+    live.id = gone.id
+    gone.register(config.state_dir, gpu(sim, 0))
+    live_entry = live.register(config.state_dir, gpu(sim, 1))
+    worker = live.spawn("sleep", "600")
+    simnvml.add_process(nvml_state, 1, pid=worker, used_memory=GIB)
+    gone.stop_init()
+    record = {}
+    hooks.after_stop(stopped_state(gone.id), config, time.monotonic() + 10, record)
+    assert record["decision"] == "cleaned up"
+    assert registry.load_id(config.state_dir, gone.id) == (live_entry,)
+    assert alive(worker) and gpu_state(nvml_state, 1)["reset_count"] == 0
+
+
+def test_a_cgroup_that_held_other_processes_is_never_the_containers(config, sim, nvml_state, containers):
+    """A container placed in a cgroup a host daemon already runs in: the daemon is not the
+    container's, and its poststop must not kill it."""
+    shared = containers("shared-cgroup")
+    daemon = shared.spawn("sleep", "600")  # there before the container registers
+    entry = registry.from_process(shared.id, shared.init, [gpu(sim, 0)])
+    assert entry.cgroups == {}
+    registry.record(config.state_dir, entry)
+    simnvml.add_process(nvml_state, 0, pid=daemon, used_memory=GIB)
+    shared.stop_init()
+    record = {}
+    hooks.after_stop(stopped_state(shared.id), config, time.monotonic() + 10, record)
+    assert alive(daemon)
+
+
+def test_in_nested_cgroups_a_live_inner_container_owns_its_processes(config, sim, nvml_state, containers):
+    outer = containers("outer")
+    inner = containers("inner", parent=outer)
+    outer.register(config.state_dir, gpu(sim, 0))
+    inner_entry = inner.register(config.state_dir, gpu(sim, 0))
+    worker = inner.spawn("sleep", "600")
+    outer.stop_init()
+    attributor = owners.Attributor(registry.load_all(config.state_dir))
+    (found,) = attributor.attribute([nvml_process(worker)])
+    assert (found.owner, found.container) == (Owner.CONTAINER, inner_entry)
+    simnvml.add_process(nvml_state, 0, pid=worker, used_memory=GIB)
+    hooks.after_stop(stopped_state(outer.id), config, time.monotonic() + 10, {})
+    assert alive(worker)

@@ -211,7 +211,7 @@ def test_reading_the_registry_drops_entries_nothing_can_depend_on(state_dir):
     assert registry.cgroups_exist(gone_cgroup, []) is True  # cannot be located: assume it exists
     found = {e.id for e in registry.load_all(state_dir)}
     assert {"live", "dead-with-cgroup"} <= found and "old-boot" not in found
-    assert not os.path.exists(registry.entry_path(state_dir, "old-boot"))
+    assert not os.path.exists(registry.entry_path(state_dir, old_boot))
 
 
 # --- the reset command --------------------------------------------------------------------

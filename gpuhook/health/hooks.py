@@ -92,24 +92,36 @@ def after_stop(state, config, hook_deadline: float, record: dict) -> None:
     """After the container stopped: kill what it left on its GPUs and, with reset-on-release,
     reset each GPU it was the last user of. Never raises: a stop must not fail; problems are
     in the record (and in the GPUs' reports)."""
-    entry = registry.load(config.state_dir, state.id)
-    if entry is None:
+    entries = registry.load_id(config.state_dir, state.id)
+    if not entries:
         record["decision"] = "nothing to clean up (container not registered)"
+        return
+    # The state's id alone proves nothing: another runtime root can have a live container of
+    # the same id, and a poststop can be invoked by hand. Only a container whose init is gone
+    # is cleaned up; a live one is never touched (docs/security.md).
+    gone = [entry for entry in entries if not registry.is_alive(entry)]
+    if not gone:
+        record["decision"] = (f"nothing cleaned: container {entries[-1].label()} is still running "
+                              f"(init pid {entries[-1].pid})")
         return
     from gpuhook.health import engine
 
     deadline = min(time.monotonic() + config.health.deadline_seconds, hook_deadline)
-    try:
-        report = engine.release(entry, config, deadline)
-    except GpuhookError as err:
-        record.update(decision="cleanup failed", error=err.one_line())
-        return
-    record["health"] = report.as_dict()
-    leftovers = [process.pid for result in report.gpus for finding in result.problems for process in finding.targets
-                 if process.container is not None and process.container.id == entry.id]
-    if report.cut_off or leftovers:
-        # Keep the entry: whatever is still in its cgroups is recognised as an orphan later.
-        record["decision"] = "cleanup incomplete (container kept in the registry)"
-        return
-    registry.forget(config.state_dir, state.id)
-    record["decision"] = "cleaned up"
+    decisions = []
+    for entry in gone:
+        try:
+            report = engine.release(entry, config, deadline)
+        except GpuhookError as err:
+            record.update(decision="cleanup failed", error=err.one_line())
+            return
+        record["health"] = report.as_dict()
+        leftovers = [process.pid for result in report.gpus for finding in result.problems
+                     for process in finding.targets
+                     if process.container is not None and process.container == entry]
+        if report.cut_off or leftovers:
+            # Keep the entry: whatever is still in its cgroups is recognised as an orphan later.
+            decisions.append("cleanup incomplete (container kept in the registry)")
+            continue
+        registry.forget(config.state_dir, entry)
+        decisions.append("cleaned up")
+    record["decision"] = "; ".join(dict.fromkeys(decisions))

@@ -81,9 +81,10 @@ class Attributor:
         self._alive = {}
 
     def alive(self, container) -> bool:
-        if container.id not in self._alive:
-            self._alive[container.id] = registry.is_alive(container, self.proc)
-        return self._alive[container.id]
+        key = (container.id, container.pid, container.start_time)
+        if key not in self._alive:
+            self._alive[key] = registry.is_alive(container, self.proc)
+        return self._alive[key]
 
     def owner_of(self, pid: int):
         """(Owner, registry entry or None, ProcessStat or None, detail) for a live pid."""
@@ -96,11 +97,15 @@ class Attributor:
         if cgroups is None:
             # It exited between the two reads, or /proc hides it: never a kill candidate.
             return Owner.OTHER_CONTAINER, None, stat, "cgroup unreadable"
-        for container in self.containers:
-            if container.id == self.starting or not container.holds(cgroups):
-                continue
-            if self.alive(container):
-                return Owner.CONTAINER, container, stat, f"container {container.label()}"
+        holders = [c for c in self.containers if c.id != self.starting and c.holds(cgroups)]
+        if holders:
+            # Nested cgroups: the most specific owner is the process's container, and a live
+            # holder always wins, so a live container's process is never anyone's orphan.
+            holders.sort(key=lambda c: sum(len(path) for path in c.cgroups.values()), reverse=True)
+            live = [c for c in holders if self.alive(c)]
+            if live:
+                return Owner.CONTAINER, live[0], stat, f"container {live[0].label()}"
+            container = holders[0]
             return Owner.ORPHAN, container, stat, (f"left over from container {container.label()}, "
                                                    f"whose init (pid {container.pid}) is gone")
         theirs = namespaces(pid, self.proc)

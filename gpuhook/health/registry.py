@@ -1,7 +1,8 @@
 """The containers gpuhook started with GPUs: who may own a GPU process, and who left one behind.
 
 The hook records every container it gave GPUs (after a successful apply) in
-<state-dir>/health/containers/<id>.json:
+<state-dir>/health/containers/<id>@<pid>-<start_time>.json (keyed by the init as well as the
+id: two runtimes, or two --root dirs of one runtime, can each have a container of one id):
 
     {"format": 1, "id": "...", "pid": 4242, "start_time": 123456, "boot_id": "...",
      "cgroups": {"pids": "/mycontainer", "": "/mycontainer"}, "gpus": ["GPU-..."],
@@ -14,7 +15,12 @@ the init's cgroup paths (per controller, "" for cgroup v2) that are the containe
 i.e. differ from the registering hook's: a GPU process in those cgroups belongs to the
 container; if the container is gone, the process is an orphan (issue 5, item 2).
 
-An entry is removed at poststop once nothing is left behind; an entry of a gone container
+Only cgroups the init has to itself at registration count as the container's: a cgroup that
+already holds other processes (a container placed into a host daemon's cgroup) is shared,
+and nothing in it is ever taken for the container's.
+
+An entry is removed at poststop once nothing is left behind, and only when its container is
+gone: a poststop naming a live container's id changes nothing; an entry of a gone container
 whose cgroups no longer exist (nothing can be left in them), or from another boot, is
 dropped when the registry is read.
 """
@@ -118,8 +124,12 @@ def entry_name(container_id: str) -> str:
     return "sha256-" + hashlib.sha256(container_id.encode("utf-8", "surrogateescape")).hexdigest()
 
 
-def entry_path(state_dir: str, container_id: str) -> str:
-    return f"{store.health_dir(state_dir)}/containers/{entry_name(container_id)}.json"
+def entries_dir(state_dir: str) -> str:
+    return f"{store.health_dir(state_dir)}/containers"
+
+
+def entry_path(state_dir: str, container: Container) -> str:
+    return f"{entries_dir(state_dir)}/{entry_name(container.id)}@{container.pid}-{container.start_time}.json"
 
 
 def from_process(container_id: str, pid: int, gpus, names: dict | None = None, proc: str = "/proc") -> Container:
@@ -130,20 +140,39 @@ def from_process(container_id: str, pid: int, gpus, names: dict | None = None, p
     if stat is None or cgroups is None or stat.zombie:
         raise LookupError(f"container init pid {pid} is not readable in {proc}")
     mine = read_cgroups(os.getpid(), proc) or {}
-    return Container(container_id, pid, stat.start_time, own_cgroups(cgroups, mine), tuple(gpus),
+    own = own_cgroups(cgroups, mine)
+    mounts = _cgroup_mounts(proc)
+    own = {key: path for key, path in own.items() if not _shared({key: path}, pid, mounts)}
+    return Container(container_id, pid, stat.start_time, own, tuple(gpus),
                      dict(names or {}), store.boot_id(), round(store.boottime(), 3))
+
+
+def _shared(cgroups: dict, pid: int, mounts) -> bool:
+    """Whether any of these cgroups holds a process other than `pid` (or cannot be read)."""
+    for directory in cgroup_directories(cgroups, mounts):
+        try:
+            with open(f"{directory}/cgroup.procs", "rb") as f:
+                pids = f.read(1 << 20).split()
+        except OSError:
+            return True
+        if any(p != str(pid).encode() for p in pids):
+            return True
+    return False
 
 
 def record(state_dir: str, container: Container) -> None:
     """Write (or replace) the entry of `container`. Raises OSError."""
-    store.write_json(entry_path(state_dir, container.id), container.as_dict())
+    store.write_json(entry_path(state_dir, container), container.as_dict())
 
 
-def forget(state_dir: str, container_id: str) -> None:
-    try:
-        os.unlink(entry_path(state_dir, container_id))
-    except FileNotFoundError:
-        pass
+def forget(state_dir: str, container) -> None:
+    """Remove the entry of `container` (a Container), or every entry of an id (a str)."""
+    targets = [container] if isinstance(container, Container) else load_id(state_dir, container)
+    for entry in targets:
+        try:
+            os.unlink(entry_path(state_dir, entry))
+        except FileNotFoundError:
+            pass
 
 
 def _parse(doc) -> Container | None:
@@ -158,14 +187,26 @@ def _parse(doc) -> Container | None:
         return None
 
 
+def load_id(state_dir: str, container_id: str) -> tuple:
+    """Every entry of this container id (one per init that ever registered under it)."""
+    prefix = entry_name(container_id) + "@"
+    try:
+        names = [n for n in os.listdir(entries_dir(state_dir)) if n.startswith(prefix) and n.endswith(".json")]
+    except OSError:
+        return ()
+    found = (_parse(store.read_json(f"{entries_dir(state_dir)}/{name}")) for name in names)
+    return tuple(sorted((e for e in found if e is not None and e.id == container_id), key=lambda e: e.registered))
+
+
 def load(state_dir: str, container_id: str) -> Container | None:
-    entry = _parse(store.read_json(entry_path(state_dir, container_id)))
-    return entry if entry is not None and entry.id == container_id else None
+    """The newest entry of this container id, or None."""
+    entries = load_id(state_dir, container_id)
+    return entries[-1] if entries else None
 
 
 def load_all(state_dir: str, proc: str = "/proc", prune: bool = True) -> tuple:
     """Every entry, dropping (with `prune`) those nothing can depend on any more."""
-    directory = f"{store.health_dir(state_dir)}/containers"
+    directory = entries_dir(state_dir)
     try:
         names = os.listdir(directory)
     except OSError:

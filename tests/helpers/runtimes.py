@@ -91,7 +91,7 @@ def registered(gpus, container) -> bool:
     holds `container`. The registry's directory must exist, so that a wrong path cannot pass
     for a registry the poststop hook emptied."""
     state_dir = f"{os.path.dirname(gpus.log)}/run"
-    directory = os.path.dirname(registry.entry_path(state_dir, container))
+    directory = registry.entries_dir(state_dir)
     assert os.path.isdir(directory), f"no health registry at {directory}"
     return registry.load(state_dir, container) is not None
 
