@@ -54,8 +54,8 @@ KEYS = (
          "clusters: any image that sets NVIDIA_VISIBLE_DEVICES=all gets every GPU, bypassing the "
          "scheduler. Set false where the device plugin uses volume mounts or CDI."),
     _key("accept-volume-mounts", "bool", True,
-         "Honour /dev/null mounts at /var/run/nvidia-container-devices/<id> (the Kubernetes device "
-         "plugin's volume-mounts strategy; only the runtime can add them)."),
+         "Honour bind mounts of /dev/null at /var/run/nvidia-container-devices/<id> (the Kubernetes "
+         "device plugin's volume-mounts strategy; only the runtime can add them)."),
     _key("accept-cdi-annotations", "bool", True,
          "Honour CDI annotations (cdi.k8s.io/*) naming nvidia.com/gpu. The kubelet or the "
          "runtime sets them; set false where users can set annotations themselves (podman "
