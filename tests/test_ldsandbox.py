@@ -1,0 +1,55 @@
+"""The ldconfig sandbox on its own, with both ways of making the read-only copy (the new
+mount API and, for kernels before 5.12, mount + remount), in a private mount namespace over
+a rootfs with a real procfs mounted in it, as a runtime leaves it before pivot_root."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, host_mounts, require_root_tools
+
+pytestmark = pytest.mark.root
+
+SCRIPT = r"""
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from gpuhook import ldsandbox, linux
+root = {root!r}
+linux.mount(root, root, None, linux.MS_BIND)
+linux.mount("proc", root + "/proc", "proc", 0)
+fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+ld = os.open("/sbin/ldconfig", os.O_RDONLY | os.O_CLOEXEC)
+out = {{}}
+try:
+    data, output = ldsandbox.build_cache(root, fd, ld, ["/usr/lib64"], time.monotonic() + 20, {new_api!r})
+    out["magic"] = data[:20].decode()
+except ldsandbox.SandboxError as err:
+    out["error"] = str(err)
+out["mounts_after"] = sorted(l.split()[4] for l in open("/proc/self/mountinfo"))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("new_api", [True, False], ids=["open_tree+mount_setattr", "mount+remount"])
+def test_the_sandbox_builds_a_cache_and_leaves_nothing_behind(tmp_path, new_api):
+    require_root_tools("unshare", "ldconfig")
+    root = tmp_path / "rootfs"
+    for d in ("etc", "proc", "dev", "usr/lib64", "var/cache"):
+        (root / d).mkdir(parents=True)
+    (root / "etc" / "ld.so.conf").write_text(f"include /proc/1/root{tmp_path}/host/*.conf\n")
+    (root / "var" / "cache" / "ldconfig").symlink_to(f"/proc/1/root{tmp_path}/host")
+    (tmp_path / "host").mkdir()
+    (tmp_path / "host" / "secret.conf").write_text("x=HOSTSECRET\n")
+    before = host_mounts()
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
+                           SCRIPT.format(repo=REPO, root=str(root), new_api=new_api)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out.get("magic") == "glibc-ld.so.cache1.1", out
+    assert sorted(p.name for p in (tmp_path / "host").iterdir()) == ["secret.conf"]  # no aux-cache
+    assert host_mounts() == before
+    # the sandbox's own namespace died with it: the caller's table shows none of its mounts
+    assert not [p for p in out["mounts_after"] if p.startswith(str(root)) and p not in (str(root), f"{root}/proc")]
