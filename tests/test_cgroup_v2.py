@@ -649,3 +649,37 @@ def test_hook_fails_the_start_in_one_line_when_systemd_refuses(systemd_host):
     (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
     assert f"cgroup: systemd did not add DeviceAllow= to {name}.scope: Failed to set unit properties" in line
     assert [call.split()[2] for call in systemd_host.calls.read_text().splitlines()] == ["show", "set-property"]
+
+
+def test_a_parent_cgroup_program_that_denies_the_gpu_fails_the_start_clearly(v2ns, bed, gpus):
+    """gpuhook changes only the container's own programs; a deny above it (a parent cgroup's
+    program, which also runs for every access) would leave the GPU giving EPERM while the
+    start reported it injected. The start fails, naming the parent's program."""
+    parent = unique("gpuhook-deny-parent")
+    parent_dir = f"{v2ns.root}/sys/fs/cgroup/{parent}"
+    os.mkdir(parent_dir)
+    prog_fd = bpf.load(program.encode(program.prepend([R("c 1:3 rwm"), R("c 1:5 rwm"), R("c 136:* rwm"),
+                                                       R("c 5:2 rwm"), R("c 1:9 rwm"), R("c 1:8 rwm")],
+                                                      program.DENY_ALL)), "deny_gpu_test")
+    cgroup_fd = os.open(parent_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        bpf.attach(cgroup_fd, prog_fd)
+
+        def under_parent(spec):
+            spec["linux"]["cgroupsPath"] = f"/{parent}/{unique('deny-child')}"
+
+        result = gpus.run("deny-above", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=under_parent)
+        assert result.returncode != 0
+        (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+        assert "on a parent cgroup" in line and "denies c 195:" in line, line
+    finally:
+        try:
+            bpf.detach(cgroup_fd, prog_fd)
+        except OSError:
+            pass
+        os.close(cgroup_fd)
+        os.close(prog_fd)
+        for leftover in os.listdir(parent_dir):
+            if os.path.isdir(f"{parent_dir}/{leftover}"):
+                os.rmdir(f"{parent_dir}/{leftover}")
+        os.rmdir(parent_dir)

@@ -121,6 +121,8 @@ def grant(directory: str, rules, *, build=program.prepend, use_replace: bool = T
             raise _failure("list the device programs", directory, err) from err
         for prog_id in ids:
             _grant_one(bpf, done, directory, prog_id, wanted, build, use_replace)
+        if ids:
+            _refuse_denial_above(bpf, done.cgroup_fd, directory, wanted)
     except BaseException as failure:
         problems = revoke(directory, done)
         if problems and isinstance(failure, ApplyError):
@@ -129,6 +131,40 @@ def grant(directory: str, rules, *, build=program.prepend, use_replace: bool = T
     if not done.swaps:
         done.close()
     return done
+
+
+def _refuse_denial_above(bpf, cgroup_fd: int, directory: str, wanted: list) -> None:
+    """Every device program that runs for the cgroup must allow an access, those attached to
+    its parents included (BPF_F_QUERY_EFFECTIVE lists them). gpuhook changes only the
+    cgroup's own programs; a parent's program that denies a device we grant would make the
+    start report the GPU injected while opening it gives EPERM, so the start fails instead.
+    A parent's program gpuhook cannot decode is given the benefit of the doubt."""
+    try:
+        own = set(bpf.query(cgroup_fd))
+        effective = bpf.query(cgroup_fd, effective=True)
+    except OSError:
+        return  # kernels without effective queries: nothing more can be known
+    for prog_id in effective:
+        if prog_id in own:
+            continue
+        try:
+            fd = bpf.open_program(prog_id)
+        except OSError:
+            continue
+        try:
+            info = bpf.program_info(fd)
+            rules = program.program_rules(program.decode_bytes(info.code))[1]
+        except (OSError, program.ProgramError, program.DecodeError):
+            rules = None
+        finally:
+            _close(fd)
+        if rules is None:
+            continue
+        for rule in wanted:
+            if not program.allows(rules, rule):
+                raise ApplyError("cgroup", f"device program {prog_id} on a parent cgroup of {directory} denies "
+                                           f"{rule.v1_line().strip()}: the container could not open it",
+                                 "allow the NVIDIA devices in the parent cgroup's device policy")
 
 
 def _grant_one(bpf, done: Grant, directory: str, prog_id: int, wanted: list, build, use_replace: bool) -> None:
