@@ -42,6 +42,10 @@ def trusted(st) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
+class UntrustedPath(OSError):
+    """A directory exists but is not one gpuhook can trust (see `trusted`)."""
+
+
 def ensure_dir(path: str, mode: int = 0o700) -> None:
     """Make directory `path` with exactly `mode` (its missing parents 0755), whatever the
     umask, and check it is ours and writable by nobody else; raises OSError (EPERM) if not."""
@@ -59,7 +63,7 @@ def ensure_dir(path: str, mode: int = 0o700) -> None:
         os.chmod(directory, want, follow_symlinks=False)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or not trusted(st):
-        raise OSError(errno.EPERM, "not a directory owned by root and writable only by it", path)
+        raise UntrustedPath(errno.EPERM, "not a directory owned by root and writable only by it", path)
 
 
 def read(path: str, limit: int = 16 << 20):

@@ -49,6 +49,7 @@ OUTPUT_CANDIDATES = ("proc", "dev", "tmp", "run")  # where the output tmpfs can 
 CACHE_MAGICS = (b"glibc-ld.so.cache1.1", b"ld.so-1.7.0")
 PT_INTERP = 3
 DETACH_ROUNDS = 32
+KILL_MARGIN = 0.3  # seconds before the deadline the sandbox stops ldconfig itself
 
 
 class SandboxError(Exception):
@@ -164,7 +165,10 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, ne
         linux.umount2(".", linux.MNT_DETACH)
         os.chdir("/")
         argv = ["ldconfig", "-X", "-C", f"{out_dir}/ld.so.cache", *directories]
-        result = child.run(argv, max(0.1, deadline - time.monotonic()), env={}, executable=ldconfig_fd,
+        # Ends a little before the caller's deadline, so this process (not the caller's kill
+        # of it) stops ldconfig, with its whole process group.
+        timeout = max(0.1, deadline - KILL_MARGIN - time.monotonic())
+        result = child.run(argv, timeout, env={}, executable=ldconfig_fd,
                            output_cap=OUTPUT_LIMIT, before_exec=_confine, stdin=devnull)
         report["output"] = result.output.decode("utf-8", "replace")
         if result.timed_out:

@@ -202,7 +202,7 @@ def _check_target(directory: str) -> None:
 
     try:
         cache.ensure_dir(directory, 0o755)
-    except OSError as err:
+    except cache.UntrustedPath as err:
         raise SimulationError(f"{directory} is a symlink, or not a directory owned by root and writable only by "
                               f"it; choose a private directory (e.g. under /var/lib)") from err
 
