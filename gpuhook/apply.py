@@ -698,7 +698,7 @@ class _Work:
             except ldsandbox.SandboxError as err:
                 self.ldconfig_output = err.output
                 raise OSError(errno.EIO, str(err)) from None
-            ldsandbox.install(etc, cache)
+            safepath.replace_file(etc, "ld.so.cache", cache)
         finally:
             os.close(etc)
         self.count += 1

@@ -46,9 +46,9 @@ class UntrustedPath(OSError):
     """A directory exists but is not one gpuhook can trust (see `trusted`)."""
 
 
-def ensure_dir(path: str, mode: int = 0o700) -> None:
-    """Make directory `path` with exactly `mode` (its missing parents 0755), whatever the
-    umask, and check it is ours and writable by nobody else; raises OSError (EPERM) if not."""
+def make_dirs(path: str, mode: int = 0o755) -> None:
+    """Make directory `path` with exactly `mode`, and its missing parents 0755, whatever the
+    umask (os.makedirs gives intermediate directories 0777 & ~umask)."""
     missing = []
     current = path.rstrip("/") or "/"
     while not os.path.lexists(current):
@@ -59,8 +59,14 @@ def ensure_dir(path: str, mode: int = 0o700) -> None:
         try:
             os.mkdir(directory, want)
         except FileExistsError:
-            continue  # made by a concurrent writer: checked below like any other
+            continue  # made by a concurrent writer: the caller checks what it needs
         os.chmod(directory, want, follow_symlinks=False)
+
+
+def ensure_dir(path: str, mode: int = 0o700) -> None:
+    """`make_dirs`, then check the directory is ours and writable by nobody else; raises
+    UntrustedPath if not."""
+    make_dirs(path, mode)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or not trusted(st):
         raise UntrustedPath(errno.EPERM, "not a directory owned by root and writable only by it", path)

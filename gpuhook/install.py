@@ -818,12 +818,13 @@ def _copy_atomic(source: str, target: str) -> None:
 
 
 def _replace(path: str, data: bytes, like=None) -> None:
-    """Replace `path` with `data` through its directory's fd: a temporary file made with
-    O_EXCL|O_NOFOLLOW, mode and owner set by fd (from `like`, else from the file it
-    replaces, else 0644 root), then renameat. Nothing is resolved twice by path, so a link
-    planted in a user-owned directory is never followed."""
+    """Replace `path` with `data` through its directory's fd (safepath.replace_file), with
+    the mode and owner of `like`, else of the file it replaces, else 0644 root. A link
+    planted in a user-owned directory is never followed, and a FIFO or device is refused."""
+    from gpuhook import cache, safepath
+
     directory, name = os.path.split(path)
-    _make_dirs(directory)
+    cache.make_dirs(directory)
     dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         if like is None:
@@ -833,42 +834,10 @@ def _replace(path: str, data: bytes, like=None) -> None:
                 like = None
             if like is not None and not stat.S_ISREG(like.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file; refusing to replace it", path)
-        tmp = f".{name}.gpuhook-{os.getpid()}-{os.urandom(4).hex()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-                if like is not None:
-                    if os.geteuid() == 0:
-                        os.fchown(fd, like.st_uid, like.st_gid)
-                    os.fchmod(fd, like.st_mode & 0o7777)
-                else:
-                    os.fchmod(fd, 0o644)
-            finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except FileNotFoundError:
-                pass
-            raise
+        if like is None:
+            safepath.replace_file(dir_fd, name, data)
+        else:
+            owner = (like.st_uid, like.st_gid) if os.geteuid() == 0 else None
+            safepath.replace_file(dir_fd, name, data, like.st_mode & 0o7777, owner)
     finally:
         os.close(dir_fd)
-
-
-def _make_dirs(directory: str) -> None:
-    """Make `directory` and its missing parents 0755, whatever the umask."""
-    missing = []
-    while directory and not os.path.lexists(directory):
-        missing.append(directory)
-        directory = os.path.dirname(directory)
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o755)
-            os.chmod(path, 0o755, follow_symlinks=False)
-        except FileExistsError:
-            pass

@@ -23,7 +23,7 @@ they are forbidden:
    at all, no_new_privs, an empty environment, and hard limits on memory, CPU time, file size
    and open files, under the hook's wall-clock deadline;
 5. the cache it built is read from the tmpfs by fd, checked, and handed back; the caller
-   installs it into the rootfs by directory fd. ldconfig's output is returned for gpuhook's
+   installs it into the rootfs by directory fd (safepath.replace_file). ldconfig's output is returned for gpuhook's
    log, never for the container's user.
 """
 
@@ -49,6 +49,7 @@ OUTPUT_CANDIDATES = ("proc", "dev", "tmp", "run")  # where the output tmpfs can 
 CACHE_MAGICS = (b"glibc-ld.so.cache1.1", b"ld.so-1.7.0")
 PT_INTERP = 3
 DETACH_ROUNDS = 32
+UMOUNT_NOFOLLOW = 0x8  # umount2(2): do not follow a final symlink
 KILL_MARGIN = 0.3  # seconds before the deadline the sandbox stops ldconfig itself
 
 
@@ -240,8 +241,6 @@ def _detach_special(top: int, info: int) -> None:
     raise SandboxError("cannot detach the container's /proc and /sys from the ldconfig sandbox")
 
 
-UMOUNT_NOFOLLOW = 0x8
-
 
 def _output_dir(top: int) -> tuple:
     """(fd, container path) of a fresh, size-limited tmpfs in the copy: the only place ldconfig
@@ -304,24 +303,3 @@ def _hand_back(out_fd: int, memfd: int) -> int:
     while view:
         view = view[os.write(memfd, view):]
     return len(data)
-
-
-def install(etc_fd: int, data: bytes) -> None:
-    """Replace <rootfs>/etc/ld.so.cache with `data`, atomically, through the /etc dir fd."""
-    temp = f".ld.so.cache.gpuhook-{os.getpid()}"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=etc_fd)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, 0o644)
-        finally:
-            os.close(fd)
-        os.rename(temp, "ld.so.cache", src_dir_fd=etc_fd, dst_dir_fd=etc_fd)
-    except BaseException:
-        try:
-            os.unlink(temp, dir_fd=etc_fd)
-        except OSError:
-            pass
-        raise

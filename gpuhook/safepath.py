@@ -262,3 +262,30 @@ def resolve_host(root: str, path: str) -> str:
     finally:
         os.close(root_fd)
     return real
+
+
+def replace_file(dir_fd: int, name: str, data: bytes, mode: int = 0o644, owner=None) -> None:
+    """Replace `name` in the directory open as `dir_fd` with `data`, atomically: a temporary
+    file made O_EXCL|O_NOFOLLOW in that directory, `mode` and `owner` ((uid, gid) or None)
+    set by fd, then renameat. Nothing is resolved by path, so a link planted in the
+    directory is replaced, never followed."""
+    tmp = f".{name}.gpuhook-{os.getpid()}-{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            if owner is not None:
+                os.fchown(fd, *owner)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        raise
