@@ -40,8 +40,10 @@ PROC_ROOT_INO = 1  # the root directory of every procfs instance (fs/proc/root.c
 
 
 class Outcome:
-    def __init__(self, cgroup_mode: str, rules_added: list, notes: list, steps: int, ldconfig_output: str = ""):
+    def __init__(self, cgroup_mode: str, rules_added: list, notes: list, steps: int, ldconfig_output: str = "",
+                 cgroup_directory: str = ""):
         self.cgroup_mode = cgroup_mode
+        self.cgroup_directory = cgroup_directory
         self.rules_added = rules_added
         self.notes = notes
         self.steps = steps
@@ -135,7 +137,7 @@ def apply(plan, deadline: float) -> Outcome:
             _undo_grant(place, added, err)
             raise
         return Outcome(place.mode, added, report.get("notes", []), report.get("steps", 0),
-                       report.get("ldconfig_output", ""))
+                       report.get("ldconfig_output", ""), place.directory)
     finally:
         os.close(ns_fd)
         if user_fd is not None:

@@ -86,9 +86,24 @@ def prestart(state, spec, config, deadline: float, record: dict | None = None) -
     from gpuhook.apply import apply
 
     outcome = apply(plan, deadline)
+    if outcome.cgroup_mode == "v1" and plan.rules:
+        record_grant(plan, state, config, outcome, record)
     if checked:
         health.register_container(plan, state, config, record)
     return plan, outcome
+
+
+def record_grant(plan, state, config, outcome, record: dict) -> None:
+    """Remember a cgroup v1 grant, so poststop can take it back from a cgroup that outlives
+    the container (gpuhook.grants). Best effort, like the health registry: the log says
+    when it failed."""
+    from gpuhook import grants
+
+    try:
+        grants.record(config.state_dir, state.id, plan.pid, outcome.cgroup_directory, plan.rules,
+                      outcome.rules_added)
+    except (OSError, LookupError) as err:
+        record["grant_record"] = f"not recorded: {err}"
 
 
 def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, record: dict,
@@ -103,6 +118,9 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
         record.update(journal.k8s_names({**spec.annotations, **state.annotations}))
     except GpuhookError:
         record.update(journal.k8s_names(state.annotations))
+    from gpuhook import grants
+
+    record["grants"] = grants.release(config.state_dir, state.id)
     if config.health.mode == "off":
         record["decision"] = "nothing to do at this stage (health mode off)"
         return

@@ -17,7 +17,8 @@ DRY_RUN = click.option("--dry-run", is_flag=True, help="Print the change as a un
 
 TARGETS_HELP = (
     "gpuhook is registered for two stages: prestart (give the container its GPUs, checked and "
-    "cleaned) and poststop (kill what the stopped container left on them). "
+    "cleaned) and poststop (kill what the stopped container left on them, take back its "
+    "device rules from a cgroup v1 it shared). "
     "TARGET is podman or crio (one oci-hooks file per stage in the hooks dir: "
     f"{install.HOOK_FILE_NAME} and {install.POSTSTOP_FILE_NAME}), containerd "
     "(a base runtime spec with gpuhook's hooks, and config.toml's runc runtime pointed at it) or "

@@ -1,0 +1,125 @@
+"""cgroup v1 grants do not outlive their container (gpuhook.grants, docs/security.md).
+
+Two real runc containers share one devices cgroup (one cgroupsPath). B has no GPU. A gets
+GPU 0 from gpuhook, which writes its rule into the shared cgroup, so B could open GPU 0 too
+(it makes the node itself: runc allows mknod). When A is deleted, runc cannot remove the
+cgroup (B is in it), and gpuhook's poststop must take the rule back: B then gets EPERM.
+"""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from gpuhook import testbed
+from gpuhook.cgroup import hierarchy
+
+from conftest import GpuContainers, require_root_tools, run_hook_process
+
+pytestmark = pytest.mark.root
+
+V1_DEVICES = "/sys/fs/cgroup/devices"
+
+
+class SharedCgroup(GpuContainers):
+    """Detached containers that all live in one cgroup path, with prestart and poststop hooks."""
+
+    def __init__(self, bed, sim, probe, workdir):
+        super().__init__(bed, sim, probe, workdir)
+        self.cgroup = f"/gpuhook-shared-{os.getpid()}-{os.path.basename(str(workdir))}"
+
+    def start(self, name, env=()) -> None:
+        hooks = {"prestart": [testbed.hook_entry(self.config, "prestart")],
+                 "poststop": [testbed.hook_entry(self.config, "poststop")]}
+        rootfs = self.bed.rootfs(f"{self.bed.workdir}/bundles/{name}/rootfs", files={"/bin/probe": self.probe})
+
+        def shared(spec):
+            spec["linux"]["cgroupsPath"] = self.cgroup
+
+        bundle = self.bed.bundle(name, ["/bin/busybox", "sleep", "600"], env=list(env), hooks=hooks,
+                                 rootfs=rootfs, edit=shared)
+        with open(f"{self.workdir}/{name}.runc.log", "w") as log:
+            done = subprocess.run([self.bed.runc, "--root", self.bed.state_root, "run", "-d", "--bundle", bundle,
+                                   name], stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=60, cwd="/")
+        assert done.returncode == 0, open(f"{self.workdir}/{name}.runc.log").read()
+
+    def gpu0_from(self, name) -> str:
+        """What container `name` gets opening a node for GPU 0 that it makes itself."""
+        done = subprocess.run([self.bed.runc, "--root", self.bed.state_root, "exec", name, "/bin/busybox", "sh",
+                               "-c", "mknod /dev/g0 c 195 0 2>/dev/null; /bin/probe /dev/g0"],
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+        return line["read"]
+
+    def state(self, name) -> dict:
+        done = subprocess.run([self.bed.runc, "--root", self.bed.state_root, "state", name],
+                              capture_output=True, text=True, timeout=30)
+        return json.loads(done.stdout)
+
+    def delete(self, name) -> None:
+        subprocess.run([self.bed.runc, "--root", self.bed.state_root, "kill", name, "KILL"], capture_output=True,
+                       timeout=30)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and self.state(name).get("status") != "stopped":
+            time.sleep(0.05)
+        subprocess.run([self.bed.runc, "--root", self.bed.state_root, "delete", name], capture_output=True,
+                       timeout=60)
+
+    def devices_list(self) -> str:
+        with open(f"{V1_DEVICES}{self.cgroup}/devices.list") as f:
+            return f.read()
+
+
+@pytest.fixture
+def shared(bed, sim_host, probe, tmp_path):
+    require_root_tools("runc")
+    if hierarchy.placement(os.getpid()).mode != hierarchy.V1:
+        pytest.skip("the devices cgroup is v2 here: this is the cgroup v1 case")
+    made = SharedCgroup(bed, sim_host, probe, tmp_path)
+    yield made
+    for name in os.listdir(f"{bed.workdir}/bundles"):
+        bed.delete(name)
+    for controller in os.listdir("/sys/fs/cgroup"):
+        path = f"/sys/fs/cgroup/{controller}{made.cgroup}"
+        if os.path.isdir(path):
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+
+
+def test_poststop_takes_back_a_grant_from_a_cgroup_that_outlives_the_container(shared):
+    shared.start("b-nogpu")
+    assert shared.gpu0_from("b-nogpu") == "EPERM"
+    shared.start("a-gpu", ["NVIDIA_VISIBLE_DEVICES=0"])
+    assert "c 195:0 rw" in shared.devices_list()
+    assert shared.gpu0_from("b-nogpu") == "ENXIO"  # the shared cgroup: B has A's GPU while A runs
+    shared.delete("a-gpu")
+    assert shared.gpu0_from("b-nogpu") == "EPERM"
+    assert "c 195:0" not in shared.devices_list()
+    (stop,) = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
+    assert "took back" in stop["grants"]
+    assert not [n for n in os.listdir(f"{shared.workdir}/run/grants") if n.startswith("a-gpu@")]
+
+
+def test_a_gpu_another_live_container_was_granted_stays(shared):
+    shared.start("b-gpu", ["NVIDIA_VISIBLE_DEVICES=0"])
+    shared.start("a-gpu", ["NVIDIA_VISIBLE_DEVICES=0,1"])
+    assert shared.gpu0_from("b-gpu") == "ENXIO"
+    shared.delete("a-gpu")
+    assert shared.gpu0_from("b-gpu") == "ENXIO"  # B's own grant: never taken by A's stop
+    lines = shared.devices_list()
+    assert "c 195:0 rw" in lines and "c 195:1 " not in lines  # A's GPU 1 is taken back
+
+
+def test_a_poststop_naming_a_live_container_takes_nothing(shared):
+    shared.start("b-nogpu")
+    shared.start("a-gpu", ["NVIDIA_VISIBLE_DEVICES=0"])
+    state = dict(shared.state("a-gpu"), ociVersion="1.0.2")
+    done = run_hook_process(["poststop", "--config", shared.config], json.dumps(state).encode())
+    assert done.returncode == 0, done.stderr
+    assert shared.gpu0_from("a-gpu") == "ENXIO"
+    (stop,) = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
+    assert "still running" in stop["grants"]
