@@ -683,3 +683,42 @@ def test_a_parent_cgroup_program_that_denies_the_gpu_fails_the_start_clearly(v2n
             if os.path.isdir(f"{parent_dir}/{leftover}"):
                 os.rmdir(f"{parent_dir}/{leftover}")
         os.rmdir(parent_dir)
+
+
+# A prestart hook that plays another party: it attaches its own device program (allowing
+# runc's defaults, denying everything else, GPUs included) to the container's cgroup.
+FOREIGN_HOOK = r'''
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from gpuhook.cgroup import bpf, program
+from gpuhook.cgroup.devices import parse_v1_line as R
+state = json.load(sys.stdin)
+with open(f"/proc/{state['pid']}/cgroup") as f:
+    (path,) = [line.split(":", 2)[2].strip() for line in f if line.startswith("0::")]
+rules = [R(t) for t in ("c 1:3 rwm", "c 1:5 rwm", "c 136:* rwm", "c 5:2 rwm", "c 1:9 rwm", "c 1:8 rwm")]
+prog = bpf.load(program.encode(program.prepend(rules, program.DENY_ALL)), "foreign_policy")
+cgroup = os.open("/sys/fs/cgroup" + path, os.O_RDONLY | os.O_DIRECTORY)
+bpf.attach(cgroup, prog)
+with open(sys.argv[2], "w") as f:
+    f.write(str(bpf.program_info(prog).id))
+'''
+
+
+def test_another_partys_program_on_the_cgroup_is_never_widened(v2ns, bed, gpus, tmp_path):
+    """Only the runtime's program is the container's device policy gpuhook may widen. A
+    second party's program on the same cgroup that denies the GPU is left exactly as it
+    was, and the start fails naming it (before: gpuhook prepended its allows to it too)."""
+    script = tmp_path / "foreign.py"
+    script.write_text(FOREIGN_HOOK)
+    written = tmp_path / "foreign.id"
+
+    def foreign_first(spec):
+        spec["hooks"]["prestart"].insert(0, {"path": sys.executable,
+                                             "args": [sys.executable, str(script), REPO, str(written)]})
+
+    result = gpus.run("foreign-prog", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=foreign_first)
+    assert result.returncode != 0
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    foreign_id = written.read_text()
+    assert f"device program {foreign_id} (foreign_policy)" in line and "not attached by the runtime" in line, line
+    assert "denies c 195:" in line, line

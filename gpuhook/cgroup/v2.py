@@ -17,7 +17,7 @@ import errno
 import os
 
 from gpuhook.cgroup import program
-from gpuhook.errors import ApplyError, HostError
+from gpuhook.errors import ApplyError, HostError, printable
 from gpuhook.record import record
 
 CAPABILITY_HINT = "device programs need CAP_SYS_ADMIN, CAP_BPF and CAP_NET_ADMIN: run gpuhook as root from the runtime"
@@ -119,8 +119,14 @@ def grant(directory: str, rules, *, build=program.prepend, use_replace: bool = T
             ids = bpf.query(done.cgroup_fd)
         except OSError as err:
             raise _failure("list the device programs", directory, err) from err
-        for prog_id in ids:
+        policy, others = _runtime_programs(bpf, ids)
+        for prog_id in policy:
             _grant_one(bpf, done, directory, prog_id, wanted, build, use_replace)
+        for prog_id in others:
+            _refuse_denial(bpf, prog_id, wanted, f"device program {prog_id}{{name}} on {directory} was not "
+                           "attached by the runtime and",
+                           "gpuhook widens only the runtime's device policy: detach that program or "
+                           "allow the NVIDIA devices in it")
         if ids:
             _refuse_denial_above(bpf, done.cgroup_fd, directory, wanted)
     except BaseException as failure:
@@ -133,38 +139,81 @@ def grant(directory: str, rules, *, build=program.prepend, use_replace: bool = T
     return done
 
 
+# systemd's name for the program it attaches for a unit's DeviceAllow=/DevicePolicy=, which
+# the runtime sets from the container's spec (docs/cgroup-v2.md, "whose program is it").
+SYSTEMD_PROGRAM_NAME = "sd_devices"
+
+
+def _runtime_programs(bpf, ids: list) -> tuple:
+    """Split the cgroup's own programs (query order = attach order) into the runtime's device
+    policy, which gpuhook widens, and other parties' programs, which it never changes.
+
+    runc and crun attach their program, then detach every other device program of the
+    cgroup, before any hook runs: at prestart the first program is the runtime's. systemd's
+    program for the unit (re-attached on daemon-reload) carries the runtime's DeviceAllow=
+    and gpuhook's own rebuilt programs carry it too; everything else was attached by someone
+    else and is only checked (`_refuse_denial`)."""
+    policy, others = [], []
+    for position, prog_id in enumerate(ids):
+        if position == 0:
+            policy.append(prog_id)
+            continue
+        name = _program_name(bpf, prog_id)
+        (policy if name in (SYSTEMD_PROGRAM_NAME, program.PROGRAM_NAME) else others).append(prog_id)
+    return policy, others
+
+
+def _program_name(bpf, prog_id: int) -> str | None:
+    try:
+        fd = bpf.open_program(prog_id)
+    except OSError:
+        return None
+    try:
+        return bpf.program_info(fd).name
+    except OSError:
+        return None
+    finally:
+        _close(fd)
+
+
+def _refuse_denial(bpf, prog_id: int, wanted: list, what: str, hint: str) -> None:
+    """Raise ApplyError when program `prog_id` denies one of `wanted`. `what` names it (its
+    "{name}" field gets the program's name). A program gpuhook cannot read or decode is
+    given the benefit of the doubt; one that is gone no longer applies."""
+    try:
+        fd = bpf.open_program(prog_id)
+    except OSError:
+        return
+    try:
+        info = bpf.program_info(fd)
+        rules = program.program_rules(program.decode_bytes(info.code))[1]
+    except (OSError, program.ProgramError, program.DecodeError):
+        return
+    finally:
+        _close(fd)
+    if rules is None:
+        return
+    for rule in wanted:
+        if not program.allows(rules, rule):
+            named = what.replace("{name}", f" ({printable(info.name)})" if info.name else "", 1)
+            raise ApplyError("cgroup", f"{named} denies {rule.v1_line().strip()}: "
+                                       "the container could not open it", hint)
+
+
 def _refuse_denial_above(bpf, cgroup_fd: int, directory: str, wanted: list) -> None:
     """Every device program that runs for the cgroup must allow an access, those attached to
     its parents included (BPF_F_QUERY_EFFECTIVE lists them). gpuhook changes only the
     cgroup's own programs; a parent's program that denies a device we grant would make the
-    start report the GPU injected while opening it gives EPERM, so the start fails instead.
-    A parent's program gpuhook cannot decode is given the benefit of the doubt."""
+    start report the GPU injected while opening it gives EPERM, so the start fails instead."""
     try:
         own = set(bpf.query(cgroup_fd))
         effective = bpf.query(cgroup_fd, effective=True)
     except OSError:
         return  # kernels without effective queries: nothing more can be known
     for prog_id in effective:
-        if prog_id in own:
-            continue
-        try:
-            fd = bpf.open_program(prog_id)
-        except OSError:
-            continue
-        try:
-            info = bpf.program_info(fd)
-            rules = program.program_rules(program.decode_bytes(info.code))[1]
-        except (OSError, program.ProgramError, program.DecodeError):
-            rules = None
-        finally:
-            _close(fd)
-        if rules is None:
-            continue
-        for rule in wanted:
-            if not program.allows(rules, rule):
-                raise ApplyError("cgroup", f"device program {prog_id} on a parent cgroup of {directory} denies "
-                                           f"{rule.v1_line().strip()}: the container could not open it",
-                                 "allow the NVIDIA devices in the parent cgroup's device policy")
+        if prog_id not in own:
+            _refuse_denial(bpf, prog_id, wanted, f"device program {prog_id}{{name}} on a parent cgroup of {directory}",
+                           "allow the NVIDIA devices in the parent cgroup's device policy")
 
 
 def _grant_one(bpf, done: Grant, directory: str, prog_id: int, wanted: list, build, use_replace: bool) -> None:
