@@ -44,6 +44,18 @@ IPC = (
 MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "ppc64le": "powerpc64le-linux-gnu"}
 
 
+UUID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
+MAX_UUID = 96  # NVML's buffer for a UUID is 96 bytes
+
+
+def is_uuid(text) -> bool:
+    """Whether `text` has the form of a GPU or MIG UUID (letters, digits and dashes after
+    GPU- or MIG-). Everything that names files or log lines by UUID takes only these: a UUID
+    the driver reports in another form is a host fault, never a path or a terminal escape."""
+    return (isinstance(text, str) and text.startswith(("GPU-", "MIG-")) and 4 < len(text) <= MAX_UUID
+            and set(text) <= UUID_CHARS)
+
+
 class Gpu(record("Gpu", "index uuid minor bus_id model")):
     """One GPU as the driver's /proc files describe it; index = NVML order (by PCI bus id)."""
 
@@ -155,6 +167,8 @@ def gpus(proc_root: str) -> tuple:
             raise HostError(f"{path}: missing or bad 'GPU UUID' / 'Device Minor'") from None
         if not 0 <= minor < 254:
             raise HostError(f"{path}: device minor {minor} out of range")
+        if not is_uuid(uuid):
+            raise HostError(f"{path}: 'GPU UUID' is not a GPU UUID (GPU- followed by letters, digits and dashes)")
         bus_id = fields.get("Bus Location", bus).lower()
         found.append((bus_id, uuid, minor, fields.get("Model", "unknown")))
     found.sort()

@@ -256,7 +256,7 @@ class Session:
         p = self.pynvml
         try:
             handle = _call(p, "nvmlDeviceGetHandleByIndex", index, p.nvmlDeviceGetHandleByIndex, index)
-            uuid = _call(p, "nvmlDeviceGetUUID", index, p.nvmlDeviceGetUUID, handle)
+            uuid = _uuid(p, index, handle)
             pci = _call(p, "nvmlDeviceGetPciInfo", uuid, p.nvmlDeviceGetPciInfo, handle)
             major, minor = _call(p, "nvmlDeviceGetCudaComputeCapability", uuid,
                                  p.nvmlDeviceGetCudaComputeCapability, handle)
@@ -294,7 +294,7 @@ class Session:
                 if err.code == _NOT_FOUND:  # an empty slot, not an error
                     continue
                 raise
-            mig_uuid = _call(p, "nvmlDeviceGetUUID", f"{uuid} MIG {index}", p.nvmlDeviceGetUUID, mig)
+            mig_uuid = _uuid(p, f"{uuid} MIG {index}", mig)
             found.append(MigDevice(
                 index=index,
                 uuid=mig_uuid,
@@ -384,6 +384,17 @@ def _call(pynvml, call: str, gpu, fn, *args):
     except pynvml.NVMLLibraryMismatchError as err:
         raise NvmlError(call, f"the NVML library lacks this function ({err})", None if gpu is None else str(gpu),
                         code=_FUNCTION_NOT_FOUND) from err
+
+
+def _uuid(pynvml, gpu, handle) -> str:
+    """nvmlDeviceGetUUID, refusing anything that is not a UUID's form (gpuhook.discover.is_uuid):
+    UUIDs name files and log lines."""
+    from gpuhook.discover import is_uuid
+
+    uuid = _call(pynvml, "nvmlDeviceGetUUID", gpu, pynvml.nvmlDeviceGetUUID, handle)
+    if not is_uuid(uuid):
+        raise NvmlError("nvmlDeviceGetUUID", "it returned text that is not a GPU or MIG UUID", str(gpu))
+    return uuid
 
 
 def _optional(pynvml, call: str, gpu, fn, *args):

@@ -18,11 +18,10 @@ import time
 
 from gpuhook import cache
 from gpuhook.cache import boot_id  # noqa: F401  (re-exported: reports, stamps and the registry use it)
+from gpuhook.discover import is_uuid
 from gpuhook.errors import InputError
 
 FORMAT = 1
-UUID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
-MAX_UUID = 96  # NVML's buffer for a UUID is 96 bytes
 
 
 def health_dir(state_dir: str) -> str:
@@ -31,8 +30,7 @@ def health_dir(state_dir: str) -> str:
 
 def checked_uuid(uuid: str) -> str:
     """`uuid` if it is a GPU or MIG UUID safe to use in a file name; InputError otherwise."""
-    if (not isinstance(uuid, str) or not uuid.startswith(("GPU-", "MIG-")) or len(uuid) > MAX_UUID
-            or not set(uuid) <= UUID_CHARS):
+    if not is_uuid(uuid):
         raise InputError(f"{str(uuid)[:100]!r} is not a GPU UUID (GPU-... or MIG-...)")
     return uuid
 
