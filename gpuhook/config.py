@@ -57,9 +57,19 @@ KEYS = (
          "Honour bind mounts of /dev/null at /var/run/nvidia-container-devices/<id> (the Kubernetes "
          "device plugin's volume-mounts strategy; only the runtime can add them)."),
     _key("accept-cdi-annotations", "bool", True,
-         "Honour CDI annotations (cdi.k8s.io/*) naming nvidia.com/gpu. The kubelet or the "
-         "runtime sets them; set false where users can set annotations themselves (podman "
-         "--annotation, or a CRI runtime that forwards pod annotations to the container)."),
+         "Honour CDI annotations (cdi.k8s.io/*) naming devices of any NVIDIA kind (nvidia.com/gpu, "
+         "k8s.device-plugin.nvidia.com/gpu, a DRA claim, ...). The kubelet or the runtime sets "
+         "them; set false where users can set annotations themselves (podman --annotation, or a "
+         "CRI runtime that forwards pod annotations to the container). A request the policy "
+         "refuses is never replaced by NVIDIA_VISIBLE_DEVICES."),
+    _key("accept-runtime-devices", "bool", True,
+         "Take the GPU device nodes the runtime already put in linux.devices (containerd and "
+         "CRI-O after resolving CDI) as the grant: NVIDIA_VISIBLE_DEVICES then cannot widen it. "
+         "Privileged containers, whose linux.devices lists every host device, are exempt."),
+    _key("cdi-spec-dirs", "paths", ["/etc/cdi", "/var/run/cdi"],
+         "Where CDI specs (JSON or YAML) are read to resolve a CDI device whose name does not say "
+         "which GPU it is (a DRA claim such as k8s.gpu.nvidia.com/claim=<uid>-gpu-0): the device "
+         "nodes the spec injects name the GPUs. Specs must be root-owned and not writable by others."),
     _key("ldconfig", "path", "/sbin/ldconfig",
          "The HOST's ldconfig, run with an empty environment to update the container's ld cache. "
          "Never taken from the image."),
@@ -136,6 +146,10 @@ def _check(key: Key, value, where: str):
         if not value.startswith("/"):
             raise ConfigError(bad + f"must be an absolute path, not {value!r}")
         return value.rstrip("/") or "/"
+    if key.kind == "paths":
+        if not isinstance(value, list) or len(value) > 16:
+            raise ConfigError(bad + f"must be a list of at most 16 absolute paths, not {value!r}")
+        return [_check(Key(key.section, key.name, "path", "", "", ()), item, where) for item in value]
     if key.kind == "seconds":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
             raise ConfigError(bad + f"must be a number of seconds in (0, 3600], not {value!r}")

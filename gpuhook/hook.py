@@ -33,12 +33,16 @@ def build_plan(state, spec, config, write_cache: bool = True):
     request = req.resolve(spec, state.annotations, config)
     if request.empty:
         return empty_plan(state, spec, request)
+    if request.cdi:
+        from gpuhook import cdi
+
+        request = request._replace(nodes=request.nodes + req.gpu_nodes(cdi.resolve(request.cdi, config.cdi_spec_dirs)))
     inventory = load_inventory(config, write=write_cache)
     requirements = () if reqs.disabled(spec.env) else reqs.collect(spec.env)
     facts, source = None, None
     if requirements or request.names_mig or inventory.capabilities:
         facts, source = nvml_facts(config, inventory, write=write_cache)
-    selection = req.select(request, inventory.gpus, facts)
+    selection = req.select(request, inventory.gpus, facts, inventory)
     if requirements:
         host = host_facts(inventory, facts, selection)
         for requirement in requirements:

@@ -23,11 +23,14 @@ class State(record("State", "oci_version id status pid bundle annotations")):
     __slots__ = ()
 
 
-class Spec(record("Spec", "rootfs env mounts annotations bounding_caps namespaces readonly")):
+class Spec(record("Spec", "rootfs env mounts annotations bounding_caps namespaces readonly devices",
+                  defaults=((),))):
     """What gpuhook needs from a bundle's config.json.
 
     `rootfs` is absolute; `env` maps names to values (the last entry wins, as in the NVIDIA
-    toolkit); `mounts` is a tuple of Mount; `namespaces` maps type to path ('' when new).
+    toolkit); `mounts` is a tuple of Mount; `namespaces` maps type to path ('' when new);
+    `devices` are the character device nodes the runtime puts in the container
+    (linux.devices), each a Device.
     """
 
     __slots__ = ()
@@ -42,6 +45,15 @@ class Mount(record("Mount", "destination source type options")):
     __slots__ = ()
 
 
+class Device(record("Device", "path major minor")):
+    """A character device node from linux.devices."""
+
+    __slots__ = ()
+
+
+MAX_DEVICES = 4096  # linux.devices entries looked at; far above any real container
+
+
 # Every member name gpuhook reads from the state or config.json, case-folded. runc parses
 # with Go's encoding/json, which matches member names case-insensitively and lets the last
 # duplicate win; Python's json lets the last exact duplicate win. So {"root":…,"Root":…}
@@ -50,7 +62,7 @@ class Mount(record("Mount", "destination source type options")):
 _FIELDS = frozenset(name.lower() for name in (
     "ociVersion", "id", "status", "pid", "bundle", "annotations", "root", "path", "readonly", "process",
     "env", "capabilities", "bounding", "mounts", "destination", "source", "type", "options", "linux",
-    "namespaces", "devices", "resources", "cgroupsPath", "uidMappings", "gidMappings", "hooks",
+    "namespaces", "devices", "major", "minor", "resources", "cgroupsPath", "uidMappings", "gidMappings", "hooks",
 ))
 
 
@@ -238,7 +250,32 @@ def parse_spec(raw: bytes, bundle: str) -> Spec:
             ns, "path", f"{what}: linux.namespaces[{i}]", required=False
         )
     annotations = _string_map(doc.get("annotations"), f"{what}: 'annotations'")
-    return Spec(rootfs, env, tuple(mounts), annotations, frozenset(bounding), namespaces, readonly)
+    devices = _parse_devices(linux.get("devices"), what)
+    return Spec(rootfs, env, tuple(mounts), annotations, frozenset(bounding), namespaces, readonly, devices)
+
+
+def _parse_devices(value, what: str) -> tuple:
+    """The character devices of linux.devices (path, major, minor). Other entries (block
+    devices, FIFOs) are not gpuhook's business and are skipped; a malformed character
+    device entry is an error, as it would be for the runtime."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InputError(f"{what}: linux.devices must be a list")
+    if len(value) > MAX_DEVICES:
+        raise InputError(f"{what}: linux.devices has more than {MAX_DEVICES} entries")
+    found = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise InputError(f"{what}: linux.devices[{i}] must be an object")
+        if entry.get("type") not in ("c", "u"):
+            continue
+        path = _string(entry, "path", f"{what}: linux.devices[{i}]")
+        numbers = [entry.get("major"), entry.get("minor")]
+        if not all(type(n) is int and 0 <= n < 1 << 32 for n in numbers):
+            raise InputError(f"{what}: linux.devices[{i}]: major and minor must be non-negative integers")
+        found.append(Device(path, numbers[0], numbers[1]))
+    return tuple(found)
 
 
 def _parse_env(value, what: str) -> dict:

@@ -1,18 +1,26 @@
 """What a container asks for: which GPUs, through which channel, with which driver capabilities.
 
-Channels, in order of trust (docs/reference section 3):
+Channels, in order of trust (docs/requests.md has the whole table):
 
-1. ``/dev/null`` mounts at ``/var/run/nvidia-container-devices/<id>`` — only the runtime or
-   the Kubernetes device plugin can add mounts (policy ``accept-volume-mounts``);
-2. CDI annotations ``cdi.k8s.io/<anything>`` naming ``nvidia.com/gpu=<index|uuid|all>`` —
-   set by the runtime or kubelet, never by the image (policy ``accept-cdi-annotations``:
-   where users can set annotations themselves, turn it off);
-3. the environment: ``NVIDIA_VISIBLE_DEVICES`` (and the legacy-image rule), which any image
+1. ``/dev/null`` bind mounts at ``/var/run/nvidia-container-devices/<id>``, or at
+   ``.../cdi/<vendor>/<class>/<name>`` for a CDI device name — only the runtime or the
+   Kubernetes device plugin can add mounts (policy ``accept-volume-mounts``);
+2. CDI annotations ``cdi.k8s.io/<anything>`` naming devices of any NVIDIA kind
+   (``nvidia.com/gpu``, ``k8s.device-plugin.nvidia.com/gpu``, ``management.nvidia.com/gpu``,
+   a DRA claim ``k8s.gpu.nvidia.com/claim``, ...) — set by the runtime or kubelet, never by
+   the image (policy ``accept-cdi-annotations``);
+3. NVIDIA device nodes the runtime already put in ``linux.devices`` (containerd and CRI-O
+   after resolving CDI; policy ``accept-runtime-devices``): they are the grant, and the
+   environment only says that the container wants the driver;
+4. the environment: ``NVIDIA_VISIBLE_DEVICES`` (and the legacy-image rule), which any image
    can set. It is honoured from unprivileged containers only while
    ``accept-env-when-unprivileged`` is true, like NVIDIA's default.
 
-A runtime-provided request (1 or 2) wins over the environment. Resolution is pure: it reads
-the parsed spec and returns data; matching ids to real GPUs happens in `select`.
+An orchestrator's grant (1, 2 or 3) is never widened by the environment: when one is
+present, NVIDIA_VISIBLE_DEVICES cannot add a GPU, and a grant that cannot be resolved fails
+the start. Resolution is pure: it reads the parsed spec and returns data; CDI names that
+only a CDI spec can resolve (a DRA claim) are resolved by gpuhook.cdi, and matching ids and
+nodes to real GPUs happens in `select`.
 """
 
 
@@ -22,6 +30,10 @@ from gpuhook.record import record
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 CDI_KIND = "nvidia.com/gpu"
+NVIDIA_VENDOR = "nvidia.com"
+CDI_MOUNT_PREFIX = "cdi/"  # the device plugin's volume mount for a CDI name: cdi/<vendor>/<class>/<name>
+GPU_NODE_PREFIX = "/dev/nvidia"
+MIG_NODE_PREFIX = "/dev/nvidia-caps/nvidia-cap"
 
 # Bounds on what a request may name: far above any real host (NVML supports 64 GPUs, 7 MIG
 # devices each), far below what could make parsing or matching slow.
@@ -42,14 +54,16 @@ ENV = "env NVIDIA_VISIBLE_DEVICES"
 ENV_LEGACY = "env (legacy CUDA image: CUDA_VERSION without NVIDIA_REQUIRE_CUDA)"
 MOUNTS = "volume mounts under " + VOLUME_MOUNT_ROOT
 CDI = "CDI annotations"
+RUNTIME_DEVICES = "runtime devices (linux.devices)"
 
 
-class Request(record("Request", "wants ids capabilities channel notes mig_config mig_monitor",
-                         defaults=((), ()))):
+class Request(record("Request", "wants ids capabilities channel notes mig_config mig_monitor cdi nodes",
+                         defaults=((), (), (), ()))):
     """`ids` are the requested device ids as written (indices, UUIDs, GPU:MIG pairs, MIG
     UUIDs), deduplicated. `mig_config` / `mig_monitor` are the GPU ids (or ("all",)) of
     NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES, honoured for privileged
-    containers only."""
+    containers only. `cdi` are CDI names only a CDI spec can resolve (gpuhook.cdi turns them
+    into `nodes`); `nodes` are granted device nodes (oci.Device: GPU and MIG access nodes)."""
 
     __slots__ = ()
 
@@ -60,7 +74,8 @@ class Request(record("Request", "wants ids capabilities channel notes mig_config
     @property
     def names_mig(self) -> bool:
         """Whether matching the request needs the host's MIG layout (from NVML)."""
-        return any(is_mig_id(i) for i in self.ids) or bool(self.mig_config or self.mig_monitor)
+        return (any(is_mig_id(i) for i in self.ids) or bool(self.mig_config or self.mig_monitor)
+                or any(node.path.startswith(MIG_NODE_PREFIX) for node in self.nodes))
 
 
 class MigTarget(record("MigTarget", "gpu device")):
@@ -82,7 +97,29 @@ class Selection(record("Selection", "gpus migs mig_config mig_monitor")):
 
 
 def is_mig_id(ident: str) -> bool:
-    return ident.upper().startswith("MIG-") or ":" in ident
+    """A MIG UUID or GPU:MIG index pair (a PCI bus id such as 0000:18:00.0 is a whole GPU)."""
+    if ident.upper().startswith("MIG-"):
+        return True
+    gpu, sep, mig = ident.partition(":")
+    return bool(sep) and gpu.isdigit() and gpu.isascii() and mig.isdigit() and mig.isascii()
+
+
+KEYWORDS = ("all", "none", "void")
+
+
+def _bus_id(text: str):
+    """(domain, bus, device, function) of a PCI bus id ("0000:18:00.0", NVML's
+    "00000000:18:00.0", or "18:00.0"), or None."""
+    parts = text.lower().split(":")
+    if len(parts) == 2:
+        parts = ["0"] + parts
+    if len(parts) != 3 or "." not in parts[2]:
+        return None
+    device, _, function = parts[2].partition(".")
+    fields = (parts[0], parts[1], device, function)
+    if not all(0 < len(f) <= 8 and all(c in "0123456789abcdef" for c in f) for f in fields):
+        return None
+    return tuple(int(f, 16) for f in fields)
 
 
 def _nothing(notes=()):
@@ -94,6 +131,8 @@ def _split_ids(value: str, where: str = "NVIDIA_VISIBLE_DEVICES") -> list[str]:
     seen: dict = {}
     for part in value.split(","):
         part = part.strip()
+        if part.lower() in KEYWORDS:
+            part = part.lower()  # ALL and All mean all, as in NVIDIA's toolkit
         if part:
             seen[part] = None
             _check_id(part, len(seen), where)
@@ -127,11 +166,63 @@ def parse_capabilities(value: str | None, legacy: bool = False) -> frozenset:
     return frozenset(caps) if caps else DEFAULT_CAPABILITIES
 
 
-def _from_mounts(spec, notes: list) -> list[str] | None:
-    """Ids from the device plugin's volume-mounts channel. Only a bind mount of /dev/null
-    counts: that is what the plugin asks for, and nothing an image or a user can add by
-    itself is one (an image VOLUME or a tmpfs at that path is ignored, with a note)."""
-    ids: dict = {}
+def is_nvidia_kind(kind: str) -> bool:
+    """A CDI kind ("vendor/class") of NVIDIA's: vendor nvidia.com or a subdomain of it."""
+    vendor, sep, device_class = kind.partition("/")
+    return bool(sep and device_class) and (vendor == NVIDIA_VENDOR or vendor.endswith("." + NVIDIA_VENDOR))
+
+
+def _is_direct_name(kind: str, name: str) -> bool:
+    """Whether a CDI device name of an NVIDIA GPU kind says itself which GPU it is (all, an
+    index, a UUID, GPU:MIG, a MIG UUID), as the device plugin's and the toolkit's specs name
+    them; anything else (a DRA claim) needs the CDI spec."""
+    if kind.rpartition("/")[2] not in ("gpu", "mig"):
+        return False
+    upper = name.upper()
+    if name == "all" or (name.isdigit() and name.isascii()) or upper.startswith(("GPU-", "MIG-")):
+        return True
+    gpu, sep, mig = name.partition(":")
+    return bool(sep) and gpu.isdigit() and gpu.isascii() and mig.isdigit() and mig.isascii()
+
+
+class _Grant:
+    """What the orchestrator's channels (mounts, CDI annotations) name: `ids` for the GPU
+    matcher, `cdi` for gpuhook.cdi, and whether any channel was present at all."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.ids: dict = {}
+        self.cdi: dict = {}
+        self.found = False
+
+    def add_cdi(self, entry: str, notes: list) -> None:
+        kind, sep, name = entry.partition("=")
+        kind, name = kind.strip(), name.strip()
+        if not sep or not is_nvidia_kind(kind):
+            if len(notes) < 16:
+                notes.append(f"CDI device {entry[:80]!r} in {self.where} is not an NVIDIA device; left to other tools")
+            return
+        self.found = True
+        if not name:
+            raise RequestError(f"{self.where}: empty device name in {entry[:80]!r}")
+        if _is_direct_name(kind, name):
+            self.add_id(name)
+        else:
+            self.cdi[f"{kind}={name}"] = None
+            _check_id(name, len(self.ids) + len(self.cdi), self.where)
+
+    def add_id(self, ident: str) -> None:
+        self.found = True
+        self.ids[ident] = None
+        _check_id(ident, len(self.ids) + len(self.cdi), self.where)
+
+
+def _from_mounts(spec, notes: list) -> _Grant:
+    """The device plugin's volume-mounts channel. Only a bind mount of /dev/null counts:
+    that is what the plugin asks for, and nothing an image or a user can add by itself is
+    one (an image VOLUME or a tmpfs at that path is ignored, with a note). The device is the
+    path under the root: an id, or cdi/<vendor>/<class>/<name> for a CDI device name."""
+    grant = _Grant("volume mounts")
     prefix = VOLUME_MOUNT_ROOT + "/"
     for mount in spec.mounts:
         dest = "/" + "/".join(p for p in mount.destination.split("/") if p and p != ".")
@@ -140,40 +231,44 @@ def _from_mounts(spec, notes: list) -> list[str] | None:
         if not dest.startswith(prefix):
             continue
         device = dest[len(prefix):]
-        if not device or "/" in device:
+        cdi_parts = device[len(CDI_MOUNT_PREFIX):].split("/") if device.startswith(CDI_MOUNT_PREFIX) else None
+        if not device or ("/" in device and (cdi_parts is None or len(cdi_parts) != 3)):
             continue
         is_bind = mount.type == "bind" or "bind" in mount.options or "rbind" in mount.options
         if mount.source != "/dev/null" or not is_bind:
             if len(notes) < 16:
                 notes.append(f"mount at {dest[:120]!r} ignored: a device request is a bind mount of /dev/null")
             continue
-        ids[device] = None
-        _check_id(device, len(ids), "volume mounts")
-    return list(ids) or None
+        if cdi_parts is not None:
+            grant.add_cdi(f"{cdi_parts[0]}/{cdi_parts[1]}={cdi_parts[2]}", notes)
+        else:
+            grant.add_id(device)
+    return grant
 
 
-def _from_cdi(annotations: dict, notes: list) -> list[str] | None:
-    ids: dict = {}
-    found = False
+def _from_cdi(annotations: dict, notes: list) -> _Grant:
+    grant = _Grant("CDI annotations")
     for key in sorted(annotations):
         if not key.startswith(CDI_ANNOTATION_PREFIX):
             continue
+        grant.where = f"CDI annotation {key[:80]}"
         for entry in annotations[key].split(","):
-            entry = entry.strip()
-            if not entry:
-                continue
-            kind, sep, name = entry.partition("=")
-            if not sep or kind != CDI_KIND:
-                if len(notes) < 16:
-                    notes.append(f"CDI device {entry[:80]!r} in {key[:80]} is not {CDI_KIND}; left to other tools")
-                continue
-            found = True
-            name = name.strip()
-            if not name:
-                raise RequestError(f"CDI annotation {key[:80]}: empty device name in {entry[:80]!r}")
-            ids[name] = None
-            _check_id(name, len(ids), "CDI annotations")
-    return list(ids) if found else None
+            if entry.strip():
+                grant.add_cdi(entry.strip(), notes)
+    grant.where = "CDI annotations"
+    return grant
+
+
+def gpu_nodes(devices) -> tuple:
+    """The GPU and MIG access nodes among `devices` (oci.Device: /dev/nvidia<N>,
+    /dev/nvidia-caps/nvidia-cap<N>); control nodes (nvidiactl, uvm) name no GPU."""
+    found = []
+    for device in devices:
+        for prefix in (GPU_NODE_PREFIX, MIG_NODE_PREFIX):
+            tail = device.path[len(prefix):] if device.path.startswith(prefix) else ""
+            if tail.isdigit() and tail.isascii():
+                found.append(device)
+    return tuple(found)
 
 
 def _as_request(ids: list[str], caps, channel: str, notes: list) -> Request:
@@ -186,54 +281,92 @@ def _as_request(ids: list[str], caps, channel: str, notes: list) -> Request:
     return Request(GPUS, tuple(ids), caps, channel, tuple(notes))
 
 
+# Requests NVIDIA's toolkit honours that gpuhook does not implement. A container asking for
+# one is refused with a clear line: silently starting it without would fail later, inside.
+UNSUPPORTED = {
+    "NVIDIA_IMEX_CHANNELS": "IMEX channels (/dev/nvidia-caps-imex-channels)",
+    "NVIDIA_GDS": "GPUDirect Storage (nvidia-fs)",
+    "NVIDIA_MOFED": "the MOFED (RDMA) driver files",
+}
+
+
 def resolve(spec, state_annotations: dict, config) -> Request:
     """Decide what the container asks for. Pure: no host access."""
+    request = _resolve(spec, state_annotations, config)
+    if not request.empty:
+        for name, what in UNSUPPORTED.items():
+            value = spec.env.get(name, "").strip().lower()
+            if value not in ("", "void", "none", "disabled", "false"):
+                raise RequestError(f"{name} asks for {what}, which gpuhook does not provide",
+                                   f"unset {name}, or use NVIDIA's toolkit for this container")
+    return request
+
+
+def _resolve(spec, state_annotations: dict, config) -> Request:
     env = spec.env
     notes: list[str] = []
     legacy = "CUDA_VERSION" in env and bool(env["CUDA_VERSION"]) and not env.get("NVIDIA_REQUIRE_CUDA")
     annotations = dict(spec.annotations)
     annotations.update(state_annotations)
 
-    trusted: list[str] = []
+    ids: dict = {}
+    cdi: dict = {}
     channels = []
-    mount_ids = _from_mounts(spec, notes)
-    if mount_ids is not None:
-        if config.accept_volume_mounts:
-            trusted += mount_ids
-            channels.append(MOUNTS)
-        else:
-            notes.append("volume-mount request ignored (accept-volume-mounts = false)")
-    cdi_ids = _from_cdi(annotations, notes)
-    if cdi_ids is not None:
-        if config.accept_cdi_annotations:
-            trusted = list(dict.fromkeys(trusted + cdi_ids))
-            channels.append(CDI)
-        else:
-            notes.append("CDI annotation request ignored (accept-cdi-annotations = false)")
-    if trusted:
+    ignored = []
+    for grant, accepted, key in ((_from_mounts(spec, notes), config.accept_volume_mounts, "accept-volume-mounts"),
+                                 (_from_cdi(annotations, notes), config.accept_cdi_annotations,
+                                  "accept-cdi-annotations")):
+        if not grant.found:
+            continue
+        if not accepted:
+            ignored.append(f"{grant.where} ({key} = false)")
+            continue
+        ids.update(grant.ids)
+        cdi.update(grant.cdi)
+        channels.append(MOUNTS if grant.where == "volume mounts" else CDI)
+    if channels:
         caps = parse_capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES") or None)
         if "NVIDIA_VISIBLE_DEVICES" in env:
             notes.append("NVIDIA_VISIBLE_DEVICES ignored: the runtime's request takes precedence")
-        return _with_mig_capabilities(_as_request(trusted, caps, " + ".join(channels), notes), spec)
+        request = _as_request(list(ids), caps, " + ".join(channels), notes)
+        if cdi and request.wants == GPUS:
+            request = request._replace(cdi=tuple(cdi))
+        elif cdi and request.wants == DRIVER_ONLY:
+            raise RequestError(f"'none' cannot be combined with other devices ({request.channel})")
+        return _with_mig_capabilities(request, spec)
+    if ignored:
+        # An orchestrator's grant the policy does not accept is never replaced by the image's
+        # environment: that could only widen it (docs/requests.md).
+        notes.append("device request ignored: " + "; ".join(ignored) + "; NVIDIA_VISIBLE_DEVICES not honoured either")
+        return _nothing(notes)
 
     value = env.get("NVIDIA_VISIBLE_DEVICES")
     if value is None:
         if not legacy:
             return _nothing(notes)
-        ids, channel = ["all"], ENV_LEGACY
+        env_ids, channel = ["all"], ENV_LEGACY
     else:
-        ids, channel = _split_ids(value), ENV
-        if not ids or "void" in ids or ids == [VOLUME_MOUNT_ROOT]:
+        env_ids, channel = _split_ids(value), ENV
+        if not env_ids or "void" in env_ids or env_ids == [VOLUME_MOUNT_ROOT]:
             return _nothing(notes)
+    caps_value = env.get("NVIDIA_DRIVER_CAPABILITIES")
+    caps = parse_capabilities(caps_value if caps_value else None, legacy=legacy and channel == ENV_LEGACY)
+    # A privileged container's linux.devices lists every device of the host (docker and
+    # podman --privileged): that is no grant of particular GPUs.
+    nodes = gpu_nodes(spec.devices) if config.accept_runtime_devices and not spec.privileged else ()
+    if nodes and env_ids != ["none"]:
+        # The runtime already resolved the grant (CDI in containerd or CRI-O): its GPU nodes
+        # decide which GPUs (select); the environment only said that the container wants
+        # the driver, and counts only if none of the nodes is an NVIDIA driver's node.
+        request = _as_request(env_ids, caps, RUNTIME_DEVICES, notes)._replace(nodes=nodes)
+        return _with_mig_capabilities(request, spec)
     if not spec.privileged and not config.accept_env_when_unprivileged:
         notes.append(
             "NVIDIA_VISIBLE_DEVICES ignored: container is unprivileged (no CAP_SYS_ADMIN) and "
             "accept-env-when-unprivileged = false"
         )
         return _nothing(notes)
-    caps_value = env.get("NVIDIA_DRIVER_CAPABILITIES")
-    caps = parse_capabilities(caps_value if caps_value else None, legacy=legacy and channel == ENV_LEGACY)
-    return _with_mig_capabilities(_as_request(ids, caps, channel, notes), spec)
+    return _with_mig_capabilities(_as_request(env_ids, caps, channel, notes), spec)
 
 
 def _with_mig_capabilities(request: Request, spec) -> Request:
@@ -251,13 +384,15 @@ def _with_mig_capabilities(request: Request, spec) -> Request:
     return request._replace(**found) if found else request
 
 
-def select(request: Request, gpus, facts=None) -> Selection:
+def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
     """Match a request against the host's GPUs (and, for MIG, NVML's facts).
 
     `facts` (inventory.NvmlFacts) is needed to name MIG devices and to know which GPUs are
     in MIG mode; without it every GPU counts as a whole GPU. A MIG-mode GPU requested whole
     is refused (its memory and engines belong to its MIG devices); `all` means every whole
-    GPU and every MIG device. Unknown ids are errors that list what exists.
+    GPU and every MIG device. Unknown ids are errors that list what exists. Granted device
+    nodes (`request.nodes`) are matched by major and minor against `inventory`'s majors and
+    nvidia-caps table; a node that is no GPU or MIG device here is an error naming it.
     """
     migs_by_gpu = {}
     if facts is not None:
@@ -266,7 +401,15 @@ def select(request: Request, gpus, facts=None) -> Selection:
             if known is not None and known.mig_mode:
                 migs_by_gpu[gpu.uuid] = known.mig_devices
     whole, migs = [], []
-    if request.wants == ALL:
+    runtime = request.channel == RUNTIME_DEVICES
+    matched, nvidia = _match_nodes(request, gpus, migs_by_gpu, inventory, facts is not None, lenient=runtime)
+    if runtime and nvidia:
+        for gpu, target in matched:
+            if target is not None and target not in migs:
+                migs.append(target)
+            elif target is None and gpu not in whole:
+                whole.append(gpu)
+    elif request.wants == ALL:
         for gpu in gpus:
             if gpu.uuid in migs_by_gpu:
                 migs += [MigTarget(gpu, device) for device in migs_by_gpu[gpu.uuid]]
@@ -291,6 +434,13 @@ def select(request: Request, gpus, facts=None) -> Selection:
                                    f"not the whole GPU; MIG devices here: {devices}")
             if gpu not in whole:
                 whole.append(gpu)
+        for gpu, target in matched:
+            if target is not None and target not in migs:
+                migs.append(target)
+            elif target is None and gpu not in whole:
+                whole.append(gpu)
+        if not whole and not migs:
+            raise RequestError(f"the grant ({request.channel}) names no GPU: nothing to give the container")
     parents = list(whole)
     for target in migs:
         if target.gpu not in parents:
@@ -298,6 +448,52 @@ def select(request: Request, gpus, facts=None) -> Selection:
     config = _capability_gpus(request.mig_config, "NVIDIA_MIG_CONFIG_DEVICES", gpus, parents)
     monitor = _capability_gpus(request.mig_monitor, "NVIDIA_MIG_MONITOR_DEVICES", gpus, parents)
     return Selection(tuple(parents), tuple(migs), config, monitor)
+
+
+def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_facts: bool,
+                 lenient: bool = False) -> list:
+    """(GPU, MigTarget or None) for each granted node (gpuhook.oci.Device). With `lenient`
+    (nodes the runtime put in linux.devices), a node of another driver's major that only
+    carries an NVIDIA name is not NVIDIA's and is skipped; from an orchestrator's grant it
+    is an error."""
+    if not request.nodes:
+        return [], False
+    majors = inventory.majors if inventory is not None else {}
+    by_caps_minor = {minor: name for name, minor in (inventory.mig_minors if inventory is not None else {}).items()}
+    found = []
+    nvidia = False  # whether any node is the NVIDIA driver's (a grant, even if it adds no device)
+    for node in request.nodes:
+        where = f"{node.path[:80]} (c {node.major}:{node.minor}, {request.channel})"
+        if node.path.startswith(MIG_NODE_PREFIX):
+            if node.major != majors.get("nvidia-caps"):
+                if lenient:
+                    continue
+                raise RequestError(f"granted node {where} is not an nvidia-caps device on this host")
+            nvidia = True
+            name = by_caps_minor.get(node.minor, "")
+            parts = name.split("/")  # gpu<minor>/gi<id>/ci<id>/access names one MIG device
+            if len(parts) != 4 or not parts[0].startswith("gpu") or parts[3] != "access":
+                continue  # a GPU instance's access node, or config/monitor: no device by itself
+            gpu = next((g for g in gpus if f"gpu{g.minor}" == parts[0]), None)
+            if gpu is None or not have_facts:
+                raise RequestError(f"granted MIG node {where} names no MIG device NVML reports here")
+            device = next((d for d in migs_by_gpu.get(gpu.uuid, ())
+                           if f"gi{d.gpu_instance_id}" == parts[1] and f"ci{d.compute_instance_id}" == parts[2]), None)
+            if device is None:
+                raise RequestError(f"granted MIG node {where} names MIG device {name[:60]}, which NVML does not "
+                                   f"report on GPU {gpu.index}")
+            found.append((gpu, MigTarget(gpu, device)))
+            continue
+        if node.major != majors.get("nvidia") and lenient:
+            continue
+        nvidia = True
+        gpu = next((g for g in gpus if g.minor == node.minor), None) if node.major == majors.get("nvidia") else None
+        if gpu is None:
+            raise RequestError(f"granted node {where} is no GPU on this host; GPUs here: {_available(gpus)}")
+        if gpu.uuid in migs_by_gpu:
+            continue  # a MIG device's parent node: its MIG devices come with their own nodes
+        found.append((gpu, None))
+    return found, nvidia
 
 
 def _available(gpus) -> str:
@@ -357,4 +553,9 @@ def _match(ident: str, gpus):
     for gpu in gpus:
         if gpu.uuid.lower() == lowered:
             return gpu
+    bus = _bus_id(ident) if ":" in ident else None
+    if bus is not None:
+        for gpu in gpus:
+            if _bus_id(gpu.bus_id) == bus:
+                return gpu
     return None

@@ -40,6 +40,8 @@ def toml_value(value) -> str:
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
     raise TypeError(f"no TOML form for {value!r}")
 
 

@@ -1,0 +1,141 @@
+"""CDI specs: which device nodes a CDI device name stands for.
+
+A CDI device name that does not say which GPU it is (a DRA claim,
+``k8s.gpu.nvidia.com/claim=<uid>-gpu-0``) is resolved through the CDI spec that defines it:
+the character device nodes the spec injects for it (its own ``containerEdits`` and, as the
+CDI spec says, the spec-wide ones) are the grant, and gpuhook.request.select maps them to
+GPUs and MIG devices by major and minor. docs/requests.md says how this fits the channels.
+
+Specs are read from `cdi-spec-dirs` (default /etc/cdi then /var/run/cdi), ``*.json``,
+``*.yaml`` and ``*.yml``, each directory's files in name order. As in the CDI spec, a later
+directory overrides an earlier one; the same name twice in one directory is an error. A spec
+file must be root-owned and writable by nobody else (gpuhook.cache.trusted): it decides
+which GPUs a container gets. Reads are bounded (files per directory, bytes per file).
+"""
+
+import os
+import stat
+
+from gpuhook import cache
+from gpuhook.errors import HostError, RequestError
+from gpuhook.oci import Device
+
+SUFFIXES = (".json", ".yaml", ".yml")
+MAX_FILES = 256  # per directory
+MAX_BYTES = 4 << 20  # per spec file
+MAX_NODES = 1024  # device nodes per device
+
+
+def _load(path: str):
+    """The parsed spec at `path`, or None (with the reason) when it is not one gpuhook trusts
+    or can parse."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        return None, f"cannot open: {err.strerror}"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or not cache.trusted(st):
+            return None, "not a regular file owned by root and writable only by it"
+        data = f.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        return None, f"larger than {MAX_BYTES >> 20} MiB"
+    try:
+        if path.endswith(".json"):
+            import json
+
+            doc = json.loads(data)
+        else:
+            import yaml  # PyYAML: only here, only for a YAML spec
+
+            doc = yaml.safe_load(data)
+    except Exception as err:  # any parser failure: the spec is skipped, the reason logged
+        return None, f"not valid {'JSON' if path.endswith('.json') else 'YAML'}: {type(err).__name__}"
+    if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str) or not isinstance(doc.get("devices"), list):
+        return None, "not a CDI spec (kind and devices missing)"
+    return doc, None
+
+
+def _specs(directories) -> list:
+    """(directory index, path, spec) of every loadable spec; unloadable ones are skipped."""
+    found = []
+    for index, directory in enumerate(directories):
+        try:
+            dir_st = os.stat(directory)
+            names = sorted(n for n in os.listdir(directory) if n.endswith(SUFFIXES))[:MAX_FILES]
+        except OSError:
+            continue
+        if not cache.trusted(dir_st):
+            continue
+        for name in names:
+            doc, _ = _load(f"{directory}/{name}")
+            if doc is not None:
+                found.append((index, f"{directory}/{name}", doc))
+    return found
+
+
+def devices(directories) -> dict:
+    """Every CDI device defined in `directories`: qualified name -> (spec path, device, spec)."""
+    table: dict = {}
+    for index, path, spec in _specs(directories):
+        kind = spec["kind"]
+        for device in spec["devices"]:
+            if not isinstance(device, dict) or not isinstance(device.get("name"), str):
+                continue
+            qualified = f"{kind}={device['name']}"
+            earlier = table.get(qualified)
+            if earlier is not None and earlier[0] == index:
+                raise HostError(f"CDI device {qualified[:120]} is defined twice in {directories[index]}: "
+                                f"{os.path.basename(earlier[1])} and {os.path.basename(path)}")
+            table[qualified] = (index, path, device, spec)
+    return table
+
+
+def resolve(names, directories) -> tuple:
+    """The character device nodes (oci.Device) that the CDI devices `names` inject. Raises
+    RequestError naming the first device no spec defines or that injects no usable node."""
+    table = devices(directories)
+    nodes: dict = {}
+    for name in names:
+        entry = table.get(name)
+        if entry is None:
+            raise RequestError(f"CDI device {name[:120]} is granted but no CDI spec in "
+                               f"{', '.join(directories)} defines it")
+        _, path, device, spec = entry
+        found = [node for edits in (device.get("containerEdits"), spec.get("containerEdits"))
+                 for node in _device_nodes(edits, name)]
+        if not found:
+            raise RequestError(f"CDI device {name[:120]} ({os.path.basename(path)}) injects no device node")
+        for node in found:
+            nodes[node] = None
+    return tuple(nodes)
+
+
+def _device_nodes(edits, name: str) -> list:
+    if not isinstance(edits, dict):
+        return []
+    raw = edits.get("deviceNodes") or []
+    if not isinstance(raw, list) or len(raw) > MAX_NODES:
+        raise RequestError(f"CDI device {name[:120]}: deviceNodes must be a list of at most {MAX_NODES}")
+    found = []
+    for node in raw:
+        if not isinstance(node, dict) or not isinstance(node.get("path"), str):
+            raise RequestError(f"CDI device {name[:120]}: a device node without a path")
+        if node.get("type", "c") not in ("c", "u"):
+            continue
+        major, minor = node.get("major"), node.get("minor")
+        if major is None or minor is None:
+            # As a runtime does: numbers left out are the host node's (hostPath, else path).
+            host = node.get("hostPath") or node["path"]
+            try:
+                st = os.stat(host)
+            except OSError:
+                raise RequestError(f"CDI device {name[:120]} injects {node['path'][:120]}, which does not "
+                                   f"exist on this host") from None
+            if not stat.S_ISCHR(st.st_mode):
+                raise RequestError(f"CDI device {name[:120]}: {node['path'][:120]} is not a character device")
+            major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        if not all(type(n) is int and 0 <= n < 1 << 32 for n in (major, minor)):
+            raise RequestError(f"CDI device {name[:120]}: {node['path'][:120]} has a bad major or minor")
+        found.append(Device(node["path"], major, minor))
+    return found

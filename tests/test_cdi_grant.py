@@ -1,0 +1,255 @@
+"""Never more GPUs than the orchestrator granted (README, "Request channels"; docs/requests.md).
+
+Every CUDA image sets NVIDIA_VISIBLE_DEVICES=all. A pod that the device plugin (or DRA, or
+the runtime's own CDI) granted one GPU must get that GPU and nothing more: the grant wins
+over the environment, a grant the policy refuses is not replaced by it, and a grant that
+cannot be resolved fails. No root needed here; tests/test_cdi_runc.py runs real containers.
+"""
+
+import json
+import os
+
+import pytest
+
+from gpuhook import cdi
+from gpuhook import config as cfg
+from gpuhook import oci
+from gpuhook import request as req
+from gpuhook.discover import Gpu, Inventory
+from gpuhook.errors import HostError, RequestError
+from gpuhook.inventory import GpuFacts, MigDevice, NvmlFacts
+
+GPUS = tuple(Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", i, f"0000:{i}0:00.0", "Sim") for i in range(4))
+ALL = ["NVIDIA_VISIBLE_DEVICES=all"]
+MAJORS = {"nvidia": 195, "nvidia-caps": 236}
+
+
+def inventory(mig_minors=None):
+    return Inventory("550.0", GPUS, MAJORS, (), (), (), (), "", mig_minors or {}, ())
+
+
+def spec(env=(), mounts=(), annotations=None, privileged=False, devices=()):
+    caps = ["CAP_CHOWN"] + (["CAP_SYS_ADMIN"] if privileged else [])
+    doc = {"root": {"path": "rootfs"}, "process": {"env": list(env), "capabilities": {"bounding": caps}},
+           "mounts": list(mounts), "linux": {"devices": list(devices)}}
+    if annotations:
+        doc["annotations"] = annotations
+    return oci.parse_spec(json.dumps(doc).encode(), "/bundle")
+
+
+def resolve(s, **config):
+    return req.resolve(s, {}, cfg.from_mapping(config))
+
+
+def chosen(request, **kwargs) -> list:
+    return [g.index for g in req.select(request, GPUS, None, inventory(), **kwargs).gpus]
+
+
+def node(path, major, minor):
+    return {"path": path, "type": "c", "major": major, "minor": minor}
+
+
+# --- CDI annotations of every NVIDIA kind ------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["nvidia.com/gpu", "k8s.device-plugin.nvidia.com/gpu", "management.nvidia.com/gpu"])
+def test_a_cdi_grant_of_any_nvidia_kind_wins_over_an_images_all(kind):
+    granted = GPUS[1].uuid
+    r = resolve(spec(ALL, annotations={"cdi.k8s.io/nvidia-device-plugin_abc": f"{kind}={granted}"}))
+    assert (r.wants, r.ids, r.channel) == (req.GPUS, (granted,), req.CDI)
+    assert chosen(r) == [1]
+    assert any("NVIDIA_VISIBLE_DEVICES ignored" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("name,is_direct", [("0", True), ("all", True), ("GPU-abc", True), ("MIG-abc", True),
+                                            ("1:0", True), ("claim-1", False), ("gpu0", False)])
+def test_which_cdi_names_need_a_spec(name, is_direct):
+    r = resolve(spec(ALL, annotations={"cdi.k8s.io/x": f"k8s.device-plugin.nvidia.com/gpu={name}"}))
+    assert (r.ids == () if not is_direct else r.cdi == ()) and not r.empty
+    if not is_direct:
+        assert r.cdi == (f"k8s.device-plugin.nvidia.com/gpu={name}",)
+
+
+def test_a_dra_claim_is_left_to_the_cdi_specs():
+    r = resolve(spec(ALL, annotations={"cdi.k8s.io/claim": "k8s.gpu.nvidia.com/claim=a1b2-gpu-0"}))
+    assert (r.wants, r.ids, r.cdi) == (req.GPUS, (), ("k8s.gpu.nvidia.com/claim=a1b2-gpu-0",))
+
+
+def test_a_refused_grant_is_not_replaced_by_the_environment():
+    r = resolve(spec(ALL, annotations={"cdi.k8s.io/x": "nvidia.com/gpu=1"}), **{"accept-cdi-annotations": False})
+    assert r.empty and "NVIDIA_VISIBLE_DEVICES not honoured either" in r.notes[-1]
+    r = resolve(spec(ALL, mounts=[{"destination": "/var/run/nvidia-container-devices/1", "source": "/dev/null",
+                                   "type": "bind"}]), **{"accept-volume-mounts": False})
+    assert r.empty
+
+
+def test_the_device_plugin_sends_a_cdi_name_as_a_volume_mount():
+    mount = {"destination": f"/var/run/nvidia-container-devices/cdi/k8s.device-plugin.nvidia.com/gpu/{GPUS[2].uuid}",
+             "source": "/dev/null", "type": "bind", "options": ["rbind"]}
+    r = resolve(spec(ALL, mounts=[mount]))
+    assert (r.ids, r.channel) == ((GPUS[2].uuid,), req.MOUNTS) and chosen(r) == [2]
+    claim = dict(mount, destination="/var/run/nvidia-container-devices/cdi/k8s.gpu.nvidia.com/claim/uid-gpu-0")
+    assert resolve(spec(ALL, mounts=[claim])).cdi == ("k8s.gpu.nvidia.com/claim=uid-gpu-0",)
+
+
+def test_an_unknown_uuid_in_a_grant_fails_naming_it():
+    r = resolve(spec(ALL, annotations={"cdi.k8s.io/x": "k8s.device-plugin.nvidia.com/gpu=GPU-gone"}))
+    with pytest.raises(RequestError, match="GPU-gone.*does not exist"):
+        chosen(r)
+
+
+# --- nodes the runtime already injected ---------------------------------------------------
+
+def test_nodes_the_runtime_injected_are_the_grant():
+    devices = [node("/dev/nvidiactl", 195, 255), node("/dev/nvidia2", 195, 2)]
+    r = resolve(spec(ALL, devices=devices))
+    assert r.channel == req.RUNTIME_DEVICES
+    assert [n.path for n in r.nodes] == ["/dev/nvidia2"] and chosen(r) == [2]
+    assert chosen(resolve(spec(["NVIDIA_VISIBLE_DEVICES=0,1"], devices=devices))) == [2]  # the env cannot pick others
+    # The env still says whether the container wants the driver at all.
+    assert resolve(spec([], devices=devices)).empty
+    assert resolve(spec(["NVIDIA_VISIBLE_DEVICES=none"], devices=devices)).wants == req.DRIVER_ONLY
+
+
+def test_runtime_nodes_do_not_bind_a_privileged_container_or_a_policy_that_says_no():
+    devices = [node(f"/dev/nvidia{i}", 195, i) for i in range(4)]
+    assert resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"], devices=devices, privileged=True)).ids == ("0",)
+    r = resolve(spec(ALL, devices=devices[:1]), **{"accept-runtime-devices": False})
+    assert r.wants == req.ALL
+
+
+def test_a_granted_node_that_is_no_gpu_fails_naming_it():
+    r = resolve(spec(ALL, devices=[node("/dev/nvidia7", 195, 7)]))
+    with pytest.raises(RequestError, match="/dev/nvidia7 .c 195:7.* is no GPU on this host"):
+        chosen(r)
+
+
+def test_a_runtime_node_of_another_driver_is_no_grant():
+    """/dev/nvidia1 as c 1:3 is /dev/null by another name: not NVIDIA's, so the environment
+    decides (and the plan then refuses the conflicting node, tests/test_faults.py)."""
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"], devices=[node("/dev/nvidia1", 1, 3)]))
+    assert chosen(r) == [0]
+
+
+def test_mig_access_nodes_name_mig_devices():
+    minors = {"gpu1/gi2/access": 21, "gpu1/gi2/ci0/access": 22, "config": 1}
+    mig = MigDevice(0, "MIG-1111", 2, 0, "1g.10gb")
+    facts = NvmlFacts("12.4", {g.uuid: GpuFacts(g.uuid, "nvidia", "9.0", g.index == 1, (mig,) if g.index == 1 else ())
+                               for g in GPUS})
+    devices = [node("/dev/nvidia1", 195, 1), node("/dev/nvidia-caps/nvidia-cap21", 236, 21),
+               node("/dev/nvidia-caps/nvidia-cap22", 236, 22)]
+    r = resolve(spec(ALL, devices=devices))
+    assert r.names_mig
+    selection = req.select(r, GPUS, facts, inventory(minors))
+    assert [t.device.uuid for t in selection.migs] == ["MIG-1111"] and [g.index for g in selection.gpus] == [1]
+
+
+# --- CDI specs ----------------------------------------------------------------------------
+
+CLAIM_SPEC = {
+    "cdiVersion": "0.6.0", "kind": "k8s.gpu.nvidia.com/claim",
+    "devices": [{"name": "uid-gpu-0", "containerEdits": {"deviceNodes": [
+        {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}]}}],
+    "containerEdits": {"deviceNodes": [{"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255}]},
+}
+
+YAML_SPEC = """\
+cdiVersion: 0.5.0
+kind: nvidia.com/gpu
+devices:
+- name: gpu3
+  containerEdits:
+    deviceNodes:
+    - path: /dev/nvidia3
+      major: 195
+      minor: 3
+"""
+
+
+def write(directory, name, text, mode=0o644):
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        f.write(text if isinstance(text, str) else json.dumps(text))
+    os.chmod(path, mode)
+    return path
+
+
+def test_a_claim_resolves_through_its_json_or_yaml_spec(tmp_path):
+    write(tmp_path / "etc", "claim.json", CLAIM_SPEC)
+    write(tmp_path / "run", "gpu.yaml", YAML_SPEC)
+    dirs = [str(tmp_path / "etc"), str(tmp_path / "run")]
+    nodes = cdi.resolve(["k8s.gpu.nvidia.com/claim=uid-gpu-0"], dirs)
+    assert [(n.path, n.minor) for n in nodes] == [("/dev/nvidia1", 1), ("/dev/nvidiactl", 255)]
+    r = resolve(spec(ALL, annotations={"cdi.k8s.io/c": "k8s.gpu.nvidia.com/claim=uid-gpu-0,nvidia.com/gpu=gpu3"}))
+    r = r._replace(nodes=req.gpu_nodes(cdi.resolve(r.cdi, dirs)))
+    assert chosen(r) == [1, 3]
+
+
+def test_an_unknown_claim_fails_naming_it(tmp_path):
+    write(tmp_path, "claim.json", CLAIM_SPEC)
+    with pytest.raises(RequestError, match="k8s.gpu.nvidia.com/claim=other .*no CDI spec"):
+        cdi.resolve(["k8s.gpu.nvidia.com/claim=other"], [str(tmp_path)])
+
+
+def test_a_spec_others_can_write_is_not_trusted(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("trust is root ownership")
+    write(tmp_path, "claim.json", CLAIM_SPEC, mode=0o666)
+    with pytest.raises(RequestError, match="no CDI spec"):
+        cdi.resolve(["k8s.gpu.nvidia.com/claim=uid-gpu-0"], [str(tmp_path)])
+
+
+def test_a_later_directory_overrides_and_a_duplicate_in_one_is_an_error(tmp_path):
+    moved = json.loads(json.dumps(CLAIM_SPEC))
+    moved["devices"][0]["containerEdits"]["deviceNodes"][0].update(path="/dev/nvidia2", minor=2)
+    write(tmp_path / "etc", "claim.json", CLAIM_SPEC)
+    write(tmp_path / "run", "claim.json", moved)
+    nodes = cdi.resolve(["k8s.gpu.nvidia.com/claim=uid-gpu-0"], [str(tmp_path / "etc"), str(tmp_path / "run")])
+    assert nodes[0].minor == 2
+    write(tmp_path / "run", "again.json", moved)
+    with pytest.raises(HostError, match="defined twice"):
+        cdi.resolve(["k8s.gpu.nvidia.com/claim=uid-gpu-0"], [str(tmp_path / "run")])
+
+
+def test_a_spec_node_that_does_not_exist_fails_naming_it(tmp_path):
+    missing = json.loads(json.dumps(CLAIM_SPEC))
+    missing["devices"][0]["containerEdits"]["deviceNodes"] = [{"path": "/dev/nvidia-nowhere-9"}]
+    write(tmp_path, "claim.json", missing)
+    with pytest.raises(RequestError, match="/dev/nvidia-nowhere-9, which does not exist"):
+        cdi.resolve(["k8s.gpu.nvidia.com/claim=uid-gpu-0"], [str(tmp_path)])
+
+
+def test_the_config_key_lists_the_spec_dirs():
+    assert cfg.defaults().cdi_spec_dirs == ["/etc/cdi", "/var/run/cdi"]
+    assert cfg.from_mapping({"cdi-spec-dirs": ["/x/"]}).cdi_spec_dirs == ["/x"]
+    with pytest.raises(Exception, match="absolute"):
+        cfg.from_mapping({"cdi-spec-dirs": ["relative"]})
+
+
+# --- parity with the vendor's request syntax ----------------------------------------------
+
+@pytest.mark.parametrize("bus", ["0000:20:00.0", "00000000:20:00.0", "20:00.0", "0000:20:00.0".upper()])
+def test_gpus_can_be_named_by_pci_bus_id(bus):
+    r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES={bus}"]))
+    assert not r.names_mig and chosen(r) == [2]
+
+
+def test_an_unknown_bus_id_is_a_missing_gpu_not_a_mig_device():
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0000:99:00.0"]))
+    with pytest.raises(RequestError, match="requested GPU '0000:99:00.0'.*does not exist"):
+        chosen(r)
+
+
+@pytest.mark.parametrize("word,wants", [("ALL", req.ALL), ("All", req.ALL), ("NONE", req.DRIVER_ONLY),
+                                        ("Void", req.NOTHING)])
+def test_keywords_in_any_case(word, wants):
+    assert resolve(spec([f"NVIDIA_VISIBLE_DEVICES={word}"])).wants == wants
+
+
+@pytest.mark.parametrize("variable,value", [("NVIDIA_IMEX_CHANNELS", "0"), ("NVIDIA_IMEX_CHANNELS", "all"),
+                                            ("NVIDIA_GDS", "enabled"), ("NVIDIA_MOFED", "enabled")])
+def test_requests_gpuhook_does_not_provide_are_refused_clearly(variable, value):
+    with pytest.raises(RequestError, match=f"{variable} asks for .* which gpuhook does not provide"):
+        resolve(spec(ALL + [f"{variable}={value}"]))
+    assert resolve(spec([f"{variable}={value}"])).empty  # no GPU request: not gpuhook's business
+    assert resolve(spec(ALL + [f"{variable}=void"])).wants == req.ALL

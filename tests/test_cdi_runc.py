@@ -1,0 +1,82 @@
+"""Never more GPUs than granted, in real runc containers on the simulated host.
+
+Every container sets NVIDIA_VISIBLE_DEVICES=all, as every CUDA image does. The grant comes
+from the orchestrator's channel: a device-plugin CDI annotation, a DRA claim resolved
+through a CDI spec, or the nodes the runtime already put in linux.devices. The container
+must get exactly the granted GPU: its node opens with ENXIO, GPU 0 is absent, and a GPU 0
+node the container makes itself gives EPERM (the cgroup grants nothing more).
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import require_root_tools
+
+pytestmark = pytest.mark.root
+
+ALL = ["NVIDIA_VISIBLE_DEVICES=all"]
+GPU0_BY_HAND = "mknod /dev/gpu0-by-hand c {major} {minor}"
+
+
+def run(gpus, name, **kwargs):
+    sim = gpus.sim
+    before = GPU0_BY_HAND.format(major=sim["majors"]["nvidia"], minor=sim["gpus"][0]["minor"])
+    result = gpus.run(name, env=ALL, before=before, paths=["/dev/gpu0-by-hand"], **kwargs)
+    assert result.returncode == 0, result.stderr
+    return result.probes()
+
+
+def assert_only_gpu1(probes):
+    nodes = {p for p, item in probes.items() if p.startswith("/dev/nvidia") and p[11:].isdigit() and item["exists"]}
+    assert nodes == {"/dev/nvidia1"}, nodes
+    assert probes["/dev/nvidia1"]["read"] == "ENXIO"
+    assert probes["/dev/gpu0-by-hand"]["read"] == "EPERM"
+
+
+def test_the_device_plugins_cdi_annotation_is_the_grant(gpus):
+    require_root_tools("runc")
+    annotations = {"cdi.k8s.io/nvidia-device-plugin_uid": f"k8s.device-plugin.nvidia.com/gpu={gpus.uuid(1)}"}
+    assert_only_gpu1(run(gpus, "cdi-annotation", annotations=annotations))
+
+
+def test_a_dra_claim_is_resolved_through_its_cdi_spec(gpus, tmp_path):
+    require_root_tools("runc")
+    sim = gpus.sim
+    specs = tmp_path / "cdi"
+    specs.mkdir(mode=0o755)
+    claim = {"cdiVersion": "0.6.0", "kind": "k8s.gpu.nvidia.com/claim",
+             "devices": [{"name": "4f1c-gpu-0", "containerEdits": {"deviceNodes": [
+                 {"path": "/dev/nvidia1", "type": "c", "major": sim["majors"]["nvidia"],
+                  "minor": sim["gpus"][1]["minor"]}]}}]}
+    (specs / "k8s.gpu.nvidia.com-claim_4f1c.json").write_text(json.dumps(claim))
+    os.chmod(specs / "k8s.gpu.nvidia.com-claim_4f1c.json", 0o644)
+    gpus.configure(**{"cdi-spec-dirs": [str(specs)]})
+    annotations = {"cdi.k8s.io/k8s.gpu.nvidia.com_claim": "k8s.gpu.nvidia.com/claim=4f1c-gpu-0"}
+    assert_only_gpu1(run(gpus, "dra-claim", annotations=annotations))
+
+    # An unknown claim fails the start, naming it; it never falls back to the environment.
+    result = gpus.run("dra-unknown", env=ALL, annotations={"cdi.k8s.io/x": "k8s.gpu.nvidia.com/claim=gone-gpu-0"})
+    assert result.returncode != 0
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    assert "k8s.gpu.nvidia.com/claim=gone-gpu-0" in line and "no CDI spec" in line, line
+
+
+def test_nodes_the_runtime_injected_are_the_grant(gpus):
+    """As containerd and CRI-O do after resolving CDI: the node is in linux.devices and
+    runc allows it in the cgroup; the image's `all` must not add the other GPUs."""
+    require_root_tools("runc")
+    sim = gpus.sim
+    major, minor = sim["majors"]["nvidia"], sim["gpus"][1]["minor"]
+
+    def inject(spec):
+        spec["linux"].setdefault("devices", []).append(
+            {"path": "/dev/nvidia1", "type": "c", "major": major, "minor": minor, "fileMode": 0o666, "uid": 0, "gid": 0})
+        spec["linux"].setdefault("resources", {}).setdefault("devices", []).append(
+            {"allow": True, "type": "c", "major": major, "minor": minor, "access": "rwm"})
+
+    probes = run(gpus, "runtime-devices", edit=inject)
+    assert_only_gpu1(probes)
+    (record,) = [r for r in gpus.log_lines() if r.get("container") == "runtime-devices"]
+    assert record["channel"] == "runtime devices (linux.devices)" and record["gpus"] == [gpus.uuid(1)]
