@@ -18,20 +18,12 @@ def main(argv: list[str] | None = None) -> None:
         parsed = prescan.split_hook_args(args)
         if parsed is not None:
             sys.exit(run_stage(*parsed))
+    from gpuhook.sitepath import enable_site_packages
+
     enable_site_packages()
     from gpuhook.cli import main as cli_main
 
     cli_main(args)
-
-
-def enable_site_packages() -> None:
-    """Add site-packages to sys.path: the runtime starts the hook with -S (no site.py), which
-    keeps the hook's paths bare; call this just before importing a dependency (pynvml,
-    psutil, click). With -I the user site and PYTHON* variables stay ignored."""
-    if sys.flags.no_site and "site" not in sys.modules:
-        import site
-
-        site.main()
 
 
 def run_stage(stage: str, config_path: str | None) -> int:

@@ -8,6 +8,27 @@ message, so the message must stand on its own.
 """
 
 
+# The one exit-code table: README's list, `gpuhook --help` and the man page are made from it
+# or checked against it (tests/test_errors.py). Each code's class below sets `exit_code`.
+EXIT_CODES = {
+    0: "success, or a container that asks for no GPU",
+    1: "aborted, or another gpuhook error",
+    2: "bad input or configuration",
+    3: "a request this host cannot serve",
+    4: "a host problem (driver, /proc, cgroups, vanished container, an OS error)",
+    5: "a failed apply step (named)",
+    6: "a GPU failed its checks",
+    7: "the hook's own deadline passed",
+    70: "an internal error (details in the log)",
+}
+INTERNAL_ERROR = 70
+
+
+def exit_code_text() -> str:
+    """The table as one paragraph, for --help and the man page."""
+    return "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + "."
+
+
 class GpuhookError(Exception):
     """Base class. `message` is the one-line text; `hint` is an optional remedy; `detail`
     is text for gpuhook's log only, never shown to the container's user (it may quote files
@@ -73,6 +94,13 @@ class HostError(GpuhookError):
     """The host (driver files, /proc, cgroups, NVML) could not be read as needed."""
 
     exit_code = 4
+
+
+def from_os_error(err: OSError) -> HostError:
+    """The one translation of an OSError no layer below handled: the file the OS names, and
+    its reason, as a host error (exit 4). Like psutil's wrap_exceptions, in one place."""
+    where = f"{err.filename}: " if err.filename else ""
+    return HostError(f"{where}{err.strerror or err}")
 
 
 class NvmlError(HostError):

@@ -13,13 +13,11 @@ from gpuhook import config as cfg
 from gpuhook import discover, journal, oci
 from gpuhook import request as req
 from gpuhook import requirements as reqs
-from gpuhook.errors import GpuhookError, InputError
+from gpuhook.errors import INTERNAL_ERROR, GpuhookError, InputError, from_os_error
 from gpuhook.inventory import load as load_inventory
 from gpuhook.inventory import nvml_facts
 from gpuhook.plan import empty_plan, make_plan
 
-START_STAGES = ("prestart", "createRuntime")
-INTERNAL_ERROR = 70
 
 
 def build_plan(state, spec, config, write_cache: bool = True):
@@ -159,7 +157,9 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
             if outcome.ldconfig_output:
                 record["ldconfig_output"] = outcome.ldconfig_output
         return 0
-    except GpuhookError as err:
+    except (GpuhookError, OSError) as err:
+        if isinstance(err, OSError):  # one a lower layer did not translate: a host problem (exit 4)
+            err = from_os_error(err)
         record.update(decision="failed", error=err.one_line())
         if err.detail:
             record["detail"] = err.detail

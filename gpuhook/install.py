@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass
 
 from gpuhook import config as cfg
-from gpuhook.errors import GpuhookError
+from gpuhook.errors import InputError
 
 TARGETS = ("podman", "crio", "containerd", "runc-bundle")
 
@@ -90,10 +90,8 @@ ADDED_MARK = "# added by gpuhook install"
 WAS_MARK = "# changed by gpuhook install, was: "
 
 
-class InstallError(GpuhookError):
+class InstallError(InputError):
     """A runtime's configuration could not be read or changed as asked."""
-
-    exit_code = 2
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ except SystemExit as stop:
 except BaseException as err:  # a bug outside the hook's own boundary: still one line, exit 70
     text = f"{type(err).__name__}: {err}".splitlines()[0] if str(err) else type(err).__name__
     print(f"gpuhook: internal error: {text}", file=sys.stderr)
-    code = 70
+    from gpuhook.errors import INTERNAL_ERROR
+
+    code = INTERNAL_ERROR
 if code is None:
     code = 0
 elif not isinstance(code, int):

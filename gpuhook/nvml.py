@@ -135,7 +135,7 @@ def library_path(config) -> str:
 
 
 def _import_pynvml():
-    from gpuhook.entry import enable_site_packages
+    from gpuhook.sitepath import enable_site_packages
 
     enable_site_packages()  # the hook runs with python -S: site-packages is not on sys.path yet
     try:

@@ -13,14 +13,14 @@ import subprocess
 import sys
 import threading
 
-from gpuhook.errors import GpuhookError
+from gpuhook.errors import InputError
 
 BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
 RUN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
-class TestbedError(GpuhookError):
-    exit_code = 2
+class TestbedError(InputError):
+    """The testbed could not be set up or a runc call failed."""
 
 
 class Result:

@@ -103,6 +103,11 @@ def manpage_text() -> str:
     for key in cfg.KEYS:
         out += [".TP", "\\fB" + _roff(key.dotted).replace("-", "\\-") + "\\fR = " + _roff(toml_value(key.default)),
                 _roff(key.doc)]
+    from gpuhook.errors import EXIT_CODES
+
+    out.append(".SH EXIT STATUS")
+    for code, meaning in EXIT_CODES.items():
+        out += [".TP", f"\\fB{code}\\fR", _roff(meaning[0].upper() + meaning[1:] + ".")]
     out += [".SH ENVIRONMENT", ".TP", f"\\fB{cfg.ENV_VAR}\\fR",
             _roff("Configuration file for commands run by hand. The hook's own environment is only PATH; "
                   "give it a file with --config (gpuhook install --config FILE does)."),

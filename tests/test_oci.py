@@ -145,3 +145,12 @@ def test_shipped_sample_states_match_the_oci_schema():
             doc = json.load(f)
         doc["bundle"] = "/abs" if not doc["bundle"].startswith("/") else doc["bundle"]
         jsonschema.Draft4Validator(schema).validate(doc)
+
+
+def test_the_shipped_schema_is_the_one_in_schemas():
+    """schemas/oci-state.json is the source; the package ships a copy (gpuhook/data) because
+    an installed gpuhook has no repository around it. They must never drift apart."""
+    from gpuhook import schema
+
+    with open(os.path.join(REPO, "schemas", "oci-state.json"), "rb") as source, open(schema.SCHEMA_PATH, "rb") as copy:
+        assert source.read() == copy.read()

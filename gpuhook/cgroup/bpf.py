@@ -205,7 +205,7 @@ def _raise_memlock() -> bool:
     """Lift RLIMIT_MEMLOCK (kernels before 5.11 charge programs to it); True if it changed."""
     import resource
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY:
         return False
     try:

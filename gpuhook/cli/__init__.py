@@ -12,7 +12,7 @@ import click
 
 from gpuhook import __version__
 from gpuhook import config as cfg
-from gpuhook.errors import GpuhookError
+from gpuhook.errors import INTERNAL_ERROR, GpuhookError, exit_code_text, from_os_error
 
 # The --config option of every command that reads gpuhook's configuration.
 CONFIG_OPTION = click.option("--config", "config_path", metavar="FILE",
@@ -53,7 +53,8 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="Exit codes: " + exit_code_text())
 @click.version_option(__version__, prog_name="gpuhook")
 def cli():
     """gpuhook: an OCI runtime hook that gives containers their GPUs, checked and clean.
@@ -66,9 +67,6 @@ def cli():
 def fail(err: GpuhookError):
     click.echo(f"gpuhook: {err.one_line()}", err=True)
     sys.exit(err.exit_code)
-
-
-INTERNAL_ERROR = 70
 
 
 def main(args=None) -> None:
@@ -90,9 +88,7 @@ def main(args=None) -> None:
     except click.exceptions.Exit as err:
         sys.exit(err.exit_code)
     except OSError as err:  # a file a command needed, named by the OS
-        where = f"{err.filename}: " if err.filename else ""
-        click.echo(f"gpuhook: {where}{err.strerror or err}", err=True)
-        sys.exit(4)
+        fail(from_os_error(err))
     except Exception as err:  # a bug: one line, not a traceback
         click.echo(f"gpuhook: internal error: {type(err).__name__}: {err}".splitlines()[0], err=True)
         sys.exit(INTERNAL_ERROR)

@@ -1,9 +1,7 @@
 """Simulated NVIDIA GPU hosts for tests, the demo and users without a GPU."""
 
-from gpuhook.errors import GpuhookError
+from gpuhook.errors import InputError
 
 
-class SimulationError(GpuhookError):
+class SimulationError(InputError):
     """A simulated host or its NVML state could not be built, read or changed."""
-
-    exit_code = 2

@@ -229,11 +229,6 @@ def add_process(path: str, gpu, pid: int, used_memory: int = 0, kind: str = "com
     return update(path, change)
 
 
-def gpu_of(state: dict, gpu) -> dict:
-    """The GPU record named by NVML index or UUID."""
-    return state["gpus"][_gpu_index(state, gpu)]
-
-
 def _gpu_index(state: dict, gpu) -> int:
     if isinstance(gpu, int) and not isinstance(gpu, bool):
         if 0 <= gpu < len(state["gpus"]):
