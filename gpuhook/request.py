@@ -422,7 +422,7 @@ def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
                 if target not in migs:
                     migs.append(target)
                 continue
-            gpu = _match(ident, gpus)
+            gpu = match_gpu(ident, gpus)
             if gpu is None:
                 raise RequestError(
                     f"requested GPU {ident[:80]!r} ({request.channel}) does not exist on this host; "
@@ -511,7 +511,7 @@ def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bo
                 return MigTarget(gpu, device)
     else:
         parent_id, _, mig_index = ident.partition(":")
-        gpu = _match(parent_id, gpus)
+        gpu = match_gpu(parent_id, gpus)
         if gpu is not None and mig_index.isdigit() and mig_index.isascii() and len(mig_index) <= MAX_INDEX_DIGITS:
             if gpu.uuid not in migs_by_gpu:
                 raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}), but GPU {gpu.index} "
@@ -531,7 +531,7 @@ def _capability_gpus(ids, variable: str, gpus, parents) -> bool:
     if ids == ("all",):
         return True
     for ident in ids:
-        gpu = _match(ident, gpus)
+        gpu = match_gpu(ident, gpus)
         if gpu is None:
             raise RequestError(f"{variable} names GPU {ident[:80]!r}, which does not exist; GPUs here: "
                                f"{_available(gpus)}")
@@ -540,7 +540,8 @@ def _capability_gpus(ids, variable: str, gpus, parents) -> bool:
     return True
 
 
-def _match(ident: str, gpus):
+def match_gpu(ident: str, gpus):
+    """The GPU of `gpus` that `ident` names (index, UUID in any case, PCI bus id), or None."""
     if ident.isdigit() and ident.isascii():
         if len(ident) > MAX_INDEX_DIGITS:
             return None

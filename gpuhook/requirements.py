@@ -50,6 +50,11 @@ OPERATOR_CHARS = "<>=!"
 SYNTAX_HINT = ("constraints are KEY OP VALUE with keys cuda, driver, arch, brand and operators "
                "= != < <= > >=; a space separates alternatives, a comma joins conditions")
 CUDA_HINT = "update the host's driver, or use an image built for an earlier CUDA version"
+# An upper bound (driver<500, cuda<=12.2) fails on a host that is too new: updating the driver
+# cannot help there, the hint says what can (issue 17).
+CUDA_UPPER_HINT = ("use an image built for the host's newer CUDA version, or run it on a host with an older "
+                   "driver")
+CUDA_EXACT_HINT = "run it on a host whose {key} matches, or use an image built for the host's {key}"
 
 
 class GpuFacts(record("GpuFacts", "label arch brand")):
@@ -280,5 +285,8 @@ def _unsatisfied(requirement: Requirement, host: HostFacts, gpu, failures: list)
         message += f"; none of the other {others} alternative{'s' if others > 1 else ''} holds either"
     host_text = _describe_host(host, gpu)
     message += f" [host: {host_text}]"
-    hint = CUDA_HINT if constraint.key in ("cuda", "driver") else None
+    hint = None
+    if constraint.key in ("cuda", "driver"):
+        hint = {"<": CUDA_UPPER_HINT, "<=": CUDA_UPPER_HINT, ">": CUDA_HINT, ">=": CUDA_HINT}.get(
+            constraint.operator, CUDA_EXACT_HINT.format(key=constraint.key))
     return RequirementError(message, hint, variable=requirement.variable, constraint=constraint.text, host=host_text)

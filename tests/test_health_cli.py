@@ -113,8 +113,8 @@ def test_prepare_cut_off_by_its_deadline_exits_7(host):
 
 
 @pytest.mark.parametrize("args,code,message", [
-    (["prepare", "--devices", "9"], 2, "--devices: no GPU with index 9 (GPUs here: 0 to 2)"),
-    (["prepare", "--devices", "../../etc/passwd"], 2, "'../../etc/passwd' is not a GPU UUID (GPU-... or MIG-...)"),
+    (["prepare", "--devices", "9"], 2, "--devices: no device '9' on this host (GPUs here: 0 ("),
+    (["prepare", "--devices", "../../etc/passwd"], 2, "--devices: no device '../../etc/passwd' on this host"),
     (["prepare", "--devices", " , "], 2, "--devices names no device"),
     (["prepare"], 2, "Missing option '--devices'"),
     (["check", "--deadline", "0"], 2, "Invalid value for '--deadline'"),
@@ -122,3 +122,17 @@ def test_prepare_cut_off_by_its_deadline_exits_7(host):
 def test_bad_arguments_are_one_line(host, args, code, message):
     done = gpuhook(host, *args)
     assert done.returncode == code and message in one_line(done), done.stderr
+
+
+@pytest.mark.parametrize("command", ["check", "prepare"])
+def test_a_mistyped_uuid_is_bad_input_and_writes_nothing(host, command):
+    """Before: exit 6 ("GPU failed") and a phantom health/<uuid>.json a device plugin would read."""
+    typo = host["uuids"][1][:-1] + ("0" if host["uuids"][1][-1] != "0" else "1")
+    before = sorted(os.listdir(host["state_dir"])) if os.path.isdir(host["state_dir"]) else []
+    done = gpuhook(host, command, "--devices", typo)
+    assert done.returncode == 2 and f"no device '{typo}' on this host" in one_line(done), done.stderr
+    assert not os.path.exists(store.report_path(host["state_dir"], typo))
+    after = sorted(os.listdir(host["state_dir"])) if os.path.isdir(host["state_dir"]) else []
+    assert after == before
+    done = gpuhook(host, command, "--devices", f"{host['uuids'][1].upper()},1")  # any case, once
+    assert done.returncode == 0 and done.stdout.count(host["uuids"][1]) == 1, done.stderr

@@ -303,3 +303,17 @@ def test_requirements_against_simulated_hosts(sim, tmp_path, monkeypatch, driver
             requirements.evaluate(env, facts)
         assert f"{image.split()[0]} is false, the host has cuda {cuda}" in err.value.message
         assert f"GPU 0 ({sim['gpus'][0]['uuid']}): brand {brand}, arch 9.0" in err.value.message
+
+
+@pytest.mark.parametrize("constraint,hint", [
+    ("driver>=600", requirements.CUDA_HINT),
+    ("cuda>13.0", requirements.CUDA_HINT),
+    ("driver<500", requirements.CUDA_UPPER_HINT),
+    ("cuda<=12.2", requirements.CUDA_UPPER_HINT),
+    ("driver=535.1", requirements.CUDA_EXACT_HINT.format(key="driver")),
+])
+def test_the_hint_follows_the_operator(constraint, hint):
+    """An upper bound fails on a host that is too new: "update the host's driver" would be wrong."""
+    with pytest.raises(RequirementError) as err:
+        requirements.evaluate({"NVIDIA_REQUIRE_X": constraint}, host("550.54.15", "12.4", "tesla", "8.0"))
+    assert err.value.hint == hint

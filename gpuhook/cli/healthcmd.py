@@ -15,28 +15,42 @@ JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the wh
 
 
 def resolve_devices(text: str | None, config) -> list:
-    """GPU and MIG UUIDs from a comma-separated list of UUIDs and NVML indices; every GPU of
-    the host when `text` is None."""
+    """GPU and MIG UUIDs from a comma-separated list of NVML indices, GPU UUIDs, PCI bus ids
+    and MIG UUIDs; every GPU of the host when `text` is None. A device this host does not
+    have is bad input (exit 2), named: nothing is checked and no report is written for it."""
     from gpuhook import discover
+    from gpuhook import request as req
 
+    host = discover.gpus(config.proc_root)
     if text is None:
-        return [gpu.uuid for gpu in discover.gpus(config.proc_root)]
+        return [gpu.uuid for gpu in host]
     wanted = [item.strip() for item in text.split(",") if item.strip()]
     if not wanted:
         raise InputError("--devices names no device")
-    host = None
+    migs = None
     found = []
     for item in wanted:
-        if item.isdigit() and item.isascii():
-            if host is None:
-                host = discover.gpus(config.proc_root)
-            match = [gpu.uuid for gpu in host if gpu.index == int(item)]
-            if not match:
-                raise InputError(f"--devices: no GPU with index {item} (GPUs here: 0 to {len(host) - 1})")
-            item = match[0]
-        if item not in found:
-            found.append(item)
+        if item.upper().startswith("MIG-"):
+            if migs is None:
+                migs = _mig_uuids(config)
+            uuid = migs.get(item.lower())
+        else:
+            gpu = req.match_gpu(item, host)
+            uuid = gpu.uuid if gpu is not None else None
+        if uuid is None:
+            here = ", ".join(f"{gpu.index} ({gpu.uuid})" for gpu in host) or "none"
+            raise InputError(f"--devices: no device {item[:80]!r} on this host (GPUs here: {here})")
+        if uuid not in found:
+            found.append(uuid)
     return found
+
+
+def _mig_uuids(config) -> dict:
+    """Lower-cased MIG UUID -> MIG UUID of every MIG device NVML reports."""
+    from gpuhook.inventory import load, nvml_facts
+
+    facts, _ = nvml_facts(config, load(config))
+    return {mig.uuid.lower(): mig.uuid for gpu in facts.gpus.values() for mig in gpu.mig_devices}
 
 
 def render(report) -> str:
