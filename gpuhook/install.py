@@ -81,8 +81,19 @@ TIMEOUT_MARGIN = 5
 CDI_WHEN = {r"^cdi\.k8s\.io/.*$": r"nvidia\.com/gpu="}
 
 CRI_PLUGIN = "io.containerd.grpc.v1.cri"
-RUNC_TABLE_PATH = ("plugins", CRI_PLUGIN, "containerd", "runtimes", "runc")
-RUNC_TABLE = f'plugins."{CRI_PLUGIN}".containerd.runtimes.runc'
+# containerd 2.x (config version 3) split CRI; its runtimes live in the runtime plugin.
+CRI_RUNTIME_PLUGIN_V3 = "io.containerd.cri.v1.runtime"
+RUNC_TABLE_PATHS = {2: ("plugins", CRI_PLUGIN, "containerd", "runtimes", "runc"),
+                    3: ("plugins", CRI_RUNTIME_PLUGIN_V3, "containerd", "runtimes", "runc")}
+RUNC_TABLE_PATH = RUNC_TABLE_PATHS[2]
+
+
+def runc_table_name(version: int = 2) -> str:
+    path = RUNC_TABLE_PATHS[version]
+    return f'plugins."{path[1]}".containerd.runtimes.runc'
+
+
+RUNC_TABLE = runc_table_name(2)
 RUNC_RUNTIME_TYPE = "io.containerd.runc.v2"
 # Marks on the config.toml lines gpuhook adds or changes, so uninstall can take back exactly
 # those. A changed line keeps its original after WAS_MARK.
@@ -524,9 +535,9 @@ def _parse_toml(text: str, where: str) -> dict:
         raise InstallError(f"{where}: invalid TOML: {err}") from err
 
 
-def _runc_table(doc: dict) -> dict | None:
+def _runc_table(doc: dict, version: int = 2) -> dict | None:
     node = doc
-    for key in RUNC_TABLE_PATH:
+    for key in RUNC_TABLE_PATHS[version]:
         node = node.get(key) if isinstance(node, dict) else None
         if node is None:
             return None
@@ -557,8 +568,8 @@ def _set_in(doc: dict, path: tuple, key: str, value) -> None:
     doc[key] = value
 
 
-def _manual_hint(spec_path: str) -> str:
-    return (f"add it by hand under [{RUNC_TABLE}]: runtime_type = \"{RUNC_RUNTIME_TYPE}\" "
+def _manual_hint(spec_path: str, version: int = 2) -> str:
+    return (f"add it by hand under [{runc_table_name(version)}]: runtime_type = \"{RUNC_RUNTIME_TYPE}\" "
             f"and base_runtime_spec = {json.dumps(spec_path)}")
 
 
@@ -569,7 +580,12 @@ def set_base_runtime_spec(text: str, spec_path: str, where: str) -> str:
     the result is parsed back and must differ from the original in exactly that setting.
     """
     doc = _parse_toml(text, where)
-    runc = _runc_table(doc)
+    version = doc.get("version", 1) if doc else 2
+    if isinstance(version, bool) or not isinstance(version, int) or version not in RUNC_TABLE_PATHS:
+        raise InstallError(f"{where}: containerd config version {str(version)[:20]}: gpuhook edits version 2 "
+                           "(containerd 1.5 to 1.7) and version 3 (containerd 2.x)", _manual_hint(spec_path))
+    table_path, table_name = RUNC_TABLE_PATHS[version], runc_table_name(version)
+    runc = _runc_table(doc, version)
     current = runc.get("base_runtime_spec") if runc else None
     if current == spec_path:
         return text
@@ -585,10 +601,7 @@ def set_base_runtime_spec(text: str, spec_path: str, where: str) -> str:
         # Empty or comments only: without `version = 2` containerd 1.x reads version 1.
         lines.insert(0, f"version = 2  {ADDED_MARK}\n")
         expected["version"] = 2
-    elif doc.get("version", 1) != 2:
-        raise InstallError(f"{where}: containerd config version {doc.get('version', 1)}: gpuhook edits version 2 "
-                           "(containerd 1.5 to 1.7)", _manual_hint(spec_path))
-    header = next((i for i, line in enumerate(lines) if _table_header(line) == RUNC_TABLE_PATH), None)
+    header = next((i for i, line in enumerate(lines) if _table_header(line) == table_path), None)
     if header is not None:
         end = next((i for i in range(header + 1, len(lines)) if _table_header(lines[i]) is not None), len(lines))
         indent = lines[header][: len(lines[header]) - len(lines[header].lstrip())] + "  "
@@ -601,13 +614,13 @@ def set_base_runtime_spec(text: str, spec_path: str, where: str) -> str:
             lines.insert(header + 1, f"{indent}{value}  {ADDED_MARK}\n")
     else:
         lines.append(f"# CRI's runc containers start from a spec that runs gpuhook  {ADDED_MARK}\n")
-        lines.append(f"[{RUNC_TABLE}]  {ADDED_MARK}\n")
+        lines.append(f"[{table_name}]  {ADDED_MARK}\n")
         if not (runc and "runtime_type" in runc):
             # Defining the table replaces containerd's default runc entry, runtime type included.
             lines.append(f"  runtime_type = \"{RUNC_RUNTIME_TYPE}\"  {ADDED_MARK}\n")
-            _set_in(expected, RUNC_TABLE_PATH, "runtime_type", RUNC_RUNTIME_TYPE)
+            _set_in(expected, table_path, "runtime_type", RUNC_RUNTIME_TYPE)
         lines.append(f"  {value}  {ADDED_MARK}\n")
-    _set_in(expected, RUNC_TABLE_PATH, "base_runtime_spec", spec_path)
+    _set_in(expected, table_path, "base_runtime_spec", spec_path)
     new = "".join(lines)
     try:
         result = _parse_toml(new, where)
@@ -615,7 +628,7 @@ def set_base_runtime_spec(text: str, spec_path: str, where: str) -> str:
         result = None
     if result != expected:
         raise InstallError(f"{where}: cannot add base_runtime_spec safely (the runc runtime is defined in "
-                           "a form gpuhook does not edit)", _manual_hint(spec_path))
+                           "a form gpuhook does not edit)", _manual_hint(spec_path, version))
     return new
 
 

@@ -572,9 +572,40 @@ def test_containerd_refuses_to_replace_another_base_spec_but_adds_to_it(tmp_path
     assert open(theirs).read() == json.dumps(BASE_SPEC) + "\n" and not os.path.exists(theirs + ".gpuhook-bak")
 
 
+V3_CONFIG = """version = 3
+# containerd 2.x: CRI's runtimes are in the runtime plugin
+[plugins."io.containerd.cri.v1.runtime".containerd]
+  default_runtime_name = "runc"
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+    SystemdCgroup = false
+"""
+
+
+@pytest.mark.parametrize("text", [V3_CONFIG, "version = 3\n"])
+def test_containerd_2_config_version_3_is_edited_in_the_runtime_plugin_and_restored_exactly(tmp_path, text):
+    """containerd 2.x reads config version 3, where CRI's runc runtime is under
+    io.containerd.cri.v1.runtime. gpuhook refused it with hand instructions for version 2."""
+    import tomllib
+
+    paths = containerd_paths(tmp_path)
+    write(paths["containerd_config"], text)
+    apply_install("containerd", **paths)
+    doc = tomllib.loads(open(paths["containerd_config"]).read())
+    runc = doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["runc"]
+    assert runc["base_runtime_spec"] == paths["spec_path"] and runc["runtime_type"] == "io.containerd.runc.v2"
+    assert "io.containerd.grpc.v1.cri" not in doc["plugins"] and doc["version"] == 3
+    if text == V3_CONFIG:
+        assert runc["options"] == {"SystemdCgroup": False}
+    apply_uninstall("containerd", spec_path=paths["spec_path"], containerd_config=paths["containerd_config"])
+    assert open(paths["containerd_config"]).read() == text
+
+
 @pytest.mark.parametrize("text,message", [
     ('[plugins.cri]\nsandbox_image = "x"\n', "containerd config version 1: gpuhook edits version 2"),
-    ("version = 3\n", "containerd config version 3"),
+    ("version = 4\n", "containerd config version 4"),
+    ('version = "3"\n', "containerd config version 3:"),
     ("version = 2\n[plugins\n", "invalid TOML"),
     ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\nruntimes.runc.runtime_type = "x"\n',
      "cannot add base_runtime_spec safely"),
