@@ -118,6 +118,39 @@ def _no_device_files(params: bytes) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
+def run(plan, state, config, deadline: float, record: dict) -> Outcome:
+    """Carry out the whole plan: the health step (check and repair the GPUs before the
+    container gets them), the container's devices and files (`apply`), then what poststop
+    needs: the cgroup v1 grant record (gpuhook.grants) and the health registry entry.
+    `record` (the hook's log record) receives the decisions."""
+    health = None
+    if plan.health is not None:
+        # Only now, and only for GPUs: with health off nothing of NVML, threads or
+        # gpuhook.health is imported.
+        from gpuhook.health import hooks as health
+
+        health.before_start(plan, state, config, deadline, record)
+    outcome = apply(plan, deadline)
+    if outcome.cgroup_mode == hierarchy.V1 and plan.rules:
+        _record_grant(plan, state, config, outcome, record)
+    if health is not None:
+        health.register_container(plan, state, config, record)
+    return outcome
+
+
+def _record_grant(plan, state, config, outcome, record: dict) -> None:
+    """Remember a cgroup v1 grant, so poststop can take it back from a cgroup that outlives
+    the container (gpuhook.grants). Best effort, like the health registry: the log says
+    when it failed."""
+    from gpuhook import grants
+
+    try:
+        grants.record(config.state_dir, state.id, plan.pid, outcome.cgroup_directory, plan.rules,
+                      outcome.rules_added)
+    except (OSError, LookupError) as err:
+        record["grant_record"] = f"not recorded: {err}"
+
+
 def apply(plan, deadline: float) -> Outcome:
     """Carry out `plan` on the running container; raises ApplyError/DeadlineError after undoing."""
     if plan.empty:

@@ -1,8 +1,11 @@
-"""The hook's GPU path: state -> spec -> request -> inventory -> plan -> apply.
+"""The hook's GPU path: state -> spec -> request -> survey -> plan -> apply.
 
 Reached only when gpuhook.prescan could not rule a GPU request out (or from the CLI for a
-dry run). The boundary at the bottom turns every failure into one ``gpuhook: ...`` line on
-stderr and a non-zero exit; the runtime then aborts the start and shows that line.
+dry run). `plan_start` is everything up to the plan and changes nothing (a dry run is
+exactly it); `prestart` then writes gpuhook's caches in one place and hands the plan to
+gpuhook.apply.run, the only code that changes the system (health step included). The
+boundary at the bottom turns every failure into one ``gpuhook: ...`` line on stderr and a
+non-zero exit; the runtime then aborts the start and shows that line.
 """
 
 import os
@@ -10,55 +13,22 @@ import sys
 import time
 
 from gpuhook import config as cfg
-from gpuhook import discover, journal, oci
+from gpuhook import journal, oci
 from gpuhook import request as req
-from gpuhook import requirements as reqs
 from gpuhook.errors import INTERNAL_ERROR, GpuhookError, InputError, from_os_error
-from gpuhook.inventory import load as load_inventory
-from gpuhook.inventory import nvml_facts
 from gpuhook.plan import empty_plan, make_plan
 
 
-
-def build_plan(state, spec, config, write_cache: bool = True):
-    """The plan for one container: pure data, nothing changed (`write_cache` False: not even
-    gpuhook's own caches, for dry runs).
-
-    NVML is consulted only when something needs it (NVIDIA_REQUIRE_* constraints, MIG
-    requests, a host whose driver lists MIG capability files), and then through the
-    inventory cache.
-    """
+def plan_start(state, spec, config) -> tuple:
+    """(Plan, survey.Host or None) for one container: resolve the request, survey the host
+    once, plan. Changes nothing, not even gpuhook's caches."""
     request = req.resolve(spec, state.annotations, config)
     if request.empty:
-        return empty_plan(state, spec, request)
-    if request.cdi:
-        from gpuhook import cdi
+        return empty_plan(state, spec, request), None
+    from gpuhook import survey
 
-        request = request._replace(nodes=request.nodes + req.gpu_nodes(cdi.resolve(request.cdi, config.cdi_spec_dirs)))
-    inventory = load_inventory(config, write=write_cache)
-    requirements = () if reqs.disabled(spec.env) else reqs.collect(spec.env)
-    facts, source = None, None
-    if requirements or request.names_mig or inventory.capabilities:
-        facts, source = nvml_facts(config, inventory, write=write_cache)
-    selection = req.select(request, inventory.gpus, facts, inventory)
-    if requirements:
-        host = host_facts(inventory, facts, selection)
-        for requirement in requirements:
-            reqs.check(requirement, host)
-    container = discover.container_facts(spec.rootfs, config)
-    plan = make_plan(state, spec, request, selection, inventory, config, container,
-                     lambda path: discover.host_node(config, path))
-    return plan._replace(notes=plan.notes + (source,)) if source else plan
-
-
-def host_facts(inventory, facts, selection) -> "reqs.HostFacts":
-    """What NVIDIA_REQUIRE_* constraints are checked against: the CUDA and driver versions
-    and, per GPU the container gets, its compute capability and brand."""
-    gpus = []
-    for gpu in selection.gpus:
-        known = facts.gpus.get(gpu.uuid) if facts else None
-        gpus.append(reqs.GpuFacts(f"GPU {gpu.index} {gpu.uuid}", known and known.arch, known and known.brand))
-    return reqs.HostFacts(facts.cuda_version if facts else None, inventory.driver_version, gpus)
+    host = survey.survey(request, spec, config)
+    return make_plan(state, spec, request, host, config), host
 
 
 def read_container(state_bytes: bytes, spec_bytes: bytes | None = None, base_dir: str | None = None):
@@ -69,43 +39,18 @@ def read_container(state_bytes: bytes, spec_bytes: bytes | None = None, base_dir
 
 
 def prestart(state, spec, config, deadline: float, record: dict | None = None) -> tuple:
-    """Plan, check the GPUs (gpuhook.health, unless [health] mode is off), apply, register.
-    `record` (the log record) receives the health decisions."""
+    """Plan, write the caches discovery refreshed, apply the whole plan (gpuhook.apply.run:
+    health, devices, registration). `record` (the log record) receives the decisions."""
     if state.status and state.status not in oci.STARTING_STATUSES:
         raise InputError(f"state: status {state.status!r}: gpuhook configures containers while they are "
                          f"being created ({' or '.join(oci.STARTING_STATUSES)})")
-    plan = build_plan(state, spec, config)
+    plan, host = plan_start(state, spec, config)
     if plan.empty:
         return plan, None
-    record = {} if record is None else record
-    # Health checks only for GPUs: with mode off, or no GPU in the plan, nothing of NVML,
-    # threading or gpuhook.health is imported.
-    checked = config.health.mode != "off" and bool(plan.gpus)
-    if checked:
-        from gpuhook.health import hooks as health
+    from gpuhook import apply, survey
 
-        health.before_start(plan, state, config, deadline, record)
-    from gpuhook.apply import apply
-
-    outcome = apply(plan, deadline)
-    if outcome.cgroup_mode == "v1" and plan.rules:
-        record_grant(plan, state, config, outcome, record)
-    if checked:
-        health.register_container(plan, state, config, record)
-    return plan, outcome
-
-
-def record_grant(plan, state, config, outcome, record: dict) -> None:
-    """Remember a cgroup v1 grant, so poststop can take it back from a cgroup that outlives
-    the container (gpuhook.grants). Best effort, like the health registry: the log says
-    when it failed."""
-    from gpuhook import grants
-
-    try:
-        grants.record(config.state_dir, state.id, plan.pid, outcome.cgroup_directory, plan.rules,
-                      outcome.rules_added)
-    except (OSError, LookupError) as err:
-        record["grant_record"] = f"not recorded: {err}"
+    survey.write_caches(config, host)
+    return plan, apply.run(plan, state, config, deadline, {} if record is None else record)
 
 
 def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, record: dict,

@@ -99,34 +99,45 @@ def _cached(config):
     return key, None
 
 
-def load(config, write: bool = True) -> "discover.Inventory":
-    """The host inventory: from the cache when the host is unchanged, else read (and cached,
-    unless `write` is False: dry runs change nothing)."""
+def read(config, want_facts: bool = False) -> tuple:
+    """(Inventory, NvmlFacts or None, source or None, pending) for this host, changing
+    nothing. The inventory comes from the cache when the host is unchanged; NVML's facts
+    (only with `want_facts`) from the cache, else from NVML. `pending` is the cache document
+    to write (`write_cache`), or None when the cache is current: the caller decides whether
+    and where to write (the hook does it in one place; dry runs never)."""
     key, doc = _cached(config)
+    inventory = None
     if doc is not None:
         try:
-            return discover.inventory_from_dict(doc["inventory"])._replace(ipc=discover.ipc(config.driver_root))
+            inventory = discover.inventory_from_dict(doc["inventory"])._replace(ipc=discover.ipc(config.driver_root))
         except (KeyError, TypeError, ValueError, AttributeError):
-            pass  # damaged or from another version: rebuild below
-    inventory = discover.inventory(config)
-    if write:
-        cache.write(cache_path(config), {"key": key, "inventory": discover.inventory_to_dict(inventory)})
-    return inventory
-
-
-CACHED = "NVML facts from the inventory cache"
-QUERIED = "NVML queried; inventory cache refreshed"
-
-
-def nvml_facts(config, inventory, write: bool = True) -> tuple:
-    """(NvmlFacts, where they came from: CACHED or QUERIED) for this host; asked of NVML only
-    when not cached, and then cached unless `write` is False."""
-    key, doc = _cached(config)
+            doc = None  # damaged or from another version: rebuild below
+    pending = None
+    if inventory is None:
+        inventory = discover.inventory(config)
+        pending = {"key": key, "inventory": discover.inventory_to_dict(inventory)}
+    if not want_facts:
+        return inventory, None, None, pending
     if doc is not None and isinstance(doc.get("nvml"), dict):
         try:
-            return NvmlFacts.from_dict(doc["nvml"]), CACHED
+            return inventory, NvmlFacts.from_dict(doc["nvml"]), CACHED, pending
         except (KeyError, TypeError, ValueError, AttributeError):
             pass
+    facts, lost = _query_nvml(config)
+    if lost:
+        return inventory, facts, QUERIED, pending  # a lost GPU is a moment's state, not the host's: never cache it
+    pending = pending or {"key": key, "inventory": discover.inventory_to_dict(inventory)}
+    pending["nvml"] = facts.as_dict()
+    return inventory, facts, QUERIED, pending
+
+
+def write_cache(config, pending) -> None:
+    """Write what `read` found out (best effort: a cache that cannot be written is re-read)."""
+    if pending is not None:
+        cache.write(cache_path(config), pending)
+
+
+def _query_nvml(config) -> tuple:
     from gpuhook import nvml
 
     with nvml.Session(nvml.library_path(config)) as session:
@@ -137,10 +148,25 @@ def nvml_facts(config, inventory, write: bool = True) -> tuple:
             for m in gpu.mig_devices or ()))
         for gpu in seen.gpus if not gpu.lost
     })
-    if any(gpu.lost for gpu in seen.gpus) or not write:
-        return facts, QUERIED  # a lost GPU is a moment's state, not the host's: never cache it
-    if doc is None:
-        doc = {"key": key, "inventory": discover.inventory_to_dict(inventory)}
-    doc["nvml"] = facts.as_dict()
-    cache.write(cache_path(config), doc)
-    return facts, QUERIED
+    return facts, any(gpu.lost for gpu in seen.gpus)
+
+
+CACHED = "NVML facts from the inventory cache"
+QUERIED = "NVML queried; inventory cache refreshed"
+
+
+def load(config, write: bool = True) -> "discover.Inventory":
+    """The host inventory (`read`), cached at once unless `write` is False: for commands."""
+    inventory, _, _, pending = read(config)
+    if write:
+        write_cache(config, pending)
+    return inventory
+
+
+def nvml_facts(config, inventory=None, write: bool = True) -> tuple:
+    """(NvmlFacts, CACHED or QUERIED) for this host (`read`), cached at once unless `write`
+    is False: for commands."""
+    _, facts, source, pending = read(config, want_facts=True)
+    if write:
+        write_cache(config, pending)
+    return facts, source

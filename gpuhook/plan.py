@@ -1,12 +1,15 @@
 """The plan: everything gpuhook will do to one container, as plain data.
 
-`make_plan` is a pure function of (container, request, selected GPUs, host inventory,
-config): it reads nothing and changes nothing. ``gpuhook prestart --dry-run`` prints exactly
-this data, tests compare it, and only gpuhook.apply turns it into system calls.
+`make_plan` is a pure function of (container state and spec, request, survey.Host, config):
+it selects the GPUs, checks NVIDIA_REQUIRE_* and lays out the nodes, rules, mounts, links,
+/proc mask, ld cache update and the health step. It reads nothing and changes nothing.
+``gpuhook prestart --dry-run`` prints exactly this data, tests compare it, and only
+gpuhook.apply turns it into system calls (docs/architecture.md).
 """
 
 
 from gpuhook import request as req
+from gpuhook import requirements as reqs
 from gpuhook.cgroup.devices import char_device
 from gpuhook.discover import LIBRARIES
 from gpuhook.errors import HostError
@@ -58,10 +61,18 @@ class LdCacheUpdate(record("LdCacheUpdate", "ldconfig directories")):
     __slots__ = ()
 
 
+class HealthStep(record("HealthStep", "mode gpus on_failure kill_orphans deadline_seconds")):
+    """Check (and repair) `gpus` (UUIDs: whole GPUs and MIG parents) before anything is
+    applied (gpuhook.health.hooks.before_start); in fallback mode a GPU with a fresh
+    `gpuhook prepare` stamp is skipped."""
+
+    __slots__ = ()
+
+
 class Plan(record("Plan", (
     "container_id pid rootfs wants channel capabilities gpus "
-    "nodes mounts symlinks rules proc_mask ldcache notes migs userns proc_in_rootfs"
-), defaults=((), False, False))):
+    "nodes mounts symlinks rules proc_mask ldcache notes migs userns proc_in_rootfs health"
+), defaults=((), False, False, None))):
     """`gpus` are the GPUs whose node the container gets (whole GPUs and MIG parents);
     `migs` the MIG devices (request.MigTarget); `userns` whether the container has a user
     namespace (the apply layer then works as the container's root, and binds device nodes);
@@ -103,6 +114,7 @@ class Plan(record("Plan", (
                 "ldconfig": self.ldcache.ldconfig,
                 "directories": list(self.ldcache.directories),
             },
+            "health": None if self.health is None else dict(self.health._asdict(), gpus=list(self.health.gpus)),
             "notes": list(self.notes),
         }
 
@@ -112,17 +124,21 @@ def empty_plan(state, spec, request) -> Plan:
                 (), (), (), (), None, None, request.notes)
 
 
-def make_plan(state, spec, request, selection, inventory, config, container, node_info) -> Plan:
-    """Build the plan.
-
-    `selection` is request.Selection (GPUs, MIG devices, MIG capabilities);
-    `container` is discover.ContainerFacts (library dirs, glibc or not); `node_info(path)`
-    returns the host node's (mode, uid, gid, host path) or None; all come from discovery,
-    so this function itself reads nothing.
-    """
-    gpus = selection.gpus
+def make_plan(state, spec, request, host, config) -> Plan:
+    """Build the plan from the request and what discovery found (`host`, a survey.Host)."""
     if request.empty:
         return empty_plan(state, spec, request)
+    if host.cdi_nodes:
+        request = request._replace(nodes=request.nodes + host.cdi_nodes)
+    inventory = host.inventory
+    selection = req.select(request, inventory.gpus, host.facts, inventory)
+    requirements = () if reqs.disabled(spec.env) else reqs.collect(spec.env)
+    if requirements:
+        facts = requirement_facts(inventory, host.facts, selection)
+        for requirement in requirements:
+            reqs.check(requirement, facts)
+    container = host.container
+    gpus = selection.gpus
     caps = request.capabilities
     notes = list(request.notes)
     nvidia = inventory.majors["nvidia"]
@@ -152,7 +168,7 @@ def make_plan(state, spec, request, selection, inventory, config, container, nod
     userns = "user" in spec.namespaces
     nodes = []
     for path, major, minor in wanted_nodes:
-        found = node_info(path)
+        found = host.nodes.get(path)
         mode, uid, gid, host_path = found or (DEFAULT_NODE_MODE, 0, 0, None)
         if userns and host_path is None:
             raise HostError(f"{path} must be bound into a container with a user namespace, but the host has "
@@ -196,12 +212,29 @@ def make_plan(state, spec, request, selection, inventory, config, container, nod
         ldcache = LdCacheUpdate(config.ldconfig, tuple(ld_dirs))
     elif ld_dirs:
         notes.append("the image has no glibc (no ld cache, ld.so.conf or loader): ld cache not updated")
+    if host.facts_source:
+        notes.append(host.facts_source)
+    health = None
+    if config.health.mode != "off" and gpus:
+        h = config.health
+        health = HealthStep(h.mode, tuple(dict.fromkeys(g.uuid for g in gpus)), h.on_failure, h.kill_orphans,
+                            h.deadline_seconds)
     return Plan(
         state.id, state.pid, spec.rootfs, request.wants, request.channel, caps, tuple(gpus),
         tuple(nodes), tuple(mounts), tuple(symlinks), rules, proc_mask, ldcache, tuple(notes),
         tuple(selection.migs), userns, any(m.destination.rstrip("/") == "/proc" and m.type == "proc"
-                                           for m in spec.mounts),
+                                           for m in spec.mounts), health,
     )
+
+
+def requirement_facts(inventory, facts, selection) -> "reqs.HostFacts":
+    """What NVIDIA_REQUIRE_* constraints are checked against: the CUDA and driver versions
+    and, per GPU the container gets, its compute capability and brand."""
+    gpus = []
+    for gpu in selection.gpus:
+        known = facts.gpus.get(gpu.uuid) if facts else None
+        gpus.append(reqs.GpuFacts(f"GPU {gpu.index} {gpu.uuid}", known and known.arch, known and known.brand))
+    return reqs.HostFacts(facts.cuda_version if facts else None, inventory.driver_version, gpus)
 
 
 def _mig_capabilities(selection, inventory) -> list:
@@ -258,5 +291,10 @@ def render_text(plan: Plan) -> str:
                      f"GPU dirs {', '.join(plan.proc_mask.gpu_buses) or 'none'})")
     if plan.ldcache:
         lines.append(f"ld cache: host ldconfig for {', '.join(plan.ldcache.directories)}")
+    if plan.health:
+        skip = ", skipping a GPU with a fresh `gpuhook prepare` stamp" if plan.health.mode == "fallback" else ""
+        lines.append(f"health ({plan.health.mode}, on failure: {plan.health.on_failure}): before anything is "
+                     f"applied, check and repair {', '.join(plan.health.gpus)} within "
+                     f"{plan.health.deadline_seconds:g} s{skip}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines) + "\n"

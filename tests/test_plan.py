@@ -9,6 +9,7 @@ from gpuhook import oci
 from gpuhook import request as req
 from gpuhook.discover import ContainerFacts, Gpu, HostFile, Inventory, Library
 from gpuhook.plan import make_plan, render_text
+from gpuhook.survey import Host
 
 GPUS = (Gpu(0, "GPU-a", 0, "0000:18:00.0", "Sim"), Gpu(1, "GPU-b", 3, "0000:28:00.0", "Sim"))
 INV = Inventory(
@@ -33,13 +34,23 @@ STATE = oci.State("1.0.2", "c1", "creating", 77, "/b", {})
 GLIBC_IMAGE = ContainerFacts("/usr/lib64", "/usr/lib", True)
 
 
-def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None, namespaces=()):
+NODE_PATHS = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia0",
+              "/dev/nvidia3")
+
+
+def host(container=GLIBC_IMAGE, node_info=lambda p: None, inventory=INV) -> Host:
+    """A literal survey.Host: what discovery would have found."""
+    nodes = {p: node_info(p) for p in NODE_PATHS if node_info(p) is not None}
+    return Host(inventory, None, None, container, nodes, (), None)
+
+
+def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None, namespaces=(), **config):
     doc = {"root": {"path": "rootfs"}, "process": {"env": env},
            "linux": {"namespaces": [{"type": t} for t in namespaces]}}
     spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
-    config = cfg.from_mapping({})
+    config = cfg.from_mapping(config)
     r = req.resolve(spec, {}, config)
-    return make_plan(STATE, spec, r, req.select(r, GPUS), INV, config, container, node_info)
+    return make_plan(STATE, spec, r, host(container, node_info), config)
 
 
 def test_compute_utility_plan():
@@ -92,8 +103,7 @@ def test_missing_uvm_module_is_noted_not_fatal():
     spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
     config = cfg.from_mapping({})
     r = req.resolve(spec, {}, config)
-    plan = make_plan(STATE, spec, r, req.Selection(GPUS[:1], (), False, False), inv, config, GLIBC_IMAGE,
-                     lambda p: None)
+    plan = make_plan(STATE, spec, r, host(inventory=inv), config)
     assert "/dev/nvidia-uvm" not in [n.path for n in plan.nodes]
     assert any("nvidia-uvm is not loaded" in n for n in plan.notes)
 
@@ -137,3 +147,13 @@ def test_empty_request_plans_nothing():
     plan = plan_for(["PATH=/bin"])
     assert plan.empty and plan.nodes == () and plan.mounts == () and plan.ldcache is None
     assert "untouched" in render_text(plan)
+
+
+def test_the_health_step_is_part_of_the_plan_and_of_the_dry_run():
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=all"])
+    assert plan.health.mode == "fallback" and plan.health.gpus == ("GPU-a", "GPU-b")
+    assert plan.as_dict()["health"]["gpus"] == ["GPU-a", "GPU-b"]
+    assert "health (fallback, on failure: fail): before anything is applied, check and repair GPU-a, GPU-b" \
+        in render_text(plan)
+    assert plan_for(["NVIDIA_VISIBLE_DEVICES=all"], health={"mode": "off"}).health is None
+    assert plan_for(["NVIDIA_VISIBLE_DEVICES=none"]).health is None  # no GPU, nothing to check

@@ -46,28 +46,16 @@ def _start_command(stage: str):
             sys.exit(hook.run_hook(stage, raw, config_path, base_dir=base_dir))
         config = cfg.load(config_path, os.environ, write_cache=False)
         state, spec = hook.read_container(raw, base_dir=base_dir)
-        plan = hook.build_plan(state, spec, config, write_cache=False)
+        plan, _ = hook.plan_start(state, spec, config)  # the real run minus apply (and cache writes)
         deviations = [f"state deviates from the OCI schema (accepted leniently): {d}"
                       for d in schema.state_deviations(raw)]
-        plan = plan._replace(notes=plan.notes + _health_note(plan, config) + tuple(deviations))
+        plan = plan._replace(notes=plan.notes + tuple(deviations))
         if as_json:
             click.echo(json.dumps(plan.as_dict(), indent=2))
         else:
             click.echo(render_text(plan), nl=False)
 
     return command
-
-
-def _health_note(plan, config) -> tuple:
-    """What the health checks would do at this start (a dry run does not run them)."""
-    mode = config.health.mode
-    if plan.empty or not plan.gpus or mode == "off":
-        return ()
-    uuids = ",".join(g.uuid for g in plan.gpus)
-    skip = " unless a fresh `gpuhook prepare` stamp says a device plugin just did" if mode == "fallback" else ""
-    return (f"health ({mode}): before anything is applied, each GPU is checked and, where killing "
-            f"orphans or a reset fixes it, repaired{skip}; `gpuhook check --devices {uuids}` shows "
-            f"what the checks find now",)
 
 
 prestart = _start_command("prestart")

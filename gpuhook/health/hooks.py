@@ -1,6 +1,7 @@
 """The health checks at the hook's stages: before a start, after it, and after a stop.
 
-gpuhook.hook calls these only when [health] mode is not off and the plan has GPUs, so a
+gpuhook.apply.run calls these only when the plan has a health step ([health] mode is not
+off and the plan has GPUs), so a
 container without GPUs, and every container with mode = "off", never loads NVML, threads or
 this package. Each fills the hook's log record (`record`) with what it decided.
 """
@@ -25,11 +26,12 @@ def plan_gpus(plan) -> list:
 
 
 def before_start(plan, state, config, hook_deadline: float, record: dict) -> None:
-    """Check and repair the plan's GPUs (whole GPUs and the parents of its MIG devices) before
-    the container gets them. In fallback mode a GPU with a fresh stamp from `gpuhook prepare`
-    is skipped and its stamp consumed. Raises the report's error unless on-failure = warn."""
-    health = config.health
-    uuids = plan_gpus(plan)
+    """Carry out the plan's health step (plan.HealthStep): check and repair its GPUs (whole
+    GPUs and the parents of its MIG devices) before the container gets them. In fallback
+    mode a GPU with a fresh stamp from `gpuhook prepare` is skipped and its stamp consumed.
+    Raises the report's error unless on-failure = warn."""
+    health = plan.health
+    uuids = list(health.gpus)
     info = {"mode": health.mode}
     record["health"] = info
     if not uuids:
@@ -38,7 +40,7 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
     if health.mode == FALLBACK:
         skipped = {}
         for uuid in uuids:
-            claim = store.claim_stamp(config.state_dir, uuid, health.stamp_ttl_seconds)
+            claim = store.claim_stamp(config.state_dir, uuid, config.health.stamp_ttl_seconds)
             if claim.fresh:
                 skipped[uuid] = claim.why
                 todo.remove(uuid)
