@@ -248,10 +248,10 @@ def need_root_tools(*tools):
 
 
 class Runc:
-    """Times `runc run` of bundles made by gpuhook.testbed (busybox rootfs, runc's spec)."""
+    """Times `runc run` of bundles made by gpuhook.simulate.runner (busybox rootfs, runc's spec)."""
 
     def __init__(self, workdir: str):
-        from gpuhook import testbed
+        from gpuhook.simulate import runner as testbed
 
         self.testbed = testbed
         try:

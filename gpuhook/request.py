@@ -451,8 +451,9 @@ def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
 
 
 def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_facts: bool,
-                 lenient: bool = False) -> list:
-    """(GPU, MigTarget or None) for each granted node (gpuhook.oci.Device). With `lenient`
+                 lenient: bool = False) -> tuple:
+    """([(GPU, MigTarget or None) for each granted node (gpuhook.oci.Device)], whether any
+    node is the NVIDIA driver's). With `lenient`
     (nodes the runtime put in linux.devices), a node of another driver's major that only
     carries an NVIDIA name is not NVIDIA's and is skipped; from an orchestrator's grant it
     is an error."""
@@ -460,7 +461,7 @@ def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_fact
         return [], False
     majors = inventory.majors if inventory is not None else {}
     by_caps_minor = {minor: name for name, minor in (inventory.mig_minors if inventory is not None else {}).items()}
-    found = []
+    found: list = []
     nvidia = False  # whether any node is the NVIDIA driver's (a grant, even if it adds no device)
     for node in request.nodes:
         where = f"{node.path[:80]} (c {node.major}:{node.minor}, {request.channel})"

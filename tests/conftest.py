@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from gpuhook import testbed
+from gpuhook.simulate import runner as testbed
 from gpuhook.simulate import host as simhost
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from gpuhook import testbed
+from gpuhook.simulate import runner as testbed
 from gpuhook.cgroup import bpf, program, systemd, v2
 from gpuhook.cgroup.devices import DeviceRule, parse_v1_line
 from gpuhook.errors import ApplyError

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from conftest import LIBDIR, host_mounts, run_hook_process
+from conftest import LIBDIR, REPO, host_mounts, run_hook_process
 
-from gpuhook import testbed
+from gpuhook.simulate import runner as testbed
 from test_bad_input import snapshot
 
 pytestmark = pytest.mark.root
@@ -81,7 +81,7 @@ def test_a_rootfs_that_is_not_the_containers_is_refused(gpus, tmp_path):
     elsewhere = gpu_bundle(gpus, "elsewhere", tmp_path)
     config = str(elsewhere / "config.json")
     hook = {"path": "/bin/sh", "args": ["sh", "-c", f"{testbed.sys.executable} -I -S "
-                                                    f"{os.path.dirname(testbed.__file__)}/launch.py prestart "
+                                                    f"{REPO}/gpuhook/launch.py prestart "
                                                     f"--config {gpus.config} <&0 >/dev/null 2>{tmp_path}/err; "
                                                     f"echo $? > {tmp_path}/rc"]}
 

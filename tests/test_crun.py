@@ -14,7 +14,7 @@ import pytest
 from conftest import LIBDIR, GpuContainers, require, require_root_tools
 from helpers.runtimes import gpu_nodes, gpuhook_cli, log_records, other_gpu_node, registered
 
-from gpuhook import testbed
+from gpuhook.simulate import runner as testbed
 
 pytestmark = pytest.mark.root
 

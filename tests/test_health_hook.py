@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpuhook import testbed
+from gpuhook.simulate import runner as testbed
 from gpuhook.cgroup import hierarchy
 from gpuhook.health import registry, store
 from gpuhook.simulate import host as simhost

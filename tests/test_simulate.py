@@ -138,7 +138,7 @@ def test_the_command_line(tmp_path):
     assert done.returncode == 0, done.stderr
     with open(f"{directory}/host.json") as f:
         built = json.load(f)
-    assert f"driver 550.54.15 (CUDA 12.6)" in done.stdout
+    assert "driver 550.54.15 (CUDA 12.6)" in done.stdout
     assert f"MIG 1:1  {built['gpus'][1]['mig_devices'][1]['uuid']}  1g.10gb  GI 2 CI 0" in done.stdout
     assert f"NVML state (edit to inject faults): {directory}/nvml.json" in done.stdout
     state = simnvml.load(f"{directory}/nvml.json")

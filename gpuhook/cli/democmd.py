@@ -6,7 +6,7 @@ import shutil
 
 import click
 
-from gpuhook import testbed
+from gpuhook.simulate import runner
 from gpuhook.simulate import host
 
 SCRIPT = r"""
@@ -56,7 +56,7 @@ def demo(workdir, visible):
     open(f"{workdir}/.gpuhook-demo", "w").close()
     click.echo(f"1. simulated host with 4 GPUs in {workdir}/host")
     sim = host.build(f"{workdir}/host", gpus=4)
-    bed = testbed.Testbed(workdir)
+    bed = runner.Testbed(workdir)
     libdir = "/usr/lib64"
     other = _not_requested(sim["gpus"], visible)
     not_mine = NOT_MINE.format(minor=other) if other is not None else ""
@@ -64,7 +64,7 @@ def demo(workdir, visible):
         "demo",
         args=["/bin/busybox", "sh", "-c", SCRIPT.format(not_mine=not_mine, libdir=libdir)],
         env=[f"NVIDIA_VISIBLE_DEVICES={visible}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"],
-        hooks={"prestart": [testbed.hook_entry(sim["config"])]},
+        hooks={"prestart": [runner.hook_entry(sim["config"])]},
         edit=lambda spec: spec["process"]["env"].append("PATH=/bin:/usr/bin"),
     )
     bed.rootfs(f"{bundle}/rootfs")

@@ -13,9 +13,8 @@ import time
 
 from conftest import NODE_PATHS, GpuContainers
 
-from gpuhook import testbed
 from gpuhook.health import registry
-from gpuhook.testbed import RUN_ENV, Result, TestbedError
+from gpuhook.simulate.runner import RUN_ENV, Result, TestbedError
 
 
 class PodmanGpus(GpuContainers):

@@ -1,4 +1,8 @@
-"""Throwaway runc containers with gpuhook registered: used by `gpuhook demo` and the tests.
+"""Throwaway runc containers with gpuhook registered: the runner of `gpuhook demo` and the tests.
+
+It lives with the simulated host (gpuhook.simulate): the one home of the harness that runs
+real containers against simulated GPUs; tests/conftest.py and tests/helpers/runtimes.py
+build on it.
 
 A testbed is a directory holding busybox root filesystems, OCI bundles (config.json from
 `runc spec`, adjusted) and a private runc state root. Containers are real: runc creates the
@@ -52,7 +56,7 @@ def find_busybox() -> str:
 def hook_entry(config_path: str, stage: str = "prestart", python: str | None = None,
                timeout: int = 30) -> dict:
     """A runc hook entry that runs gpuhook the way hooks.d/gpuhook.json does."""
-    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch.py")
+    launcher = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch.py")
     # sys.executable as is (not resolved), also as argv[0]: a venv's bin/python3 is how
     # Python finds the venv, and a bare "python3" argv[0] would be looked up in PATH instead.
     python = python or sys.executable

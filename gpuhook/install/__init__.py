@@ -1,0 +1,170 @@
+"""`gpuhook install` / `gpuhook uninstall`: register gpuhook with a container runtime.
+
+One module per target: `hooksd` (podman, crio), `containerd`, `bundle` (runc-bundle);
+`common` holds what they share. This module picks the target.
+
+Every target registers two stages (`STAGES`): ``prestart`` (inject and check the GPUs) and
+``poststop`` (clean up what a stopped container left on them). Targets (docs/packaging.md has
+the operator's view):
+
+- ``podman``, ``crio``: ``<hooks-dir>/gpuhook.json`` (prestart) and
+  ``<hooks-dir>/gpuhook-poststop.json`` (poststop), oci-hooks 1.0.0 files. One file per stage
+  because oci-hooks passes the same args to every stage a file lists, and our args name the
+  stage. The admin dir /etc/containers/oci/hooks.d overrides the packaged
+  /usr/share/containers/oci/hooks.d file of the same name, so the two never both run.
+- ``containerd``: a base runtime spec (containerd's default spec from ``ctr oci spec`` plus
+  our hooks) and an edit of containerd's config.toml that points CRI's runc runtime at it. The
+  edit goes into config.toml itself, not a conf.d drop-in: containerd 1.6 replaces a whole
+  plugin section with the imported one, so a drop-in would silently reset Debian's own CRI
+  settings (cni bin_dir) to the built-in defaults (checked with ``containerd config dump``).
+- ``runc-bundle``: our hooks appended to a bundle's config.json ``hooks.prestart`` and
+  ``hooks.poststop``.
+
+Every operation is computed first as an `InstallPlan` (each file's content before and after,
+the backups to make or drop): pure data that ``--dry-run`` renders as a unified diff.
+`apply` is the only function here that writes.
+
+Backups and uninstall: the first time gpuhook changes a file that does not already carry
+gpuhook, the file is copied to ``FILE.gpuhook-bak``. Uninstall returns every file to that
+state: a file gpuhook wrote whole is restored from its backup or, if it had none, deleted; a
+shared file (containerd's config.toml, a bundle's config.json) loses exactly the lines or
+hook entries gpuhook added, and its backup is restored byte for byte and dropped when nothing
+else changed since. Directories gpuhook created stay.
+"""
+
+from gpuhook.install.bundle import (  # noqa: F401
+    _bundle_config,
+    _plan_spec_with_hook,
+    _plan_spec_without_hook,
+    plan_bundle,
+    plan_bundle_removal,
+)
+from gpuhook.install.common import (  # noqa: F401
+    ADMIN_HOOKS_DIR,
+    BACKUP_SUFFIX,
+    CDI_WHEN,
+    CONTAINERD_CONFIG,
+    CONTAINERD_SPEC,
+    DEBIAN_LAUNCHER,
+    HOOK_ENV,
+    HOOK_FILE_NAME,
+    HOOKS_D_FILES,
+    MAX_FILE_BYTES,
+    PACKAGE_HOOKS_DIR,
+    POSTSTOP,
+    POSTSTOP_FILE_NAME,
+    STAGE,
+    STAGES,
+    SYSTEM_PYTHON,
+    TARGETS,
+    TIMEOUT_MARGIN,
+    FileChange,
+    Hook,
+    InstallError,
+    InstallPlan,
+    _copy_atomic,
+    _indent_of,
+    _parse_json_object,
+    _read_bytes,
+    _read_text,
+    _replace,
+    _write_atomic,
+    apply,
+    check_interpreter,
+    has_gpuhook,
+    hook_timeout,
+    hooks_d_document,
+    is_gpuhook_entry,
+    launcher_path,
+    packaged_hook,
+    render_diff,
+    render_json,
+    this_installation,
+    with_hook,
+    without_hook,
+)
+from gpuhook.install.containerd import (  # noqa: F401
+    ADDED_MARK,
+    CRI_PLUGIN,
+    CRI_RUNTIME_PLUGIN_V3,
+    RUNC_RUNTIME_TYPE,
+    RUNC_TABLE,
+    RUNC_TABLE_PATH,
+    RUNC_TABLE_PATHS,
+    WAS_MARK,
+    _containerd_notes,
+    _manual_hint,
+    _parse_toml,
+    _runc_table,
+    _set_in,
+    _table_header,
+    default_spec_from_ctr,
+    plan_containerd,
+    plan_containerd_removal,
+    runc_table_name,
+    set_base_runtime_spec,
+    unset_base_runtime_spec,
+)
+from gpuhook.install.hooksd import (  # noqa: F401
+    _hooks_d_is_ours,
+    _runtime_notes,
+    hooks_d_paths,
+    plan_hooks_d,
+    plan_hooks_d_removal,
+)
+
+# --- entry points -----------------------------------------------------------------------
+
+# Options that only make sense for some targets, so a misplaced one is an error, not ignored.
+_OPTION_TARGETS = {
+    "hooks_dir": ("--hooks-dir", ("podman", "crio")),
+    "annotated": ("--annotated", ("podman", "crio")),
+    "spec_path": ("--output", ("containerd",)),
+    "containerd_config": ("--containerd-config", ("containerd",)),
+    "base_spec": ("--base-spec", ("containerd",)),
+    "bundle": ("BUNDLE", ("runc-bundle",)),
+}
+
+
+def _check_options(target: str, given: dict) -> None:
+    if target not in TARGETS:
+        raise InstallError(f"unknown target {target!r} (one of {', '.join(TARGETS)})")
+    for name, value in given.items():
+        if value in (None, False):
+            continue
+        option, targets = _OPTION_TARGETS[name]
+        if target not in targets:
+            raise InstallError(f"{option} does not apply to {target} (only to {', '.join(targets)})")
+
+
+def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None = None,
+                 spec_path: str | None = None, containerd_config: str | None = None,
+                 base_spec: str | None = None, python: str | None = None, config_path: str | None = None,
+                 annotated: bool = False, environ: dict | None = None) -> InstallPlan:
+    """What `gpuhook install TARGET` would change, for the gpuhook running this code."""
+    _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
+                            "containerd_config": containerd_config, "base_spec": base_spec,
+                            "annotated": annotated})
+    if target == "runc-bundle":
+        _bundle_config(bundle)  # a usage error comes before any other check
+    hook = this_installation(python, config_path, environ)
+    if target in ("podman", "crio"):
+        return plan_hooks_d(target, hooks_dir or ADMIN_HOOKS_DIR, hook, annotated)
+    if target == "containerd":
+        return plan_containerd(hook, spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG,
+                               base_spec)
+    return plan_bundle(bundle, hook)
+
+
+def plan_uninstall(target: str, bundle: str | None = None, hooks_dir: str | None = None,
+                   spec_path: str | None = None, containerd_config: str | None = None) -> InstallPlan:
+    """What `gpuhook uninstall TARGET` would change."""
+    _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
+                            "containerd_config": containerd_config})
+    if target in ("podman", "crio"):
+        return plan_hooks_d_removal(target, hooks_dir or ADMIN_HOOKS_DIR)
+    if target == "containerd":
+        return plan_containerd_removal(spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG)
+    return plan_bundle_removal(bundle)
+
+

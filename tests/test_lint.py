@@ -1,0 +1,30 @@
+"""ruff over the whole tree and mypy over the planning modules, as CI runs them
+(configuration in pyproject.toml). A missing tool fails under GPUHOOK_STRICT=1."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+from conftest import REPO, require
+
+TYPED = ["gpuhook/plan.py", "gpuhook/request.py", "gpuhook/survey.py", "gpuhook/cdi.py", "gpuhook/errors.py",
+         "gpuhook/grants.py"]
+
+
+def tool(name: str) -> str:
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    found = path if os.path.exists(path) else shutil.which(name)
+    require(found is not None, f"needs {name} (pip install -e '.[test]')")
+    return found
+
+
+def test_ruff_finds_nothing():
+    done = subprocess.run([tool("ruff"), "check", "--output-format", "concise", "."], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_accepts_the_planning_modules():
+    done = subprocess.run([tool("mypy"), *TYPED], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
