@@ -221,6 +221,15 @@ def test_crio_and_admin_dir_notes_say_what_the_runtime_reads(tmp_path):
         assert f"{install.ADMIN_HOOKS_DIR}/{name} overrides the packaged {path} (same file name)" in plan.notes
 
 
+def test_crio_installs_by_default_where_crio_reads_hooks_by_default():
+    """CRI-O's default hooks_dir is /usr/share/containers/oci/hooks.d only; install crio used to
+    write into /etc/containers/oci/hooks.d, which CRI-O never reads unless configured."""
+    plan = install.plan_install("crio", environ={})
+    assert {os.path.dirname(change.path) for change in plan.changes} == {install.PACKAGE_HOOKS_DIR}
+    plan = install.plan_install("podman", environ={})
+    assert {os.path.dirname(change.path) for change in plan.changes} == {install.ADMIN_HOOKS_DIR}
+
+
 def test_the_hooks_file_takes_its_config_from_the_environment_as_an_absolute_path(tmp_path, monkeypatch):
     sim_config(tmp_path)
     monkeypatch.chdir(tmp_path)

@@ -99,6 +99,25 @@ def test_package_versions_are_gpuhooks_version():
 
 # --- the packages (slow, root) -------------------------------------------------------------
 
+# Installed path -> file in packaging/systemd: CDI spec regeneration (docs/cdi.md).
+CDI_REFRESH_FILES = {
+    "/usr/lib/systemd/system/gpuhook-cdi-refresh.service": "gpuhook-cdi-refresh.service",
+    "/usr/lib/systemd/system/gpuhook-cdi-refresh.path": "gpuhook-cdi-refresh.path",
+    "/usr/lib/udev/rules.d/71-gpuhook-cdi-refresh.rules": "71-gpuhook-cdi-refresh.rules",
+}
+
+
+def test_the_cdi_refresh_service_runs_a_real_gpuhook_command():
+    with open(os.path.join(REPO, "packaging", "systemd", "gpuhook-cdi-refresh.service")) as f:
+        (exec_start,) = [line.split("=", 1)[1].split() for line in f if line.startswith("ExecStart=")]
+    assert exec_start[0] == "/usr/bin/gpuhook"
+    from click.testing import CliRunner
+
+    from gpuhook.cli import cli
+
+    done = CliRunner().invoke(cli, [*exec_start[1:], "--help"])
+    assert done.exit_code == 0 and "--output" in done.output
+
 
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory):
@@ -137,9 +156,17 @@ def test_deb_holds_the_whole_package_the_generated_files_and_pynvml(packages, tm
         copyright_text = f.read()
     assert "License: BSD-3-clause" in copyright_text and "NVIDIA Corporation" in copyright_text
 
+    for path, name in CDI_REFRESH_FILES.items():  # CDI spec regeneration, byte for byte
+        path = path.replace("/usr/lib/", "/lib/")  # Debian 12's debhelper: units and rules in /lib
+        with open(tmp_path / path.lstrip("/")) as f, open(os.path.join(REPO, "packaging", "systemd", name)) as g:
+            assert f.read() == g.read(), path
+    postinst = run("dpkg-deb", "--info", packages["deb"], "postinst").stdout
+    assert "gpuhook-cdi-refresh.path" in postinst  # dh_installsystemd enables the path unit
+
     fields = run("dpkg-deb", "--field", packages["deb"], "Version", "Depends", "Architecture").stdout
     assert f"Version: {__version__}" in fields and "Architecture: all" in fields
-    for dependency in ("python3 (>= 3.11)", "python3-click", "python3-psutil", "python3-jsonschema"):
+    for dependency in ("python3 (>= 3.11)", "python3-click", "python3-psutil", "python3-jsonschema",
+                       "python3-yaml"):
         assert dependency in fields
     assert run("dpkg-deb", "--info", packages["deb"], "conffiles").stdout.split() == ["/etc/gpuhook/config.toml"]
 
@@ -164,9 +191,11 @@ def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
         {f"/usr/share/containers/oci/hooks.d/{name}" for name in HOOKS_D_FILES}
     assert any(p.endswith("/gpuhook-poststop-annotated.json") for p in files)  # the documented example
     assert any(p.startswith(f"{site}/gpuhook/__pycache__/entry.") for p in files)  # byte-compiled
+    assert set(CDI_REFRESH_FILES) <= files
+    assert "gpuhook-cdi-refresh.path" in run("rpm", "-qp", "--scripts", packages["rpm"]).stdout
     assert run("rpm", "-qpc", packages["rpm"]).stdout.split() == ["/etc/gpuhook/config.toml"]
     requires = run("rpm", "-qpR", packages["rpm"]).stdout
-    for dependency in ("python3 >= 3.11", "python3-click", "python3-psutil", "python3-jsonschema"):
+    for dependency in ("python3 >= 3.11", "python3-click", "python3-psutil", "python3-jsonschema", "python3-pyyaml"):
         assert dependency in requires
     assert run("rpm", "-qp", "--queryformat", "%{VERSION}", packages["rpm"]).stdout == __version__
 

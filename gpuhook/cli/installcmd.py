@@ -8,7 +8,8 @@ from gpuhook import install
 TARGET = click.argument("target", type=click.Choice(install.TARGETS), metavar="TARGET")
 BUNDLE = click.argument("bundle", required=False, metavar="[BUNDLE]")
 HOOKS_DIR = click.option("--hooks-dir", metavar="DIR",
-                         help=f"podman, crio: the hooks dir [default: {install.ADMIN_HOOKS_DIR}].")
+                         help=f"podman, crio: the hooks dir [default: podman {install.ADMIN_HOOKS_DIR}, "
+                              f"crio {install.PACKAGE_HOOKS_DIR}, the dir each reads by default].")
 OUTPUT = click.option("--output", "spec_path", metavar="FILE",
                       help=f"containerd: the base runtime spec to write [default: {install.CONTAINERD_SPEC}].")
 CONTAINERD_CONFIG = click.option("--containerd-config", metavar="FILE",

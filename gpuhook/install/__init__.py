@@ -126,6 +126,13 @@ _OPTION_TARGETS = {
 }
 
 
+def default_hooks_dir(target: str) -> str:
+    """Where `install podman`/`crio` write without --hooks-dir: a dir the runtime reads by
+    default. podman reads the admin dir (which overrides the packaged one); CRI-O reads only
+    crio.conf's hooks_dir, whose default is the packaged dir."""
+    return PACKAGE_HOOKS_DIR if target == "crio" else ADMIN_HOOKS_DIR
+
+
 def _check_options(target: str, given: dict) -> None:
     if target not in TARGETS:
         raise InstallError(f"unknown target {target!r} (one of {', '.join(TARGETS)})")
@@ -149,7 +156,7 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
         _bundle_config(bundle)  # a usage error comes before any other check
     hook = this_installation(python, config_path, environ)
     if target in ("podman", "crio"):
-        return plan_hooks_d(target, hooks_dir or ADMIN_HOOKS_DIR, hook, annotated)
+        return plan_hooks_d(target, hooks_dir or default_hooks_dir(target), hook, annotated)
     if target == "containerd":
         return plan_containerd(hook, spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG,
                                base_spec)
@@ -162,7 +169,7 @@ def plan_uninstall(target: str, bundle: str | None = None, hooks_dir: str | None
     _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
                             "containerd_config": containerd_config})
     if target in ("podman", "crio"):
-        return plan_hooks_d_removal(target, hooks_dir or ADMIN_HOOKS_DIR)
+        return plan_hooks_d_removal(target, hooks_dir or default_hooks_dir(target))
     if target == "containerd":
         return plan_containerd_removal(spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG)
     return plan_bundle_removal(bundle)

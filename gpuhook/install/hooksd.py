@@ -38,9 +38,12 @@ def _runtime_notes(target: str, paths: list, package_hooks_dir: str, installing:
             if os.path.exists(packaged):
                 notes.append(f"{path} overrides the packaged {packaged} (same file name)" if installing else
                              f"the packaged {packaged} still registers gpuhook (remove the package to stop it)")
-    if target == "crio":
+    if target == "crio" and directory != package_hooks_dir:
         notes.append("CRI-O reads hooks only from the dirs in crio.conf's hooks_dir (default "
                      f"{package_hooks_dir}); make sure {directory} is listed, then restart CRI-O")
+    elif target == "crio" and installing:
+        notes.append(f"CRI-O reads {directory} by default (crio.conf hooks_dir); it watches the dir, nothing "
+                     "to restart")
     elif installing:
         notes.append("podman reads the hooks dir at every container start; nothing to restart")
     return notes

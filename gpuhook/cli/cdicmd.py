@@ -1,0 +1,49 @@
+"""`gpuhook cdi generate`: write a CDI spec for this host with gpuhook as its hook."""
+
+import os
+
+import click
+
+from gpuhook import cdigen
+from gpuhook import config as cfg
+from gpuhook import install
+from gpuhook.cli import CONFIG_OPTION
+from gpuhook.errors import InputError
+from gpuhook.request import CAPABILITIES
+
+
+@click.group(name="cdi", help="CDI (Container Device Interface) specs for runtimes that consume them.")
+def cdi():
+    pass
+
+
+@cdi.command(name="generate", help=(
+    "Write a CDI spec (kind nvidia.com/gpu) for this host: one device per GPU (by index and "
+    "UUID), per MIG device (GPU:MIG and MIG UUID) and `all`, with their device nodes, the "
+    "driver files for --capabilities mounted read-only, and gpuhook as the createRuntime and "
+    "poststop hook, which updates the ld cache, masks /proc/driver/nvidia and checks and "
+    "cleans the GPUs. Put it in /etc/cdi or /var/run/cdi (docs/cdi.md)."))
+@CONFIG_OPTION
+@click.option("--output", metavar="FILE", help="Write the spec here (atomically, 0644) instead of stdout.")
+@click.option("--format", "fmt", type=click.Choice(["json", "yaml"]), default=None,
+              help="Spec format [default: from --output's suffix, else json].")
+@click.option("--capabilities", default="compute,utility", show_default=True, metavar="LIST",
+              help=f"Driver capabilities whose files the spec mounts ({', '.join(CAPABILITIES)}).")
+@click.option("--python", metavar="PATH",
+              help="Interpreter the runtime starts for the hook [default: the running one].")
+def generate(config_path, output, fmt, capabilities, python):
+    config = cfg.load(config_path, os.environ)
+    caps = tuple(c.strip() for c in capabilities.split(",") if c.strip())
+    unknown = [c for c in caps if c not in CAPABILITIES]
+    if unknown or not caps:
+        raise InputError(f"--capabilities: unknown {', '.join(unknown)[:80] or 'empty list'} "
+                         f"(known: {', '.join(CAPABILITIES)})")
+    hook = install.this_installation(python, config_path, os.environ)
+    if fmt is None:
+        fmt = "yaml" if output and output.endswith((".yaml", ".yml")) else "json"
+    text = cdigen.render(cdigen.generate(config, hook, caps), fmt)
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    install.common._replace(os.path.abspath(output), text.encode())
+    click.echo(f"wrote {output}")
