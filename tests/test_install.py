@@ -420,7 +420,8 @@ def test_bad_bundles_are_one_line_errors_and_nothing_changes(tmp_path, setup, ar
     (["podman", "/some/bundle"], "BUNDLE does not apply to podman (only to runc-bundle)"),
     (["runc-bundle", "/b", "--output", "/x"], "--output does not apply to runc-bundle (only to containerd)"),
     (["podman", "--annotated", "--base-spec", "/x"], "--base-spec does not apply to podman"),
-    (["docker"], "Invalid value for 'TARGET'"),
+    (["kubelet"], "Invalid value for 'TARGET'"),
+    (["podman", "--bin-dir", "/x"], "--bin-dir does not apply to podman (only to docker)"),
 ])
 def test_options_for_another_target_are_errors(args, message):
     one_line_error(gpuhook_cli("install", *args, check=False), message)

@@ -29,7 +29,7 @@ COMMANDS = {
     "demo": ("democmd", "demo", "Start a real runc container with simulated GPUs injected by gpuhook."),
     "cgroup": ("cgroupcmd", "cgroup", "Show a container's device rules (cgroup v1 or v2) and whether systemd knows them."),
     "cdi": ("cdicmd", "cdi", "Generate a CDI spec for this host with gpuhook as its hook."),
-    "install": ("installcmd", "install_command", "Register gpuhook with podman, CRI-O, containerd or a runc bundle."),
+    "install": ("installcmd", "install_command", "Register gpuhook with podman, CRI-O, containerd, Docker or a runc bundle."),
     "uninstall": ("installcmd", "uninstall_command", "Take back what `gpuhook install` added."),
     "prepare": ("healthcmd", "prepare", "Check and clean GPUs before a container gets them; stamp them for the hook."),
     "check": ("healthcmd", "check", "Run the GPU health checks (no changes unless --repair)."),

@@ -14,6 +14,9 @@ OUTPUT = click.option("--output", "spec_path", metavar="FILE",
                       help=f"containerd: the base runtime spec to write [default: {install.CONTAINERD_SPEC}].")
 CONTAINERD_CONFIG = click.option("--containerd-config", metavar="FILE",
                                  help=f"containerd: its config file [default: {install.CONTAINERD_CONFIG}].")
+BIN_DIR = click.option("--bin-dir", metavar="DIR",
+                       help=f"docker: where the {install.DOCKER_HOOK_NAME} launcher goes, a dir on dockerd's PATH "
+                            f"[default: {install.DEFAULT_BIN_DIR}].")
 DRY_RUN = click.option("--dry-run", is_flag=True, help="Print the change as a unified diff; change nothing.")
 
 TARGETS_HELP = (
@@ -23,7 +26,8 @@ TARGETS_HELP = (
     "TARGET is podman or crio (one oci-hooks file per stage in the hooks dir: "
     f"{install.HOOK_FILE_NAME} and {install.POSTSTOP_FILE_NAME}), containerd "
     "(a base runtime spec with gpuhook's hooks, and config.toml's runc runtime pointed at it) or "
-    "runc-bundle (gpuhook's hooks in BUNDLE/config.json). "
+    "runc-bundle (gpuhook's hooks in BUNDLE/config.json) or docker (a launcher named "
+    f"{install.DOCKER_HOOK_NAME} that Docker's --gpus runs as its prestart hook). "
 )
 
 
@@ -59,12 +63,13 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
 @click.option("--config", "config_path", metavar="FILE",
               help=f"Configuration file the hook reads, passed as --config [default: ${cfg.ENV_VAR}, "
                    f"else the hook reads {cfg.DEFAULT_PATH}].")
+@BIN_DIR
 @DRY_RUN
 def install_command(target, bundle, hooks_dir, annotated, spec_path, containerd_config, base_spec, python,
-                    config_path, dry_run):
+                    config_path, bin_dir, dry_run):
     plan = install.plan_install(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
                                 containerd_config=containerd_config, base_spec=base_spec, python=python,
-                                config_path=config_path, annotated=annotated)
+                                config_path=config_path, annotated=annotated, bin_dir=bin_dir)
     _render(plan, dry_run)
 
 
@@ -78,8 +83,9 @@ def install_command(target, bundle, hooks_dir, annotated, spec_path, containerd_
 @HOOKS_DIR
 @OUTPUT
 @CONTAINERD_CONFIG
+@BIN_DIR
 @DRY_RUN
-def uninstall_command(target, bundle, hooks_dir, spec_path, containerd_config, dry_run):
+def uninstall_command(target, bundle, hooks_dir, spec_path, containerd_config, bin_dir, dry_run):
     plan = install.plan_uninstall(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
-                                  containerd_config=containerd_config)
+                                  containerd_config=containerd_config, bin_dir=bin_dir)
     _render(plan, dry_run)

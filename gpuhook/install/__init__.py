@@ -1,6 +1,7 @@
 """`gpuhook install` / `gpuhook uninstall`: register gpuhook with a container runtime.
 
-One module per target: `hooksd` (podman, crio), `containerd`, `bundle` (runc-bundle);
+One module per target: `hooksd` (podman, crio), `containerd`, `bundle` (runc-bundle),
+`docker` (the launcher Docker's --gpus runs);
 `common` holds what they share. This module picks the target.
 
 Every target registers two stages (`STAGES`): ``prestart`` (inject and check the GPUs) and
@@ -105,6 +106,13 @@ from gpuhook.install.containerd import (  # noqa: F401
     set_base_runtime_spec,
     unset_base_runtime_spec,
 )
+from gpuhook.install.docker import (  # noqa: F401
+    DEFAULT_BIN_DIR,
+    DOCKER_HOOK_NAME,
+    launcher_text,
+    plan_docker,
+    plan_docker_removal,
+)
 from gpuhook.install.hooksd import (  # noqa: F401
     _hooks_d_is_ours,
     _runtime_notes,
@@ -123,6 +131,7 @@ _OPTION_TARGETS = {
     "containerd_config": ("--containerd-config", ("containerd",)),
     "base_spec": ("--base-spec", ("containerd",)),
     "bundle": ("BUNDLE", ("runc-bundle",)),
+    "bin_dir": ("--bin-dir", ("docker",)),
 }
 
 
@@ -147,11 +156,11 @@ def _check_options(target: str, given: dict) -> None:
 def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None = None,
                  spec_path: str | None = None, containerd_config: str | None = None,
                  base_spec: str | None = None, python: str | None = None, config_path: str | None = None,
-                 annotated: bool = False, environ: dict | None = None) -> InstallPlan:
+                 annotated: bool = False, environ: dict | None = None, bin_dir: str | None = None) -> InstallPlan:
     """What `gpuhook install TARGET` would change, for the gpuhook running this code."""
     _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
                             "containerd_config": containerd_config, "base_spec": base_spec,
-                            "annotated": annotated})
+                            "annotated": annotated, "bin_dir": bin_dir})
     if target == "runc-bundle":
         _bundle_config(bundle)  # a usage error comes before any other check
     hook = this_installation(python, config_path, environ)
@@ -160,18 +169,23 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
     if target == "containerd":
         return plan_containerd(hook, spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG,
                                base_spec)
+    if target == "docker":
+        return plan_docker(hook, bin_dir or DEFAULT_BIN_DIR)
     return plan_bundle(bundle, hook)
 
 
 def plan_uninstall(target: str, bundle: str | None = None, hooks_dir: str | None = None,
-                   spec_path: str | None = None, containerd_config: str | None = None) -> InstallPlan:
+                   spec_path: str | None = None, containerd_config: str | None = None,
+                   bin_dir: str | None = None) -> InstallPlan:
     """What `gpuhook uninstall TARGET` would change."""
     _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
-                            "containerd_config": containerd_config})
+                            "containerd_config": containerd_config, "bin_dir": bin_dir})
     if target in ("podman", "crio"):
         return plan_hooks_d_removal(target, hooks_dir or default_hooks_dir(target))
     if target == "containerd":
         return plan_containerd_removal(spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG)
+    if target == "docker":
+        return plan_docker_removal(bin_dir or DEFAULT_BIN_DIR)
     return plan_bundle_removal(bundle)
 
 

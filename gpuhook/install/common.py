@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from gpuhook import config as cfg
 from gpuhook.errors import InputError
 
-TARGETS = ("podman", "crio", "containerd", "runc-bundle")
+TARGETS = ("podman", "crio", "containerd", "runc-bundle", "docker")
 
 HOOK_FILE_NAME = "gpuhook.json"
 POSTSTOP_FILE_NAME = "gpuhook-poststop.json"
@@ -91,6 +91,7 @@ class FileChange:
     new: str | None
     backup: str | None = None       # copy the current file here first
     drop_backup: str | None = None  # remove this backup afterwards (it was restored)
+    mode: int | None = None         # a file created new gets this mode (default 0644)
 
     @property
     def modifies(self) -> bool:
@@ -361,7 +362,7 @@ def apply(plan: InstallPlan) -> list[str]:
                 os.unlink(change.path)
                 done.append(f"removed {change.path}")
             else:
-                _write_atomic(change.path, change.new)
+                _write_atomic(change.path, change.new, change.mode)
                 verb = "created" if change.old is None else "restored" if change.drop_backup else "updated"
                 done.append(f"{verb} {change.path}")
             if change.drop_backup:
@@ -373,9 +374,10 @@ def apply(plan: InstallPlan) -> list[str]:
     return done
 
 
-def _write_atomic(path: str, text: str) -> None:
-    """Replace `path` with `text` in one rename, keeping an existing file's mode and owner."""
-    _replace(path, text.encode("utf-8"))
+def _write_atomic(path: str, text: str, mode: int | None = None) -> None:
+    """Replace `path` with `text` in one rename, keeping an existing file's mode and owner
+    (`mode` for a new file, or one whose mode must be exactly that)."""
+    _replace(path, text.encode("utf-8"), mode=mode)
 
 
 def _copy_atomic(source: str, target: str) -> None:
@@ -383,7 +385,7 @@ def _copy_atomic(source: str, target: str) -> None:
     _replace(target, data, st)
 
 
-def _replace(path: str, data: bytes, like=None) -> None:
+def _replace(path: str, data: bytes, like=None, mode: int | None = None) -> None:
     """Replace `path` with `data` through its directory's fd (safepath.replace_file), with
     the mode and owner of `like`, else of the file it replaces, else 0644 root. A link
     planted in a user-owned directory is never followed, and a FIFO or device is refused."""
@@ -400,7 +402,9 @@ def _replace(path: str, data: bytes, like=None) -> None:
                 like = None
             if like is not None and not stat.S_ISREG(like.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file; refusing to replace it", path)
-        if like is None:
+        if mode is not None:
+            safepath.replace_file(dir_fd, name, data, mode, (0, 0) if os.geteuid() == 0 else None)
+        elif like is None:
             safepath.replace_file(dir_fd, name, data)
         else:
             owner = (like.st_uid, like.st_gid) if os.geteuid() == 0 else None
