@@ -26,7 +26,8 @@ LIBRARIES = {
     "graphics": (
         "libnvidia-eglcore", "libnvidia-glcore", "libnvidia-tls", "libnvidia-glsi", "libnvidia-fbc",
         "libnvidia-rtcore", "libnvoptix", "libGLX_nvidia", "libEGL_nvidia", "libGLESv2_nvidia",
-        "libGLESv1_CM_nvidia", "libnvidia-glvkspirv",
+        "libGLESv1_CM_nvidia", "libnvidia-glvkspirv", "libnvidia-egl-gbm", "libnvidia-egl-wayland",
+        "libnvidia-vulkan-producer",
     ),
     "ngx": ("libnvidia-ngx",),
 }
@@ -35,6 +36,23 @@ BINARIES = {
     "compute": ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"),
 }
 BINARY_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin")
+# Data files the GL, EGL and Vulkan loaders and Xorg look for, mounted read-only at the same
+# path where present, as NVIDIA's toolkit does for `graphics` and `display`. "{version}" is
+# the driver version.
+DATA_FILES = {
+    "graphics": (
+        "/usr/share/glvnd/egl_vendor.d/10_nvidia.json",
+        "/usr/share/vulkan/icd.d/nvidia_icd.json", "/etc/vulkan/icd.d/nvidia_icd.json",
+        "/usr/share/vulkan/implicit_layer.d/nvidia_layers.json", "/etc/vulkan/implicit_layer.d/nvidia_layers.json",
+        "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json",
+        "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json",
+        "/usr/share/nvidia/nvoptix.bin",
+    ),
+    "display": (
+        "/usr/lib/xorg/modules/drivers/nvidia_drv.so",
+        "/usr/lib/xorg/modules/extensions/libglxserver_nvidia.so.{version}",
+    ),
+}
 # IPC endpoints: (path, capability, is a directory). Mounted only where present.
 IPC = (
     ("/var/run/nvidia-persistenced/socket", "utility", False),
@@ -265,6 +283,23 @@ def binaries(driver_root: str) -> tuple:
     return tuple(found)
 
 
+def data_files(driver_root: str, version: str) -> tuple:
+    """The DATA_FILES present under the driver root (regular files only, never a link out of
+    it), each to be mounted at its own path."""
+    found = []
+    for cap, paths in DATA_FILES.items():
+        for path in paths:
+            path = path.format(version=version)
+            host = under(driver_root, path)
+            try:
+                st = os.lstat(host)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append(HostFile(host, path, cap, "file"))
+    return tuple(found)
+
+
 def firmware(driver_root: str, version: str) -> tuple:
     base = f"/lib/firmware/nvidia/{version}"
     host_dir = under(driver_root, base)
@@ -328,7 +363,7 @@ def inventory(config) -> Inventory:
         gpus=gpus(proc_root),
         majors=majors(proc_root),
         libraries=libraries(config.driver_root),
-        binaries=binaries(config.driver_root),
+        binaries=binaries(config.driver_root) + data_files(config.driver_root, version),
         firmware=firmware(config.driver_root, version),
         ipc=ipc(config.driver_root),
         proc_driver_dir=f"{proc_root}/driver/nvidia",

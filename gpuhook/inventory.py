@@ -19,7 +19,7 @@ import os
 from gpuhook import cache, discover
 from gpuhook.record import record
 
-FORMAT = 2
+FORMAT = 3  # 3: binaries also hold the graphics and display data files
 
 
 class MigDevice(record("MigDevice", "index uuid gpu_instance_id compute_instance_id name")):

@@ -146,8 +146,23 @@ def _check_id(ident: str, count: int, where: str) -> None:
         raise RequestError(f"{where}: device id {ident[:40]!r}... is longer than {MAX_ID_LENGTH} characters")
 
 
+# What a capability needs of another, as NVIDIA's libraries do: NVENC and NVDEC (video)
+# create a CUDA context, so they need libcuda and the nvidia-uvm nodes.
+IMPLIED_CAPABILITIES = {"video": frozenset({"compute"})}
+
+
 def parse_capabilities(value: str | None, legacy: bool = False) -> frozenset:
-    """NVIDIA_DRIVER_CAPABILITIES: unset or empty = utility,compute (all for legacy images)."""
+    """NVIDIA_DRIVER_CAPABILITIES: unset or empty = utility,compute, or every capability for
+    a legacy CUDA image (CUDA_VERSION without NVIDIA_REQUIRE_CUDA), as NVIDIA's toolkit does;
+    plus what each named capability needs (IMPLIED_CAPABILITIES)."""
+    caps = _named_capabilities(value, legacy)
+    for cap, implied in IMPLIED_CAPABILITIES.items():
+        if cap in caps:
+            caps = caps | implied
+    return caps
+
+
+def _named_capabilities(value: str | None, legacy: bool) -> frozenset:
     if value is None:
         return frozenset(CAPABILITIES) if legacy else DEFAULT_CAPABILITIES
     caps = set()
@@ -325,7 +340,7 @@ def _resolve(spec, state_annotations: dict, config) -> Request:
         cdi.update(grant.cdi)
         channels.append(MOUNTS if grant.where == "volume mounts" else CDI)
     if channels:
-        caps = parse_capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES") or None)
+        caps = parse_capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES") or None, legacy=legacy)
         if "NVIDIA_VISIBLE_DEVICES" in env:
             notes.append("NVIDIA_VISIBLE_DEVICES ignored: the runtime's request takes precedence")
         request = _as_request(list(ids), caps, " + ".join(channels), notes)
@@ -350,7 +365,7 @@ def _resolve(spec, state_annotations: dict, config) -> Request:
         if not env_ids or "void" in env_ids or env_ids == [VOLUME_MOUNT_ROOT]:
             return _nothing(notes)
     caps_value = env.get("NVIDIA_DRIVER_CAPABILITIES")
-    caps = parse_capabilities(caps_value if caps_value else None, legacy=legacy and channel == ENV_LEGACY)
+    caps = parse_capabilities(caps_value if caps_value else None, legacy=legacy)
     # A privileged container's linux.devices lists every device of the host (docker and
     # podman --privileged): that is no grant of particular GPUs.
     nodes = gpu_nodes(spec.devices) if config.accept_runtime_devices and not spec.privileged else ()

@@ -253,3 +253,40 @@ def test_requests_gpuhook_does_not_provide_are_refused_clearly(variable, value):
         resolve(spec(ALL + [f"{variable}={value}"]))
     assert resolve(spec([f"{variable}={value}"])).empty  # no GPU request: not gpuhook's business
     assert resolve(spec(ALL + [f"{variable}=void"])).wants == req.ALL
+
+
+def test_video_alone_brings_what_nvenc_and_nvdec_need():
+    caps = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=video"])).capabilities
+    assert caps == {"video", "compute"}  # libcuda and nvidia-uvm: NVENC/NVDEC create a CUDA context
+
+
+def test_a_legacy_image_gets_every_capability_whatever_channel_names_its_gpus():
+    """As NVIDIA's toolkit: CUDA_VERSION without NVIDIA_REQUIRE_CUDA and no
+    NVIDIA_DRIVER_CAPABILITIES means every capability, also with NVIDIA_VISIBLE_DEVICES set
+    or a device plugin's grant (it was utility,compute there)."""
+    legacy = ["CUDA_VERSION=10.2"]
+    assert resolve(spec(legacy + ["NVIDIA_VISIBLE_DEVICES=0"])).capabilities == set(req.CAPABILITIES)
+    annotated = resolve(spec(legacy, annotations={"cdi.k8s.io/x": "nvidia.com/gpu=0"}))
+    assert annotated.capabilities == set(req.CAPABILITIES)
+    explicit = resolve(spec(legacy + ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=utility"]))
+    assert explicit.capabilities == {"utility"}
+
+
+def test_graphics_and_display_bring_the_icd_vendor_and_xorg_files(tmp_path):
+    from gpuhook import discover
+
+    files = {
+        "/usr/share/glvnd/egl_vendor.d/10_nvidia.json": "graphics",
+        "/usr/share/vulkan/icd.d/nvidia_icd.json": "graphics",
+        "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json": "graphics",
+        "/usr/lib/xorg/modules/drivers/nvidia_drv.so": "display",
+        "/usr/lib/xorg/modules/extensions/libglxserver_nvidia.so.550.54.15": "display",
+    }
+    for path in files:
+        (tmp_path / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path.lstrip("/")).write_text("{}")
+    (tmp_path / "usr/share/vulkan/implicit_layer.d").mkdir(parents=True)
+    (tmp_path / "usr/share/vulkan/implicit_layer.d/nvidia_layers.json").symlink_to("/etc/shadow")  # never followed
+    found = {f.container_path: f.capability for f in discover.data_files(str(tmp_path), "550.54.15")}
+    assert found == files
+    assert all(f.host_path.startswith(str(tmp_path)) for f in discover.data_files(str(tmp_path), "550.54.15"))

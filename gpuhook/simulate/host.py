@@ -75,7 +75,8 @@ SONAME_SUFFIX = {
     "libnvidia-eglcore": "V", "libnvidia-glcore": "V", "libnvidia-tls": "V", "libnvidia-glsi": "V",
     "libnvidia-fbc": "1", "libnvidia-rtcore": "V", "libnvoptix": "1", "libGLX_nvidia": "0",
     "libEGL_nvidia": "0", "libGLESv2_nvidia": "2", "libGLESv1_CM_nvidia": "1",
-    "libnvidia-glvkspirv": "V", "libnvidia-ngx": "1",
+    "libnvidia-glvkspirv": "V", "libnvidia-egl-gbm": "1", "libnvidia-egl-wayland": "1",
+    "libnvidia-vulkan-producer": "V", "libnvidia-ngx": "1",
 }
 TOOLS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
          "nvidia-cuda-mps-server")
