@@ -81,6 +81,13 @@ KEYS = (
     _key("log-file", "path-or-empty", "/var/log/gpuhook.log",
          "JSON-lines log of every decision for containers that request GPUs; empty turns it off. "
          "A broken or full log never fails a container start."),
+    _key("log-target", "choice", "file",
+         "Where decision log lines go: file (log-file), syslog (the syslog-socket datagram socket, "
+         "which journald also reads), or both. Each line is one JSON object of at most 8 KiB, "
+         "tagged gpuhook, with the pod's names and UID.",
+         choices=("file", "syslog", "both")),
+    _key("syslog-socket", "path", "/dev/log",
+         "The syslog socket log-target = syslog or both writes to."),
     _key("state-dir", "path", "/run/gpuhook",
          "Runtime state: the host inventory cache, per-GPU locks, health reports and stamps."),
     # [health]: the check-and-reset before a container gets its GPUs (issue 5, docs/health.md).

@@ -81,11 +81,11 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
     """Entry for the runtime. Returns the exit code; prints one line on failure. `base_dir`
     lets a state file given by hand name its bundle relatively."""
     started = time.monotonic()
-    log_path = cfg.default("log-file")
+    log_path, log_target, syslog_socket = cfg.default("log-file"), "file", "/dev/log"
     record = {"stage": stage}
     try:
         config = cfg.load(config_path, os.environ)
-        log_path = config.log_file
+        log_path, log_target, syslog_socket = config.log_file, config.log_target, config.syslog_socket
         deadline = started + config.deadline_seconds
         if stage == "poststop":
             poststop(state_bytes, spec_bytes, config, deadline, record, base_dir)
@@ -125,4 +125,4 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         return INTERNAL_ERROR
     finally:
         record["seconds"] = round(time.monotonic() - started, 4)
-        journal.write(log_path, record)
+        journal.write(log_path, record, log_target, syslog_socket)

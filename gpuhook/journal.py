@@ -4,6 +4,12 @@ A line is written with O_APPEND in one write call, so lines from concurrent hook
 interleave. Logging is best effort by contract: a missing directory, a full disk or a
 read-only file never fails a container start; the error is swallowed (and counted in the
 returned flag so tests can see it).
+
+Every line carries `tag: gpuhook` and, under Kubernetes, the pod's names and UID, and is at
+most MAX_LINE_BYTES long: long strings and lists are cut (a 1 MiB annotation must not add
+1 MiB per start), and a line that is still too long keeps only its summary fields, marked
+`truncated`. `log-target` sends lines to the file (`log-file`), to syslog/journald through
+the `syslog-socket` datagram socket, or both (docs/logging.md).
 """
 
 from gpuhook import fastjson
@@ -11,13 +17,24 @@ import os
 import stat
 import time
 
+TAG = "gpuhook"
+MAX_LINE_BYTES = 8192
+MAX_STRING = 512  # characters kept of one string value
+MAX_ITEMS = 32  # items kept of one list
+SUMMARY = ("time", "pid", "tag", "stage", "container", "pod", "namespace", "container_name", "pod_uid", "decision",
+           "error", "channel", "gpus", "seconds")
+SYSLOG_INFO = 6 | (3 << 3)  # LOG_INFO | LOG_DAEMON
+SYSLOG_ERR = 3 | (3 << 3)  # LOG_ERR | LOG_DAEMON
+
 
 def k8s_names(annotations: dict) -> dict:
-    """Pod, namespace and container names when the runtime passed Kubernetes annotations."""
+    """Pod, namespace, container names and pod UID when the runtime passed Kubernetes
+    annotations (kubelet's through CRI-O, containerd's CRI ones)."""
     keys = {
         "pod": ("io.kubernetes.pod.name", "io.kubernetes.cri.sandbox-name"),
         "namespace": ("io.kubernetes.pod.namespace", "io.kubernetes.cri.sandbox-namespace"),
         "container_name": ("io.kubernetes.container.name", "io.kubernetes.cri.container-name"),
+        "pod_uid": ("io.kubernetes.pod.uid", "io.kubernetes.cri.sandbox-uid"),
     }
     found = {}
     for name, candidates in keys.items():
@@ -34,14 +51,55 @@ def _private_dir(path: str) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def write(path: str, record: dict) -> bool:
-    """Append `record` to the log at `path`; True if it was written."""
-    if not path:
-        return False
-    line = dict(time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), pid=os.getpid())
+def _cut(value, depth: int = 0):
+    """`value` with long strings and lists shortened, and nesting bounded."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_STRING else f"{value[:MAX_STRING]}...(+{len(value) - MAX_STRING} chars)"
+    if depth > 8:
+        return "..."
+    if isinstance(value, dict):
+        return {str(k)[:MAX_STRING]: _cut(v, depth + 1) for k, v in list(value.items())[:MAX_ITEMS * 4]}
+    if isinstance(value, (list, tuple)):
+        items = [_cut(v, depth + 1) for v in value[:MAX_ITEMS]]
+        if len(value) > MAX_ITEMS:
+            items.append(f"...(+{len(value) - MAX_ITEMS} items)")
+        return items
+    return value
+
+
+def line_bytes(record: dict) -> bytes:
+    """The bounded JSON line (with its newline) for `record`."""
+    data = (fastjson.dumps(_cut(record), default=str) + "\n").encode()
+    if len(data) <= MAX_LINE_BYTES:
+        return data
+    summary = {key: record[key] for key in SUMMARY if key in record}
+    summary["truncated"] = f"{len(data)} bytes: only the summary fields are kept"
+    data = (fastjson.dumps(_cut(summary), default=str) + "\n").encode()
+    if len(data) <= MAX_LINE_BYTES:
+        return data
+    return (fastjson.dumps({"time": record.get("time"), "tag": TAG, "truncated": "even the summary is too long"})
+            + "\n").encode()
+
+
+def write(path: str, record: dict, target: str = "file", syslog_socket: str = "/dev/log") -> bool:
+    """Append `record` to the log at `path` (and/or syslog, by `target`); True if written."""
+    line = dict(time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), pid=os.getpid(), tag=TAG)
     line.update(record)
     try:
-        data = (fastjson.dumps(line, default=str) + "\n").encode()
+        data = line_bytes(line)
+    except (ValueError, TypeError, RecursionError):
+        return False
+    done = False
+    if target in ("syslog", "both"):
+        done = _syslog(syslog_socket, data, SYSLOG_ERR if record.get("decision") in ("failed", "internal error")
+                       else SYSLOG_INFO)
+    if target in ("file", "both") and path:
+        done = _append(path, data) or (done and target == "both")
+    return done
+
+
+def _append(path: str, data: bytes) -> bool:
+    try:
         # Non-blocking: a FIFO put where the log goes must not stall the start.
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
                      0o640)
@@ -52,5 +110,18 @@ def write(path: str, record: dict) -> bool:
             return os.write(fd, data) == len(data)
         finally:
             os.close(fd)
-    except (OSError, ValueError, TypeError):
+    except OSError:
+        return False
+
+
+def _syslog(socket_path: str, data: bytes, priority: int) -> bool:
+    """One RFC 3164-style datagram to the syslog socket (journald reads /dev/log too)."""
+    import socket  # only when syslog is configured: not on the default path
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(0.2)
+            sock.sendto(f"<{priority}>{TAG}[{os.getpid()}]: ".encode() + data.rstrip(b"\n"), socket_path)
+        return True
+    except OSError:
         return False

@@ -168,7 +168,11 @@ def test_deb_holds_the_whole_package_the_generated_files_and_pynvml(packages, tm
     for dependency in ("python3 (>= 3.11)", "python3-click", "python3-psutil", "python3-jsonschema",
                        "python3-yaml"):
         assert dependency in fields
-    assert run("dpkg-deb", "--info", packages["deb"], "conffiles").stdout.split() == ["/etc/gpuhook/config.toml"]
+    assert sorted(run("dpkg-deb", "--info", packages["deb"], "conffiles").stdout.split()) == \
+        ["/etc/gpuhook/config.toml", "/etc/logrotate.d/gpuhook"]
+    with open(tmp_path / "etc/logrotate.d/gpuhook") as f, \
+            open(os.path.join(REPO, "packaging", "deb", "debian", "gpuhook.logrotate")) as g:
+        assert f.read() == g.read()
 
 
 @pytest.mark.root
@@ -193,7 +197,8 @@ def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
     assert any(p.startswith(f"{site}/gpuhook/__pycache__/entry.") for p in files)  # byte-compiled
     assert set(CDI_REFRESH_FILES) <= files
     assert "gpuhook-cdi-refresh.path" in run("rpm", "-qp", "--scripts", packages["rpm"]).stdout
-    assert run("rpm", "-qpc", packages["rpm"]).stdout.split() == ["/etc/gpuhook/config.toml"]
+    assert sorted(run("rpm", "-qpc", packages["rpm"]).stdout.split()) == \
+        ["/etc/gpuhook/config.toml", "/etc/logrotate.d/gpuhook"]
     requires = run("rpm", "-qpR", packages["rpm"]).stdout
     for dependency in ("python3 >= 3.11", "python3-click", "python3-psutil", "python3-jsonschema", "python3-pyyaml"):
         assert dependency in requires

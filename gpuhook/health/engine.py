@@ -517,7 +517,7 @@ def _log(config, stage: str, report: Report | None, **extra) -> None:
     record = {"stage": stage, **extra}
     if report is not None:
         record["health"] = report.as_dict()
-    journal.write(config.log_file, record)
+    journal.write(config.log_file, record, config.log_target, config.syslog_socket)
 
 
 def check(uuids, config, repair: bool = False, deadline_seconds: float | None = None) -> Report:
