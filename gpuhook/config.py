@@ -133,6 +133,22 @@ KEYS = (
          "At poststop, also reset each GPU the stopped container was the last user of, so no "
          "memory contents survive into the next container.",
          section="health"),
+    _key("resource-name", "str", "nvidia.com/gpu",
+         "The extended resource `gpuhook plugin` advertises to kubelet.", section="plugin"),
+    _key("strategy", "choice", "volume-mounts",
+         "How Allocate names the GPUs for the hook: volume-mounts (a bind of /dev/null per GPU, "
+         "which only the runtime can add: the safe default), envvar (NVIDIA_VISIBLE_DEVICES: any "
+         "image can set it), cdi-annotations (cdi.k8s.io annotations) or cdi-cri (CDI device "
+         "names kubelet passes to the runtime, which must resolve them from a CDI spec).",
+         section="plugin", choices=("volume-mounts", "envvar", "cdi-annotations", "cdi-cri")),
+    _key("mig-strategy", "choice", "none",
+         "none: every GPU is one device, MIG or not; single: a GPU in MIG mode is offered as its "
+         "MIG devices (MIG UUIDs) under the same resource.", section="plugin", choices=("none", "single")),
+    _key("recheck-seconds", "seconds", 30.0,
+         "How often the plugin re-checks every GPU (read-only) and updates ListAndWatch.", section="plugin"),
+    _key("prestart-deadline-seconds", "seconds", 25.0,
+         "PreStartContainer's deadline for checking and repairing its GPUs, safely below "
+         "kubelet's 30 s.", section="plugin"),
 )
 
 _BY_NAME = {k.dotted: k for k in KEYS}

@@ -1,0 +1,238 @@
+"""`gpuhook plugin` against a fake kubelet that speaks the real v1beta1 gRPC API (the
+Registration service on kubelet.sock, and a DevicePlugin client), on a simulated host of
+its own (these tests break its GPUs). docs/device-plugin.md."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+
+import pytest
+
+from conftest import REPO, require, require_root_tools, sim_config_values, write_config
+from gpuhook.simulate import host as simhost
+from gpuhook.simulate import nvml as simnvml
+
+pytestmark = pytest.mark.root
+
+grpc = pytest.importorskip("grpc") if not os.environ.get("GPUHOOK_STRICT") else __import__("grpc")
+
+
+def api():
+    try:
+        from gpuhook.plugin.generated import deviceplugin_pb2 as pb
+        from gpuhook.plugin.generated import deviceplugin_pb2_grpc as rpc
+    except ImportError:
+        require(False, "the device plugin's stubs are not generated (python3 gpuhook/plugin/build_stubs.py)")
+    return pb, rpc
+
+
+class FakeKubelet:
+    """kubelet's side: the Registration service on DIR/kubelet.sock; records registrations."""
+
+    def __init__(self, directory: str):
+        pb, rpc = api()
+        self.pb = pb
+        self.directory = directory
+        self.registrations = []
+        kubelet = self
+
+        class Registration(rpc.RegistrationServicer):
+            def Register(self, request, context):
+                kubelet.registrations.append(request)
+                return pb.Empty()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        rpc.add_RegistrationServicer_to_server(Registration(), self.server)
+        self.server.add_insecure_port(f"unix://{directory}/kubelet.sock")
+        self.server.start()
+
+    def stop(self) -> None:
+        """As a kubelet restart does: stop, and remove every socket in the plugin dir."""
+        self.server.stop(0).wait()
+        for name in os.listdir(self.directory):
+            if name.endswith(".sock"):
+                os.unlink(os.path.join(self.directory, name))
+
+    def plugin(self):
+        pb, rpc = api()
+        channel = grpc.insecure_channel(f"unix://{self.directory}/gpuhook.sock")
+        return pb, rpc.DevicePluginStub(channel), channel
+
+
+def wait(predicate, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory):
+    require_root_tools("gcc", "runc")
+    api()
+    return simhost.build(str(tmp_path_factory.mktemp("plugin") / "host"), gpus=4, seed="plugin")
+
+
+@pytest.fixture
+def cluster(sim, tmp_path):
+    """A fake kubelet and `gpuhook plugin` running against it."""
+    pristine = simnvml.load(sim["nvml_state"])
+    directory = tempfile.mkdtemp(prefix="gpuhook-dp-", dir="/tmp")  # unix socket paths stay short
+    config = write_config(str(tmp_path / "config.toml"), sim_config_values(sim, str(tmp_path / "gpuhook.log")),
+                          plugin={"recheck-seconds": 0.5})
+    kubelet = FakeKubelet(directory)
+    process = subprocess.Popen([sys.executable, "-m", "gpuhook", "plugin", "--config", config,
+                                "--device-plugin-dir", directory], cwd="/", stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    state = {"kubelet": kubelet, "process": process, "dir": directory, "config": config, "sim": sim,
+             "state_dir": str(tmp_path / "run")}
+    try:
+        assert wait(lambda: kubelet.registrations and os.path.exists(f"{directory}/gpuhook.sock")), \
+            process.stderr.read1(4096) if process.poll() is not None else "no registration"
+        yield state
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        state["kubelet"].stop()
+        shutil.rmtree(directory, ignore_errors=True)
+        simnvml.save(sim["nvml_state"], pristine)
+
+
+def first_devices(pb, stub) -> dict:
+    stream = stub.ListAndWatch(pb.Empty(), timeout=10)
+    response = next(stream)
+    stream.cancel()
+    return {d.ID: d.health for d in response.devices}
+
+
+def test_registration_says_v1beta1_its_socket_and_that_prestart_is_required(cluster):
+    (request,) = cluster["kubelet"].registrations
+    assert (request.version, request.endpoint, request.resource_name) == ("v1beta1", "gpuhook.sock", "nvidia.com/gpu")
+    assert request.options.pre_start_required and request.options.get_preferred_allocation_available
+    assert oct(os.stat(f"{cluster['dir']}/gpuhook.sock").st_mode & 0o777) == "0o600"
+    pb, stub, channel = cluster["kubelet"].plugin()
+    with channel:
+        assert first_devices(pb, stub) == {g["uuid"]: "Healthy" for g in cluster["sim"]["gpus"]}
+        options = stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
+        assert options.pre_start_required
+
+
+def test_a_gpu_goes_unhealthy_on_the_stream_and_healthy_again(cluster):
+    sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
+    bad = sim["gpus"][2]["uuid"]
+    seen = []
+    with channel:
+        stream = stub.ListAndWatch(pb.Empty(), timeout=30)
+
+        def watch():
+            try:
+                for response in stream:
+                    seen.append({d.ID: d.health for d in response.devices})
+            except grpc.RpcError:
+                pass
+
+        threading.Thread(target=watch, daemon=True).start()
+        assert wait(lambda: seen)
+        simnvml.set_gpu(sim["nvml_state"], 2, ecc_volatile_uncorrected=1)
+        assert wait(lambda: seen[-1][bad] == "Unhealthy"), seen[-1]
+        assert all(h == "Healthy" for ident, h in seen[-1].items() if ident != bad)
+        simnvml.set_gpu(sim["nvml_state"], 2, ecc_volatile_uncorrected=0)
+        assert wait(lambda: seen[-1][bad] == "Healthy"), seen[-1]
+        stream.cancel()
+
+
+def test_prestart_cleans_and_stamps_and_refuses_a_gpu_a_reset_cannot_fix(cluster):
+    from gpuhook.health import store
+
+    sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
+    good, bad = sim["gpus"][0]["uuid"], sim["gpus"][3]["uuid"]
+    with channel:
+        stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[good]), timeout=30)
+        assert os.path.exists(store.stamp_path(cluster["state_dir"], good))
+        simnvml.set_gpu(sim["nvml_state"], 3, ecc_volatile_uncorrected=1, reset_fails=True)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[bad]), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"{bad} failed its ecc check" in caught.value.details()
+        assert first_devices(pb, stub)[bad] == "Unhealthy"
+
+
+def test_prestart_checks_gpus_in_parallel(cluster):
+    sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
+    for index in range(4):
+        simnvml.set_gpu(sim["nvml_state"], index, handle_latency_ms=1000)
+    with channel:
+        started = time.monotonic()
+        stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[g["uuid"] for g in sim["gpus"]]), timeout=30)
+        elapsed = time.monotonic() - started
+    assert elapsed < 3.5, elapsed  # one after another would take at least 4 s
+
+
+def test_allocate_is_honoured_by_a_real_runc_start_granting_exactly_that_gpu(cluster, bed, probe, tmp_path):
+    sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
+    granted = sim["gpus"][1]["uuid"]
+    with channel:
+        response = stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(
+            devicesIDs=[granted])]), timeout=10)
+        preferred = stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=[g["uuid"] for g in sim["gpus"]],
+                                                   must_include_deviceIDs=[sim["gpus"][3]["uuid"]],
+                                                   allocation_size=2)]), timeout=10)
+    (container,) = response.container_responses
+    assert [(m.container_path, m.host_path, m.read_only) for m in container.mounts] == [
+        (f"/var/run/nvidia-container-devices/{granted}", "/dev/null", True)]
+    (choice,) = preferred.container_responses
+    assert len(choice.deviceIDs) == 2 and choice.deviceIDs[0] == sim["gpus"][3]["uuid"]
+
+    # What kubelet and the runtime make of it: the mounts in the container's spec; the image
+    # says NVIDIA_VISIBLE_DEVICES=all, as every CUDA image does.
+    from gpuhook.simulate import runner
+
+    mounts = [{"destination": m.container_path, "source": m.host_path, "type": "bind",
+               "options": ["rbind", "ro"]} for m in container.mounts]
+    env = [f"{k}={v}" for k, v in container.envs.items()] + ["NVIDIA_VISIBLE_DEVICES=all"]
+    config = write_config(str(tmp_path / "hook.toml"), sim_config_values(sim, str(tmp_path / "hook.log")))
+    rootfs = bed.rootfs(str(tmp_path / "rootfs"), files={"/bin/probe": probe})
+    bundle = bed.bundle("allocated", ["/bin/probe", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2"], env=env,
+                        mounts=mounts, hooks={"prestart": [runner.hook_entry(config)]}, rootfs=rootfs)
+    result = bed.run(bundle, "allocated")
+    assert result.returncode == 0, result.stderr
+    probes = result.probes()
+    assert {p for p, item in probes.items() if item["exists"]} == {"/dev/nvidia1"}
+    assert probes["/dev/nvidia1"]["read"] == "ENXIO"
+
+
+def test_the_plugin_registers_again_when_kubelet_restarts(cluster):
+    cluster["kubelet"].stop()  # kubelet removes every socket in the dir, the plugin's included
+    cluster["kubelet"] = FakeKubelet(cluster["dir"])
+    assert wait(lambda: len(cluster["kubelet"].registrations) == 1 and os.path.exists(f"{cluster['dir']}/gpuhook.sock"))
+    pb, stub, channel = cluster["kubelet"].plugin()
+    with channel:
+        assert len(first_devices(pb, stub)) == 4
+
+
+def test_sigterm_stops_serving_removes_the_socket_and_exits_0(cluster):
+    process = cluster["process"]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=15) == 0
+    assert not os.path.exists(f"{cluster['dir']}/gpuhook.sock")
+
+
+def test_the_hook_never_imports_grpc():
+    code = ("import sys; import gpuhook.hook, gpuhook.apply, gpuhook.survey, gpuhook.plan, gpuhook.health.hooks, "
+            "gpuhook.health.engine, gpuhook.entry, gpuhook.prescan; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('grpc', 'gpuhook.plugin')))))")
+    done = subprocess.run([sys.executable, "-I", "-c", "import json; " + code], capture_output=True, text=True,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == []
