@@ -124,5 +124,8 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
               file=sys.stderr)
         return INTERNAL_ERROR
     finally:
+        nvml = sys.modules.get("gpuhook.nvml")
+        loaded = nvml.INITIALISED[0] if nvml is not None else 0
+        record["nvml"] = f"loaded ({loaded} init{'s' if loaded != 1 else ''})" if loaded else "not loaded"
         record["seconds"] = round(time.monotonic() - started, 4)
         journal.write(log_path, record, log_target, syslog_socket)

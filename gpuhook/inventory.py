@@ -152,7 +152,7 @@ def _query_nvml(config) -> tuple:
 
 
 CACHED = "NVML facts from the inventory cache"
-QUERIED = "NVML queried; inventory cache refreshed"
+QUERIED = "NVML facts queried from NVML"
 
 
 def load(config, write: bool = True) -> "discover.Inventory":

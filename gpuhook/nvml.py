@@ -182,6 +182,11 @@ def _install_library(pynvml, path: str) -> None:
         pynvml._nvmlGetFunctionPointer_cache.clear()
 
 
+# How many times this process initialised NVML: the decision log says what was really loaded
+# (an inventory-cache note alone once hid that health had loaded NVML anyway).
+INITIALISED = [0]
+
+
 class Session:
     """An initialised NVML, as a context manager that always shuts it down.
 
@@ -218,6 +223,7 @@ class Session:
             _call(pynvml, "nvmlInit", None, pynvml.nvmlInit)
             _loaded_path = self.library
             _open_sessions += 1
+            INITIALISED[0] += 1
         self._pynvml = pynvml
 
     def close(self) -> None:

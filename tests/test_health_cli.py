@@ -136,3 +136,10 @@ def test_a_mistyped_uuid_is_bad_input_and_writes_nothing(host, command):
     assert after == before
     done = gpuhook(host, command, "--devices", f"{host['uuids'][1].upper()},1")  # any case, once
     assert done.returncode == 0 and done.stdout.count(host["uuids"][1]) == 1, done.stderr
+
+
+def test_list_says_whether_nvml_was_loaded_or_the_cache_answered(host):
+    first = json.loads(gpuhook(host, "list", "--json").stdout)
+    second = gpuhook(host, "list")
+    assert first["nvml"] in ("NVML facts queried from NVML", "NVML facts from the inventory cache")
+    assert second.stdout.rstrip().endswith("(NVML facts from the inventory cache)")

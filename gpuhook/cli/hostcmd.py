@@ -24,9 +24,9 @@ def list_gpus(config_path, as_json):
     config = cfg.load(config_path, os.environ)
     host = load(config)
     try:
-        (facts, _), problem = nvml_facts(config, host), None
+        (facts, source), problem = nvml_facts(config, host), None
     except GpuhookError as err:
-        facts, problem = None, err.one_line()
+        facts, source, problem = None, None, err.one_line()
     rows = []
     for gpu in host.gpus:
         known = facts.gpus.get(gpu.uuid) if facts else None
@@ -37,7 +37,7 @@ def list_gpus(config_path, as_json):
     if as_json:
         click.echo(json.dumps({"driver_version": host.driver_version,
                                "cuda_version": facts.cuda_version if facts else None,
-                               "nvml_error": problem, "gpus": rows}, indent=2))
+                               "nvml": source, "nvml_error": problem, "gpus": rows}, indent=2))
         return
     cuda = f", CUDA {facts.cuda_version}" if facts else ""
     click.echo(f"driver {host.driver_version}{cuda}, {len(rows)} GPU(s)")
@@ -50,6 +50,8 @@ def list_gpus(config_path, as_json):
                        f"gi {device['gpu_instance_id']} ci {device['compute_instance_id']}")
     if problem:
         click.echo(f"NVML: {problem}", err=True)
+    elif source:
+        click.echo(f"({source})")
 
 
 @click.command(name="config", help="Show the effective configuration: every key, its value, and the source file.")
