@@ -374,7 +374,9 @@ HYBRID = "\n".join(HYBRID_WITH_V2_ON_TOP.splitlines()[:4]) + "\n"
 
 
 @pytest.mark.parametrize("mountinfo,devices_path,expected", [
-    (HYBRID, "/", ("v1", "/sys/fs/cgroup/devices")),
+    # A container runc put on v2 (in a private mount namespace), seen from the hybrid host:
+    # its policy is its v2 cgroup's programs, not the v1 root's "allow all" (issue 17).
+    (HYBRID, "/", ("v2", "/sys/fs/cgroup/unified/ctr")),
     (HYBRID, "/ctr", ("v1", "/sys/fs/cgroup/devices/ctr")),
     (HYBRID_WITH_V2_ON_TOP, "/", ("v2", "/sys/fs/cgroup/ctr")),
 ])
@@ -385,6 +387,19 @@ def test_policy_is_found_where_the_runtime_put_it(tmp_path, mountinfo, devices_p
     (tmp_path / "42" / "cgroup").write_text(f"9:name=systemd:/\n5:devices:{devices_path}\n0::/ctr\n")
     place = hierarchy.placement(42, proc=str(tmp_path), mountinfo=mountinfo)
     assert (place.mode, place.directory) == expected
+
+
+def test_a_v2_policy_this_namespace_cannot_see_is_said_not_guessed(tmp_path):
+    from gpuhook.cgroup import hierarchy
+    from gpuhook.errors import HostError
+
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "cgroup").write_text("5:devices:/\n0::/ctr\n")
+    only_v1 = "36 31 0:33 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices\n"
+    with pytest.raises(HostError) as caught:
+        hierarchy.placement(42, proc=str(tmp_path), mountinfo=only_v1)
+    assert "on cgroup v2 (/ctr), which is not mounted in this mount namespace" in caught.value.one_line()
+    assert "nsenter" in caught.value.one_line()
 
 
 def test_hidden_v1_devices_cgroup_that_restricts_is_an_error_not_a_silent_v2(tmp_path):
@@ -722,3 +737,16 @@ def test_another_partys_program_on_the_cgroup_is_never_widened(v2ns, bed, gpus, 
     foreign_id = written.read_text()
     assert f"device program {foreign_id} (foreign_policy)" in line and "not attached by the runtime" in line, line
     assert "denies c 195:" in line, line
+
+
+def test_cgroup_show_from_the_hosts_namespace_finds_the_v2_programs(v2ns, bed, gpus):
+    """Run from the host's (hybrid) namespace for a container on v2, `cgroup show --pid` said
+    "v1 root, allow all" (issue 17); it now reads the container's v2 cgroup, where runc's
+    program is."""
+    with Running(v2ns, bed, gpus, "show-from-host") as box:
+        assert box.started.returncode == 0, box.output
+        done = subprocess.run([sys.executable, "-m", "gpuhook", "cgroup", "show", "--pid", str(box.pid), "--json"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        shown = json.loads(done.stdout)
+        assert shown["mode"] == "v2" and len(shown["programs"]) == 1

@@ -106,6 +106,19 @@ def placement(pid: int, proc: str = "/proc", mountinfo: str | None = None) -> Pl
         except OSError as err:
             raise HostError(f"cannot read the mount table: {err.strerror}") from err
     mounts = cgroup_mounts(mountinfo)
+    if paths.get("devices") == "/" and paths.get("", "/") not in ("", "/"):
+        # The root v1 devices cgroup (which allows everything) but a v2 cgroup of its own:
+        # the runtime ran in v2 mode (pure v2 in a private mount namespace on a hybrid
+        # host), so the policy is that cgroup's device programs. Reporting "v1 root, allow
+        # all" from the host's namespace would be wrong.
+        for fstype, root, point, _ in mounts:
+            if fstype == "cgroup2":
+                directory = _join(point, root, paths[""])
+                if directory:
+                    return Placement(V2, directory, paths[""])
+        raise HostError(f"process {pid}'s device policy is on cgroup v2 ({paths[''][:200]}), which is not mounted "
+                        "in this mount namespace",
+                        "run it in the runtime's mount namespace: nsenter --target <runtime pid> --mount gpuhook ...")
     if "devices" in paths:
         for fstype, root, point, options in mounts:
             if fstype == "cgroup" and "devices" in options:
