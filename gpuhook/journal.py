@@ -25,6 +25,7 @@ SUMMARY = ("time", "pid", "tag", "stage", "container", "pod", "namespace", "cont
            "error", "channel", "gpus", "seconds")
 SYSLOG_INFO = 6 | (3 << 3)  # LOG_INFO | LOG_DAEMON
 SYSLOG_ERR = 3 | (3 << 3)  # LOG_ERR | LOG_DAEMON
+ECHO = [False]  # `gpuhook -v`: every line also goes to stderr
 
 
 def k8s_names(annotations: dict) -> dict:
@@ -90,6 +91,10 @@ def write(path: str, record: dict, target: str = "file", syslog_socket: str = "/
     except (ValueError, TypeError, RecursionError):
         return False
     done = False
+    if ECHO[0]:
+        import sys
+
+        sys.stderr.write(data.decode("utf-8", "replace"))
     if target in ("syslog", "both"):
         done = _syslog(syslog_socket, data, SYSLOG_ERR if record.get("decision") in ("failed", "internal error")
                        else SYSLOG_INFO)

@@ -143,3 +143,14 @@ def test_list_says_whether_nvml_was_loaded_or_the_cache_answered(host):
     second = gpuhook(host, "list")
     assert first["nvml"] in ("NVML facts queried from NVML", "NVML facts from the inventory cache")
     assert second.stdout.rstrip().endswith("(NVML facts from the inventory cache)")
+
+
+def test_verbose_prints_what_was_decided_and_quiet_prints_nothing(host):
+    quiet = gpuhook(host, "check", "--devices", "0")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    loud = subprocess.run([sys.executable, "-m", "gpuhook", "-v", "check", "--devices", "0", "--config", host["config"]],
+                          capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin"})
+    assert loud.returncode == 0
+    (line,) = loud.stderr.splitlines()
+    doc = json.loads(line)
+    assert doc["tag"] == "gpuhook" and doc["stage"] == "check" and doc["health"]["ok"] is True

@@ -58,12 +58,19 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
              epilog="Exit codes: " + exit_code_text())
 @click.version_option(__version__, prog_name="gpuhook")
-def cli():
+@click.option("-v", "--verbose", is_flag=True,
+              help="Also print each decision-log line (what gpuhook decided and why) on stderr.")
+def cli(verbose):
     """gpuhook: an OCI runtime hook that gives containers their GPUs, checked and clean.
 
     Runtimes call `gpuhook prestart` with the container's OCI state on stdin. The other
-    commands are for people: dry runs, inventory, a simulated host and a demo.
+    commands are for people: dry runs, inventory, a simulated host and a demo. Shell
+    completion: eval "$(_GPUHOOK_COMPLETE=bash_source gpuhook)" (zsh_source, fish_source).
     """
+    if verbose:
+        from gpuhook import journal
+
+        journal.ECHO[0] = True
 
 
 def fail(err: GpuhookError):
