@@ -52,7 +52,8 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
 @HOOKS_DIR
 @click.option("--annotated", is_flag=True, help=(
     "podman, crio: run the hook (both stages) only for containers with a CDI annotation naming "
-    "nvidia.com/gpu (cdi.k8s.io/...); containers that ask by environment variable or volume mount "
+    "a device of an NVIDIA kind (cdi.k8s.io/...: nvidia.com/gpu, k8s.device-plugin.nvidia.com/gpu, "
+    "a DRA claim); containers that ask by environment variable or volume mount "
     "get no GPU."))
 @OUTPUT
 @CONTAINERD_CONFIG

@@ -49,9 +49,10 @@ HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
 TIMEOUT_MARGIN = 5
 
 # The annotation-gated variant: podman and CRI-O start the hook only for containers with a
-# CDI annotation naming an NVIDIA GPU, the one request channel that is also an annotation
+# CDI annotation naming a device of any NVIDIA kind (nvidia.com/gpu, k8s.device-plugin.nvidia.com/gpu,
+# a DRA claim k8s.gpu.nvidia.com/claim), the one request channel that is also an annotation
 # (podman matches `when.annotations` keys and values as unanchored regular expressions).
-CDI_WHEN = {r"^cdi\.k8s\.io/.*$": r"nvidia\.com/gpu="}
+CDI_WHEN = {r"^cdi\.k8s\.io/.*$": r"nvidia\.com/[a-zA-Z0-9_.-]+="}
 
 class InstallError(InputError):
     """A runtime's configuration could not be read or changed as asked."""
