@@ -133,6 +133,11 @@ KEYS = (
          "At poststop, also reset each GPU the stopped container was the last user of, so no "
          "memory contents survive into the next container.",
          section="health"),
+    _key("daemon-socket", "path-or-empty", "",
+         "The health daemon's socket (`gpuhook plugin`, or `gpuhook plugin --standalone` without "
+         "kubelet), which the hook asks to check and clean its GPUs before loading NVML itself; "
+         "empty means <state-dir>/health.sock. Only a root-owned socket in a root-only directory "
+         "is asked.", section="health"),
     _key("resource-name", "str", "nvidia.com/gpu",
          "The extended resource `gpuhook plugin` advertises to kubelet.", section="plugin"),
     _key("strategy", "choice", "volume-mounts",

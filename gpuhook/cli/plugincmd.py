@@ -20,8 +20,21 @@ DEFAULT_DIR = "/var/lib/kubelet/device-plugins"
 @CONFIG_OPTION
 @click.option("--device-plugin-dir", default=DEFAULT_DIR, show_default=True, metavar="DIR",
               help="kubelet's device plugin directory (kubelet.sock; the plugin's socket goes here).")
-def plugin(config_path, device_plugin_dir):
+@click.option("--standalone", is_flag=True, help=(
+    "No kubelet (podman, Docker): run only the health daemon, which keeps NVML loaded and "
+    "checks and cleans GPUs for the hook over [health] daemon-socket."))
+def plugin(config_path, device_plugin_dir, standalone):
+    config = cfg.load(config_path, os.environ)
+    if standalone:
+        import signal
+
+        from gpuhook.health import daemon
+
+        served = daemon.Daemon(config)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: served.stop.set())
+        served.run()
+        sys.exit(0)
     from gpuhook.plugin import server
 
-    config = cfg.load(config_path, os.environ)
     sys.exit(server.main(config, device_plugin_dir))

@@ -46,6 +46,19 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
                 todo.remove(uuid)
             elif claim.why != "no stamp":
                 info.setdefault("stamps", {})[uuid] = claim.why
+        if todo:
+            # The health daemon (gpuhook plugin) keeps NVML loaded: let it prepare and stamp
+            # them, so this process loads no NVML. Anything short of fresh stamps: our own checks.
+            from gpuhook.health import daemon
+
+            left = min(time.monotonic() + health.deadline_seconds, hook_deadline) - time.monotonic()
+            stamped, why = daemon.ask(config, todo, state.id, min(daemon.DAEMON_TIMEOUT, left / 2))
+            info["daemon"] = why
+            for uuid in stamped:
+                claim = store.claim_stamp(config.state_dir, uuid, config.health.stamp_ttl_seconds)
+                if claim.fresh:
+                    skipped[uuid] = why
+                    todo.remove(uuid)
         if skipped:
             info["skipped"] = skipped
     if not todo:

@@ -246,6 +246,11 @@ class Plugin:
         self.recheck()
         self.serve()
         threading.Thread(target=self._recheck_loop, daemon=True).start()
+        from gpuhook.health import daemon  # the hook's health daemon: NVML stays loaded here
+
+        health_daemon = daemon.Daemon(self.config)
+        health_daemon.stop = self.stop
+        threading.Thread(target=health_daemon.run, daemon=True).start()
         kubelet = os.path.join(self.dir, KUBELET_SOCKET)
         registered_with = None
         while not self.stop.is_set():

@@ -216,8 +216,10 @@ NVML_API nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
         reported[0] = '\0';  /* each new session reports a bad state file again */
     }
     if ((r = refresh()) == NVML_SUCCESS) {
+        /* Like NVML: only the first initialisation of a process attaches to the driver (the
+         * slow part without persistence mode); nested ones only count. */
+        latency = (init_count == 0 ? state.init_latency_ms : 0) + state.call_latency_ms;
         init_count++;
-        latency = state.init_latency_ms + state.call_latency_ms;
     }
     pthread_mutex_unlock(&lock);
     sim_sleep_ms(latency);
