@@ -290,3 +290,33 @@ def test_graphics_and_display_bring_the_icd_vendor_and_xorg_files(tmp_path):
     found = {f.container_path: f.capability for f in discover.data_files(str(tmp_path), "550.54.15")}
     assert found == files
     assert all(f.host_path.startswith(str(tmp_path)) for f in discover.data_files(str(tmp_path), "550.54.15"))
+
+
+# --- specs shaped like the GPU Operator's and the DRA driver's (tests/data/cdi) -----------
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "data", "cdi")
+
+
+def fixture_dir(tmp_path, name: str, uuids=()) -> str:
+    text = open(os.path.join(FIXTURES, name)).read()
+    for i, uuid in enumerate(uuids):
+        text = text.replace(f"GPU-UUID-{i}", uuid)
+    return os.path.dirname(write(tmp_path / "cdi", name, text))
+
+
+def test_a_dra_claim_spec_shaped_like_the_drivers_grants_its_one_gpu(tmp_path):
+    specs = fixture_dir(tmp_path, "dra-claim.json")
+    claim = "k8s.gpu.nvidia.com/claim=4d1b6c2e-9a4f-4e07-8a0e-1b7e0b1c2d3e-gpu-0"
+    r = resolve(spec(ALL, annotations={"cdi.k8s.io/k8s.gpu.nvidia.com_claim": claim}))
+    r = r._replace(nodes=req.gpu_nodes(cdi.resolve(r.cdi, [specs])))
+    assert chosen(r) == [1]
+
+
+def test_the_gpu_operators_spec_resolves_its_non_direct_names_and_keeps_direct_ones_direct(tmp_path):
+    specs = fixture_dir(tmp_path, "gpu-operator.yaml", [GPUS[0].uuid, GPUS[1].uuid])
+    # Its names say which GPU they are: the device plugin's annotation needs no spec.
+    r = resolve(spec(ALL, annotations={"cdi.k8s.io/x": f"nvidia.com/gpu={GPUS[1].uuid}"}))
+    assert r.cdi == () and chosen(r) == [1]
+    # Through the spec, the same device injects the node of GPU 1 (minor 1), and `all` both.
+    nodes = req.gpu_nodes(cdi.resolve([f"nvidia.com/gpu={GPUS[1].uuid}", "nvidia.com/gpu=all"], [specs]))
+    assert sorted((n.path, n.minor) for n in nodes) == [("/dev/nvidia0", 0), ("/dev/nvidia1", 1)]
