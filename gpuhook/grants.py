@@ -25,7 +25,7 @@ GPU granted to nobody.
 
 import os
 
-from gpuhook import cache
+from gpuhook import cache, procstat
 from gpuhook.cgroup.devices import parse_v1_line
 
 FORMAT = 1
@@ -34,12 +34,6 @@ MAX_ENTRIES = 4096  # bound on the directory scan; the directory lives in /run (
 
 def grants_dir(state_dir: str) -> str:
     return f"{state_dir}/grants"
-
-
-def _registry():
-    from gpuhook.health import registry  # cheap: process stat and entry names only
-
-    return registry
 
 
 class Grant:
@@ -58,18 +52,17 @@ class Grant:
         self.path = path
 
     def alive(self) -> bool:
-        stat = _registry().read_stat(self.pid)
+        stat = procstat.read_stat(self.pid)
         return stat is not None and not stat.zombie and stat.start_time == self.start_time
 
 
 def record(state_dir: str, container_id: str, pid: int, directory: str, planned, added) -> str:
     """Record a v1 grant made for the container whose init is `pid`; returns the entry's path.
     Raises OSError (or LookupError when the init cannot be read)."""
-    registry = _registry()
-    stat = registry.read_stat(pid)
+    stat = procstat.read_stat(pid)
     if stat is None or stat.zombie:
         raise LookupError(f"container init pid {pid} is not readable")
-    path = f"{grants_dir(state_dir)}/{registry.entry_name(container_id)}@{pid}-{stat.start_time}.json"
+    path = f"{grants_dir(state_dir)}/{procstat.entry_name(container_id)}@{pid}-{stat.start_time}.json"
     cache.write_atomic(path, {"format": FORMAT, "id": container_id, "pid": pid, "start_time": stat.start_time,
                               "boot_id": cache.boot_id(), "directory": directory,
                               "planned": [rule.v1_line() for rule in planned],

@@ -29,10 +29,10 @@ import os
 
 from gpuhook.cgroup import hierarchy
 from gpuhook.health import store
+from gpuhook.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)
 from gpuhook.record import record
 
 FORMAT = 1
-ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
 class Container(record("Container", "id pid start_time cgroups gpus names boot_id registered")):
@@ -64,35 +64,6 @@ class Container(record("Container", "id pid start_time cgroups gpus names boot_i
         return self.id[:64]
 
 
-class ProcessStat(record("ProcessStat", "pid state ppid start_time flags")):
-    """What gpuhook needs from /proc/<pid>/stat."""
-
-    __slots__ = ()
-
-    @property
-    def zombie(self) -> bool:
-        return self.state in ("Z", "X")
-
-
-def read_stat(pid: int, proc: str = "/proc"):
-    """ProcessStat of `pid`, or None when there is no such process."""
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            text = f.read(4096).decode("ascii", "replace")
-    except OSError:  # gone (ENOENT, ESRCH) or hidden from us: either way not a process we can judge
-        return None
-    # The command name is in parentheses and may itself hold spaces and parentheses.
-    _, sep, rest = text.rpartition(")")
-    fields = rest.split()
-    if not sep or len(fields) < 20:
-        return None
-    try:
-        # Fields after the name, from field 3 on: state, ppid, ..., flags (9), starttime (22).
-        return ProcessStat(pid, fields[0], int(fields[1]), int(fields[19]), int(fields[6]))
-    except ValueError:
-        return None
-
-
 def read_cgroups(pid: int, proc: str = "/proc") -> dict | None:
     try:
         with open(f"{proc}/{pid}/cgroup") as f:
@@ -113,15 +84,6 @@ def own_cgroups(container_cgroups: dict, registrant_cgroups: dict) -> dict:
             continue
         own[key] = path
     return own
-
-
-def entry_name(container_id: str) -> str:
-    """A file name for a container id: the id itself when it is a plain token, else a hash."""
-    if 0 < len(container_id) <= 128 and set(container_id) <= ID_CHARS and not container_id.startswith("."):
-        return container_id
-    import hashlib
-
-    return "sha256-" + hashlib.sha256(container_id.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def entries_dir(state_dir: str) -> str:

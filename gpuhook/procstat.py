@@ -1,0 +1,45 @@
+"""Process identity from /proc, and file names for container ids: what the health registry
+(gpuhook.health.registry) and the grant records (gpuhook.grants) both key their files by.
+Standard library only and cheap to import: the grant record is on every v1 GPU start."""
+
+from gpuhook.record import record
+
+ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+class ProcessStat(record("ProcessStat", "pid state ppid start_time flags")):
+    """What gpuhook needs from /proc/<pid>/stat."""
+
+    __slots__ = ()
+
+    @property
+    def zombie(self) -> bool:
+        return self.state in ("Z", "X")
+
+
+def read_stat(pid: int, proc: str = "/proc"):
+    """ProcessStat of `pid`, or None when there is no such process."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            text = f.read(4096).decode("ascii", "replace")
+    except OSError:  # gone (ENOENT, ESRCH) or hidden from us: either way not a process we can judge
+        return None
+    # The command name is in parentheses and may itself hold spaces and parentheses.
+    _, sep, rest = text.rpartition(")")
+    fields = rest.split()
+    if not sep or len(fields) < 20:
+        return None
+    try:
+        # Fields after the name, from field 3 on: state, ppid, ..., flags (9), starttime (22).
+        return ProcessStat(pid, fields[0], int(fields[1]), int(fields[19]), int(fields[6]))
+    except ValueError:
+        return None
+
+
+def entry_name(container_id: str) -> str:
+    """A file name for a container id: the id itself when it is a plain token, else a hash."""
+    if 0 < len(container_id) <= 128 and set(container_id) <= ID_CHARS and not container_id.startswith("."):
+        return container_id
+    import hashlib
+
+    return "sha256-" + hashlib.sha256(container_id.encode("utf-8", "surrogateescape")).hexdigest()
