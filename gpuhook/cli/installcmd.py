@@ -17,6 +17,10 @@ CONTAINERD_CONFIG = click.option("--containerd-config", metavar="FILE",
 BIN_DIR = click.option("--bin-dir", metavar="DIR",
                        help=f"docker: where the {install.DOCKER_HOOK_NAME} launcher goes, a dir on dockerd's PATH "
                             f"[default: {install.DEFAULT_BIN_DIR}].")
+HOST_ROOT = click.option("--host-root", metavar="DIR", help=(
+    "podman, crio, containerd: the node's / is mounted at DIR (a DaemonSet's init container): copy "
+    "this gpuhook to DIR/opt/gpuhook/lib and register it at the node's paths, run by the node's "
+    "/usr/bin/python3 (3.11+; --python to name another) (docs/kubernetes.md)."))
 DRY_RUN = click.option("--dry-run", is_flag=True, help="Print the change as a unified diff; change nothing.")
 
 TARGETS_HELP = (
@@ -65,12 +69,13 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
               help=f"Configuration file the hook reads, passed as --config [default: ${cfg.ENV_VAR}, "
                    f"else the hook reads {cfg.DEFAULT_PATH}].")
 @BIN_DIR
+@HOST_ROOT
 @DRY_RUN
 def install_command(target, bundle, hooks_dir, annotated, spec_path, containerd_config, base_spec, python,
-                    config_path, bin_dir, dry_run):
+                    config_path, bin_dir, host_root, dry_run):
     plan = install.plan_install(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
                                 containerd_config=containerd_config, base_spec=base_spec, python=python,
-                                config_path=config_path, annotated=annotated, bin_dir=bin_dir)
+                                config_path=config_path, annotated=annotated, bin_dir=bin_dir, host_root=host_root)
     _render(plan, dry_run)
 
 
@@ -85,8 +90,9 @@ def install_command(target, bundle, hooks_dir, annotated, spec_path, containerd_
 @OUTPUT
 @CONTAINERD_CONFIG
 @BIN_DIR
+@HOST_ROOT
 @DRY_RUN
-def uninstall_command(target, bundle, hooks_dir, spec_path, containerd_config, bin_dir, dry_run):
+def uninstall_command(target, bundle, hooks_dir, spec_path, containerd_config, bin_dir, host_root, dry_run):
     plan = install.plan_uninstall(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
-                                  containerd_config=containerd_config, bin_dir=bin_dir)
+                                  containerd_config=containerd_config, bin_dir=bin_dir, host_root=host_root)
     _render(plan, dry_run)

@@ -33,6 +33,8 @@ hook entries gpuhook added, and its backup is restored byte for byte and dropped
 else changed since. Directories gpuhook created stay.
 """
 
+import os
+
 from gpuhook.install.bundle import (  # noqa: F401
     _bundle_config,
     _plan_spec_with_hook,
@@ -113,6 +115,7 @@ from gpuhook.install.docker import (  # noqa: F401
     plan_docker,
     plan_docker_removal,
 )
+from gpuhook.install import hostroot
 from gpuhook.install.hooksd import (  # noqa: F401
     _hooks_d_is_ours,
     _runtime_notes,
@@ -132,7 +135,22 @@ _OPTION_TARGETS = {
     "base_spec": ("--base-spec", ("containerd",)),
     "bundle": ("BUNDLE", ("runc-bundle",)),
     "bin_dir": ("--bin-dir", ("docker",)),
+    "host_root": ("--host-root", ("podman", "crio", "containerd")),
 }
+
+
+def _plan_on_node(target: str, root: str, hooks_dir, spec_path, containerd_config, base_spec, python, config_path,
+                  annotated) -> InstallPlan:
+    """install --host-root: the package copied to the node, then the runtime's registration
+    at the node's paths under `root` (gpuhook.install.hostroot)."""
+    hook = hostroot.node_hook(root, config_path, python)
+    if target in ("podman", "crio"):
+        plan = plan_hooks_d(target, hostroot.host_path(root, hooks_dir or default_hooks_dir(target)), hook, annotated)
+    else:
+        plan = plan_containerd(hook, spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG, base_spec,
+                               node_root=root)
+    # The package first: a registration must never name a launcher that is not there yet.
+    return InstallPlan(tuple(hostroot.copy_changes(root)) + plan.changes, plan.notes)
 
 
 def default_hooks_dir(target: str) -> str:
@@ -156,13 +174,18 @@ def _check_options(target: str, given: dict) -> None:
 def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None = None,
                  spec_path: str | None = None, containerd_config: str | None = None,
                  base_spec: str | None = None, python: str | None = None, config_path: str | None = None,
-                 annotated: bool = False, environ: dict | None = None, bin_dir: str | None = None) -> InstallPlan:
-    """What `gpuhook install TARGET` would change, for the gpuhook running this code."""
+                 annotated: bool = False, environ: dict | None = None, bin_dir: str | None = None,
+                 host_root: str | None = None) -> InstallPlan:
+    """What `gpuhook install TARGET` would change, for the gpuhook running this code (or,
+    with `host_root`, for a copy of it on the node whose / is mounted there)."""
     _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
                             "containerd_config": containerd_config, "base_spec": base_spec,
-                            "annotated": annotated, "bin_dir": bin_dir})
+                            "annotated": annotated, "bin_dir": bin_dir, "host_root": host_root})
     if target == "runc-bundle":
         _bundle_config(bundle)  # a usage error comes before any other check
+    if host_root:
+        return _plan_on_node(target, os.path.abspath(host_root), hooks_dir, spec_path, containerd_config, base_spec,
+                             python, config_path, annotated)
     hook = this_installation(python, config_path, environ)
     if target in ("podman", "crio"):
         return plan_hooks_d(target, hooks_dir or default_hooks_dir(target), hook, annotated)
@@ -176,10 +199,18 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
 
 def plan_uninstall(target: str, bundle: str | None = None, hooks_dir: str | None = None,
                    spec_path: str | None = None, containerd_config: str | None = None,
-                   bin_dir: str | None = None) -> InstallPlan:
+                   bin_dir: str | None = None, host_root: str | None = None) -> InstallPlan:
     """What `gpuhook uninstall TARGET` would change."""
     _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
-                            "containerd_config": containerd_config, "bin_dir": bin_dir})
+                            "containerd_config": containerd_config, "bin_dir": bin_dir, "host_root": host_root})
+    if host_root:
+        root = os.path.abspath(host_root)
+        if target in ("podman", "crio"):
+            plan = plan_hooks_d_removal(target, hostroot.host_path(root, hooks_dir or default_hooks_dir(target)))
+        else:
+            plan = plan_containerd_removal(hostroot.host_path(root, spec_path or CONTAINERD_SPEC),
+                                           hostroot.host_path(root, containerd_config or CONTAINERD_CONFIG))
+        return InstallPlan(plan.changes + tuple(hostroot.removal_changes(root)), plan.notes)
     if target in ("podman", "crio"):
         return plan_hooks_d_removal(target, hooks_dir or default_hooks_dir(target))
     if target == "containerd":

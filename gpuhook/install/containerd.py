@@ -191,11 +191,13 @@ def _containerd_notes(config_path: str, installing: bool) -> tuple:
 
 
 def plan_containerd(hook: Hook, spec_path: str = CONTAINERD_SPEC, config_path: str = CONTAINERD_CONFIG,
-                    base_spec: str | None = None, ctr: str = "ctr") -> InstallPlan:
+                    base_spec: str | None = None, ctr: str = "ctr", node_root: str = "") -> InstallPlan:
     """Write the base spec (default spec + our prestart and poststop hooks) and point
-    config.toml's runc runtime at it."""
-    spec_path = os.path.abspath(spec_path)
-    config_path = os.path.abspath(config_path)
+    config.toml's runc runtime at it. With `node_root` (install --host-root), both files are
+    under it while config.toml names the spec by the node's own path."""
+    spec_value = os.path.abspath(spec_path)
+    spec_path = os.path.join(node_root, spec_value.lstrip("/")) if node_root else spec_value
+    config_path = os.path.abspath(os.path.join(node_root, config_path.lstrip("/")) if node_root else config_path)
     old_spec = _read_text(spec_path)
     if base_spec is not None:
         style = _read_text(base_spec)
@@ -209,7 +211,7 @@ def plan_containerd(hook: Hook, spec_path: str = CONTAINERD_SPEC, config_path: s
     spec_change = _plan_spec_with_hook(spec_path, old_spec, _parse_json_object(style, where), style,
                                        hook.entries())
     old_config = _read_text(config_path)
-    new_config = set_base_runtime_spec(old_config or "", spec_path, config_path)
+    new_config = set_base_runtime_spec(old_config or "", spec_value, config_path)
     backup = None
     if old_config is not None and new_config != old_config and ADDED_MARK not in old_config \
             and WAS_MARK not in old_config:
