@@ -11,6 +11,7 @@ Groups (all by default; --only takes a comma-separated list):
   runc     `runc run` of a busybox container with the hook vs with /bin/true as the hook
   gpu      `runc run` on an 8-GPU simulated host with NVIDIA_VISIBLE_DEVICES=0 vs no hook
   health   benchmarks/health_bench.py (when it exists): 1, 8 and 16 GPUs, each check slowed by 1 s
+  daemon   a GPU start with health on, NVML init 1.5 s: without and with the health daemon, and health off
   importtime   (also --importtime) `-X importtime` of the no-GPU path and the warm GPU path
   breakdown    (also --breakdown) where the warm GPU path's time goes, by phase
 
@@ -45,7 +46,7 @@ LATEST = os.path.join(RESULTS_DIR, "latest.json")
 MARKDOWN = os.path.join(HERE, "RESULTS.md")
 HEALTH_BENCH = os.path.join(HERE, "health_bench.py")
 HOOK_PROFILE = os.path.join(HERE, "hook_profile.py")
-GROUPS = ("nogpu", "runc", "gpu", "health")
+GROUPS = ("nogpu", "runc", "gpu", "health", "daemon")
 EXTRA_GROUPS = ("importtime", "breakdown")
 
 # Repetitions: rounds of every candidate of a group (plus untimed warm-up rounds).
@@ -327,23 +328,27 @@ class SimGpu:
                 f"test -c /dev/nvidia{SIM_GPUS - 1}"),
     }
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, name: str = "gpu", nvml_init_latency_ms: int = 0, health_text: str | None = None):
         need_root_tools("runc", "gcc", "ldconfig")
         from gpuhook import config as cfg
         from gpuhook.simulate import host as simhost
 
         self.ctx = ctx
-        self.dir = f"{ctx.workdir}/gpu"
+        self.dir = f"{ctx.workdir}/{name}"
         self.rc = Runc(f"{self.dir}/bed")
         started = time.monotonic()
-        self.sim = simhost.build(f"{self.dir}/sim", gpus=SIM_GPUS)
+        self.sim = simhost.build(f"{self.dir}/sim", gpus=SIM_GPUS, **(
+            {"nvml_init_latency_ms": nvml_init_latency_ms} if nvml_init_latency_ms else {}))
         self.build_seconds = time.monotonic() - started
         with open(self.sim["config"]) as f:
             text = f.read()
         # Health checks off, but only through keys this version of gpuhook has.
         keys = {k.dotted: k for k in cfg.KEYS}
         health = keys.get("health.mode")
-        if health is not None and (health.kind != "choice" or "off" in health.choices):
+        if health_text is not None:
+            text += health_text
+            self.health = health_text.strip().replace("\n", "; ")
+        elif health is not None and (health.kind != "choice" or "off" in health.choices):
             text += '\n[health]\nmode = "off"\n'
             self.health = 'off ([health] mode = "off")'
         else:
@@ -436,6 +441,69 @@ def group_gpu(ctx) -> list:
         rows.append(H.row(f"gpu.{name}", "gpu", label, "ms", stats, baseline="gpu.none", baseline_stats=none,
                           target=target, paired=H.paired_ratios(samples[name]["ms"], samples["none"]["ms"]),
                           note=note, extra={"visible_devices": visible, "glibc_image": glibc}))
+    return rows
+
+
+# --- group: the health daemon -------------------------------------------------------------
+
+DAEMON_INIT_MS = 1500  # nvmlInit without persistence mode, as hosts without it see
+
+
+def group_daemon(ctx) -> list:
+    """A GPU start with health on, on an 8-GPU host whose NVML takes 1.5 s to load: without
+    and with the health daemon (`gpuhook plugin --standalone`) running, next to health off;
+    each a ratio to a no-hook `runc run` on the same host (issue 15's target: ≤ 2× with the
+    daemon)."""
+    from gpuhook import config as cfg
+
+    if "health.daemon-socket" not in {k.dotted for k in cfg.KEYS}:
+        raise Unavailable("this gpuhook has no health daemon (health.daemon-socket)")
+    variants = {  # name: (label, extra config)
+        "off": ("health off", '\n[health]\nmode = "off"\n'),
+        "on": ("health on, no daemon", '\n[health]\nmode = "always"\ndaemon-socket = "/nonexistent/health.sock"\n'),
+        "daemon": ("health on, daemon running", '\n[health]\nmode = "fallback"\n'),
+    }
+    sims = {name: SimGpu(ctx, f"daemon-{name}", DAEMON_INIT_MS, text) for name, (_, text) in variants.items()}
+    daemon_sim = sims["daemon"]
+    served = subprocess.Popen([sys.executable, "-m", "gpuhook", "plugin", "--standalone", "--config",
+                               daemon_sim.config], cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        socket_path = f"{daemon_sim.sim['directory']}/run/health.sock"
+        end = time.monotonic() + 30
+        while not os.path.exists(socket_path) and time.monotonic() < end:
+            time.sleep(0.05)
+        if not os.path.exists(socket_path):
+            raise RuntimeError("the health daemon did not create its socket")
+        rounds = max(3, ctx.s["gpu_rounds"] // 6)
+        for name, sim in sims.items():
+            sim.add("none", None, "0", False, "true")
+            sim.add(name, runc_hook(sim.hook), "0", False, "test -c /dev/nvidia0")
+            sim.run("none")
+            sim.run(name)  # warm the config and inventory caches
+            sim.prepare("none", rounds + 1)
+            sim.prepare(name, rounds + 1)
+        candidates = {}
+        for name, sim in sims.items():
+            candidates[f"{name}.none"] = (lambda s=sim: s.run("none"))
+            candidates[name] = (lambda s=sim, n=name: s.run(n))
+        samples = H.interleave(candidates, rounds, warmup=1, seed=ctx.seed + 7)
+        logs = {name: sim.last_log() for name, sim in sims.items()}
+    finally:
+        served.terminate()
+        served.wait(timeout=30)
+    rows = []
+    for name, (label, _) in variants.items():
+        none = H.summary(samples[f"{name}.none"]["ms"])
+        stats = H.summary(samples[name]["ms"])
+        base = f"daemon.{name}.none"
+        rows.append(H.row(base, "daemon", f"runc run busybox, no hook ({SIM_GPUS}-GPU host, NVML init "
+                                          f"{DAEMON_INIT_MS} ms; {label} host)", "ms", none))
+        rows.append(H.row(f"daemon.{name}", "daemon", f"GPU start, {label}, NVML init {DAEMON_INIT_MS} ms", "ms",
+                          stats, baseline=base, baseline_stats=none,
+                          target=TARGETS["gpu"] if name == "daemon" else None,
+                          paired=H.paired_ratios(samples[name]["ms"], samples[f"{name}.none"]["ms"]),
+                          note=f"nvml in the hook: {logs[name].get('nvml', '?')}; "
+                               f"health: {(logs[name].get('health') or {}).get('daemon', '-')}"))
     return rows
 
 
@@ -882,7 +950,8 @@ def main(argv=None) -> int:
         "substitution_note": substitution_text(ctx.hook),
         "targets": TARGETS,
     }, "rows": [], "errors": {}}
-    functions = {"nogpu": group_nogpu, "runc": group_runc, "gpu": group_gpu, "health": group_health}
+    functions = {"nogpu": group_nogpu, "runc": group_runc, "gpu": group_gpu, "health": group_health,
+                 "daemon": group_daemon}
     try:
         for group in args.groups:
             if group not in functions:
