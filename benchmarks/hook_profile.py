@@ -109,9 +109,11 @@ def main() -> None:
     patch(apply, "_grant", "apply._grant (devices.allow / device program, systemd)")
     patch(apply, "_run_worker", "apply._run_worker (fork, wait for the worker)")
     patch(apply, "_collect", "apply._collect (parent waits)")
-    patch(apply, "_worker", "apply._worker (in the container's mount ns)")
+    from gpuhook import nsworker
+
+    patch(nsworker, "run", "nsworker.run (in the container's mount ns)")
     for method in ("node", "bind", "symlink", "mask_proc", "ldconfig"):
-        patch(apply._Work, method, f"_Work.{method}")
+        patch(nsworker._Work, method, f"_Work.{method}")
     patch(safepath, "make_dirs", "safepath.make_dirs")
     patch(safepath, "ensure_file", "safepath.ensure_file")
     patch(linux, "mount", "linux.mount")

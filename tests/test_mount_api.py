@@ -20,14 +20,14 @@ pytestmark = pytest.mark.root
 SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook import apply, safepath
+from gpuhook import nsworker, safepath
 from gpuhook.plan import BindMount, Plan
 
-apply.use_new_mount_api = {new_api!r}
+nsworker.use_new_mount_api = {new_api!r}
 root = {root!r}
 lib = BindMount({source!r}, "/usr/lib64/libcuda.so.1", "file", ("ro", "nosuid", "nodev"))
 plan = Plan("c", 1, root, "gpus", "env", frozenset(), (), (), (lib,), (), (), None, None, ())
-work = apply._Work(plan, time.monotonic() + 10)
+work = nsworker._Work(plan, time.monotonic() + 10)
 work.open_sources()
 work.root = os.open(root, os.O_PATH | os.O_DIRECTORY)
 work.bind(lib)

@@ -19,13 +19,13 @@ pytestmark = pytest.mark.root
 SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook import apply, oci
+from gpuhook import apply, nsworker, oci
 from gpuhook.plan import Plan, ProcMask
 
 root = {root!r}
 mask = ProcMask({source!r}, ("0000:28:00.0",))
 plan = Plan("c", 1, root, "gpus", "env", frozenset(), (), (), (), (), (), mask, None, ())
-work = apply._Work(plan, time.monotonic() + 10)
+work = nsworker._Work(plan, time.monotonic() + 10)
 work.root = os.open(root, os.O_PATH | os.O_DIRECTORY)
 work.mask_proc(apply.read_proc_files(mask))
 base = root + "/proc/driver/nvidia"
