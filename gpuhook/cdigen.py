@@ -44,11 +44,8 @@ def _marker(ident: str) -> dict:
 
 
 def _hook(stage: str, hook) -> dict:
-    entry = hook.entry("prestart" if stage == "createRuntime" else stage)
-    # The stage argument names what gpuhook does: createRuntime is the prestart work.
-    args = [("createRuntime" if a == "prestart" else a) for a in entry["args"]]
-    return {"hookName": stage, "path": entry["path"], "args": args, "env": entry["env"],
-            "timeout": entry["timeout"]}
+    entry = hook.entry(stage)  # gpuhook treats createRuntime as prestart
+    return {"hookName": stage, **entry}
 
 
 def generate(config, hook, capabilities=DEFAULT_CAPABILITIES) -> dict:

@@ -52,8 +52,7 @@ class Grant:
         self.path = path
 
     def alive(self) -> bool:
-        stat = procstat.read_stat(self.pid)
-        return stat is not None and not stat.zombie and stat.start_time == self.start_time
+        return procstat.is_alive(self.pid, self.start_time)
 
 
 def record(state_dir: str, container_id: str, pid: int, directory: str, planned, added) -> str:

@@ -163,7 +163,7 @@ def load(config, write: bool = True) -> "discover.Inventory":
     return inventory
 
 
-def nvml_facts(config, inventory=None, write: bool = True) -> tuple:
+def nvml_facts(config, write: bool = True) -> tuple:
     """(NvmlFacts, CACHED or QUERIED) for this host (`read`), cached at once unless `write`
     is False: for commands."""
     _, facts, source, pending = read(config, want_facts=True)

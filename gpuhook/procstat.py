@@ -43,3 +43,10 @@ def entry_name(container_id: str) -> str:
     import hashlib
 
     return "sha256-" + hashlib.sha256(container_id.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def is_alive(pid: int, start_time: int, proc: str = "/proc") -> bool:
+    """True while the process `pid` that started at `start_time` runs: same pid, same start
+    time (a reused pid has another), not a zombie."""
+    stat = read_stat(pid, proc)
+    return stat is not None and not stat.zombie and stat.start_time == start_time

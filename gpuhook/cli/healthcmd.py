@@ -47,9 +47,9 @@ def resolve_devices(text: str | None, config) -> list:
 
 def _mig_uuids(config) -> dict:
     """Lower-cased MIG UUID -> MIG UUID of every MIG device NVML reports."""
-    from gpuhook.inventory import load, nvml_facts
+    from gpuhook.inventory import nvml_facts
 
-    facts, _ = nvml_facts(config, load(config))
+    facts, _ = nvml_facts(config)
     return {mig.uuid.lower(): mig.uuid for gpu in facts.gpus.values() for mig in gpu.mig_devices}
 
 

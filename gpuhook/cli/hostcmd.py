@@ -24,7 +24,7 @@ def list_gpus(config_path, as_json):
     config = cfg.load(config_path, os.environ)
     host = load(config)
     try:
-        (facts, source), problem = nvml_facts(config, host), None
+        (facts, source), problem = nvml_facts(config), None
     except GpuhookError as err:
         facts, source, problem = None, None, err.one_line()
     rows = []

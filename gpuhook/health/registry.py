@@ -29,6 +29,7 @@ import os
 
 from gpuhook.cgroup import hierarchy
 from gpuhook.health import store
+from gpuhook import procstat
 from gpuhook.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)
 from gpuhook.record import record
 
@@ -198,8 +199,7 @@ def load_all(state_dir: str, proc: str = "/proc", prune: bool = True) -> tuple:
 
 def is_alive(container: Container, proc: str = "/proc") -> bool:
     """True while the container's init runs: same pid, same start time, not a zombie."""
-    stat = read_stat(container.pid, proc)
-    return stat is not None and not stat.zombie and stat.start_time == container.start_time
+    return procstat.is_alive(container.pid, container.start_time, proc)
 
 
 def _cgroup_mounts(proc: str):

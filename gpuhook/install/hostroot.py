@@ -102,6 +102,4 @@ def removal_changes(root: str) -> list:
             old = _read_text(path)
             if old is not None:
                 changes.append(FileChange(path, old, None))
-    if not changes and not os.path.isdir(top):
-        return []
     return changes

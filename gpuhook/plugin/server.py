@@ -15,7 +15,6 @@ hook never imports this package (tests/test_plugin.py checks it).
 import os
 import signal
 import threading
-import time
 
 import grpc
 
@@ -283,12 +282,3 @@ def main(config, plugin_dir: str) -> int:
     os.makedirs(plugin_dir, exist_ok=True)
     return Plugin(config, plugin_dir).run()
 
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    """Poll `predicate` until true or `timeout` (for callers and tests)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
