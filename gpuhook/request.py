@@ -372,7 +372,10 @@ def _resolve(spec, state_annotations: dict, config) -> Request:
     if nodes and env_ids != ["none"]:
         # The runtime already resolved the grant (CDI in containerd or CRI-O): its GPU nodes
         # decide which GPUs (select); the environment only said that the container wants
-        # the driver, and counts only if none of the nodes is an NVIDIA driver's node.
+        # the driver, and names GPUs only if none of the nodes is an NVIDIA driver's node,
+        # and only where the environment may name GPUs at all (never past the env policy).
+        if not spec.privileged and not config.accept_env_when_unprivileged:
+            env_ids = []
         request = _as_request(env_ids, caps, RUNTIME_DEVICES, notes)._replace(nodes=nodes)
         return _with_mig_capabilities(request, spec)
     if not spec.privileged and not config.accept_env_when_unprivileged:

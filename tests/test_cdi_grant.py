@@ -123,6 +123,16 @@ def test_a_granted_node_that_is_no_gpu_fails_naming_it():
         chosen(r)
 
 
+def test_a_foreign_node_with_an_nvidia_name_never_lets_the_env_past_its_policy():
+    """/dev/nvidia1 as c 1:3 is no grant; with accept-env-when-unprivileged = false the
+    image's `all` must not become the grant through the runtime-devices path either."""
+    r = resolve(spec(ALL, devices=[node("/dev/nvidia1", 1, 3)]), **{"accept-env-when-unprivileged": False})
+    with pytest.raises(RequestError, match="names no GPU"):
+        chosen(r)
+    r = resolve(spec(ALL, devices=[node("/dev/nvidia2", 195, 2)]), **{"accept-env-when-unprivileged": False})
+    assert chosen(r) == [2]  # a real NVIDIA node is the runtime's grant whatever the env policy
+
+
 def test_a_runtime_node_of_another_driver_is_no_grant():
     """/dev/nvidia1 as c 1:3 is /dev/null by another name: not NVIDIA's, so the environment
     decides (and the plan then refuses the conflicting node, tests/test_faults.py)."""
