@@ -373,6 +373,27 @@ def test_an_orphaned_process_is_killed_and_the_gpu_passes_without_a_reset(config
     assert not alive(orphan) and gpu_state(nvml_state, 2)["reset_count"] == 0
 
 
+def test_an_orphan_its_parent_has_not_reaped_yet_does_not_fail_the_recheck(config, sim, nvml_state, containers):
+    # The orphan's parent is slow to reap (here: this test, which waits only at the end), so
+    # the re-check still sees the killed process, now a zombie. It holds nothing any more.
+    container = containers("slow-reaper")
+    container.register(config.state_dir, gpu(sim, 2))
+    orphan = subprocess.Popen(["sleep", "600"])
+    try:
+        with open(f"{container.cgroup}/cgroup.procs", "w") as f:
+            f.write(str(orphan.pid))
+        container.stop_init()
+        simnvml.add_process(nvml_state, 2, pid=orphan.pid)
+        (result,) = engine.prepare([gpu(sim, 2)], config).gpus
+        assert registry.read_stat(orphan.pid).zombie, "the parent must not have reaped it yet"
+        assert (result.status, result.problems) == (engine.Status.REPAIRED, ())
+        assert [(a.action, a.target, a.ok) for a in result.actions] == [("kill", orphan.pid, True)]
+        assert gpu_state(nvml_state, 2)["reset_count"] == 0
+    finally:
+        orphan.kill()
+        orphan.wait()
+
+
 def test_orphans_are_reported_not_killed_when_kill_orphans_is_off(sim, tmp_path, nvml_state, containers):
     config = make_config(sim, tmp_path, **{"kill-orphans": False})
     container = containers("keep")

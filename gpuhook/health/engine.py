@@ -414,6 +414,16 @@ class _GpuCheck:
         self.enter("kill")
         kills = [actions.kill(pid, start_time, self.run.deadline) for pid, start_time in targets]
         done += kills
+        # What was killed, and the zombies whose parent that was, may still show as zombies
+        # until their parent (or init) reaps them: the re-check must not count them as users.
+        ended = {pair for pair, action in zip(targets, kills) if action.ok}
+        for finding in now.problems:
+            for process in finding.targets:
+                reaper = process.reaper
+                if reaper is not None and (reaper.pid, reaper.start_time) in ended:
+                    self.attributor.killed(process.pid, process.start_time)
+        for pid, start_time in ended:
+            self.attributor.killed(pid, start_time)
         failed = [a for a in kills if not a.ok]
         if failed:
             blocked[Remedy.KILL] = "; ".join(f"pid {a.target}: {a.detail}" for a in failed)

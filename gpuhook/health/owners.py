@@ -9,7 +9,14 @@ NVML reports host pids. Each is looked up in /proc and put in one of these class
     host             in gpuhook's own pid and mount namespaces
     orphan           in the cgroups of a registered container that is gone
     zombie           exited, not yet reaped; its parent is looked at instead
+    killed           a process this run killed, now a zombie its parent has not reaped yet:
+                     its files, GPU context included, were closed when it exited
     gone             the pid no longer exists, yet NVML still lists it (a context left behind)
+
+The host's init (pid 1) is a host process even when gpuhook runs in a mount namespace of
+its own (a DaemonSet pod, a private-namespace test), and a process that exits between two
+reads of its /proc files is judged by what it became (gone or a zombie), never as a live
+"other container".
 
 Only orphans are ever killed (and the orphan parent of a zombie, which is how a zombie gets
 reaped). Everything else that is alive counts as a user of the GPU, which then is never
@@ -32,6 +39,7 @@ class Owner(str, Enum):
     HOST = "host"
     ORPHAN = "orphan"
     ZOMBIE = "zombie"
+    KILLED = "killed"
     GONE = "gone"
 
 
@@ -79,6 +87,12 @@ class Attributor:
         self.starting = starting  # the container being started: its own entry (a re-run hook) is no owner
         self.mine = namespaces("self", proc)
         self._alive = {}
+        self._killed = set()  # (pid, start time) of what this run killed; shared by the GPUs' threads
+
+    def killed(self, pid: int, start_time: int) -> None:
+        """Note that this run killed process `pid` (started at `start_time`): if it is still a
+        zombie at the next look, its parent just has not reaped it yet."""
+        self._killed.add((pid, start_time))
 
     def alive(self, container) -> bool:
         key = (container.id, container.pid, container.start_time)
@@ -92,11 +106,13 @@ class Attributor:
         if stat is None:
             return Owner.GONE, None, None, "no such process"
         if stat.zombie:
+            if (pid, stat.start_time) in self._killed:
+                return Owner.KILLED, None, stat, f"killed, not yet reaped by its parent pid {stat.ppid}"
             return Owner.ZOMBIE, None, stat, f"zombie, parent pid {stat.ppid}"
         cgroups = registry.read_cgroups(pid, self.proc)
         if cgroups is None:
-            # It exited between the two reads, or /proc hides it: never a kill candidate.
-            return Owner.OTHER_CONTAINER, None, stat, "cgroup unreadable"
+            # Exited between the two reads, or /proc hides it: never a kill candidate.
+            return self._vanished(pid, stat) or (Owner.OTHER_CONTAINER, None, stat, "cgroup unreadable")
         holders = [c for c in self.containers if c.id != self.starting and c.holds(cgroups)]
         if holders:
             # Nested cgroups: the most specific owner is the process's container, and a live
@@ -108,10 +124,27 @@ class Attributor:
             container = holders[0]
             return Owner.ORPHAN, container, stat, (f"left over from container {container.label()}, "
                                                    f"whose init (pid {container.pid}) is gone")
+        if pid == 1:
+            # NVML's pids are host pids (the engine checks it runs in the host's pid namespace).
+            return Owner.HOST, None, stat, "the host's init"
         theirs = namespaces(pid, self.proc)
-        if theirs is not None and self.mine is not None and theirs == self.mine:
+        if theirs is None:
+            vanished = self._vanished(pid, stat)
+            if vanished is not None:
+                return vanished
+        elif self.mine is not None and theirs == self.mine:
             return Owner.HOST, None, stat, "host process"
         return Owner.OTHER_CONTAINER, None, stat, "a container gpuhook did not start"
+
+    def _vanished(self, pid: int, before):
+        """What `pid` became if it exited since `before` was read: the owner_of answer for a
+        process now gone or a zombie, else None (it is still there, only unreadable)."""
+        now = registry.read_stat(pid, self.proc)
+        if now is None or now.start_time != before.start_time:
+            return Owner.GONE, None, None, "exited during the check"
+        if now.zombie:
+            return self.owner_of(pid)
+        return None
 
     def attribute(self, processes) -> tuple:
         """An Attributed for each nvml.Process."""
