@@ -21,6 +21,12 @@ def main(argv: list[str] | None = None) -> None:
     from gpuhook.sitepath import enable_site_packages
 
     enable_site_packages()
+    try:
+        import click  # noqa: F401
+    except ImportError:  # the RHEL 9 RPM bundles click (packaging/vendor/click)
+        from gpuhook._vendor import add_bundled_site
+
+        add_bundled_site()
     from gpuhook.cli import main as cli_main
 
     cli_main(args)

@@ -16,9 +16,13 @@ def load_schema() -> dict:
         return json.load(f)
 
 
-def state_deviations(raw: bytes) -> list[str]:
-    """Human-readable schema violations of a state document (empty when it conforms)."""
-    import jsonschema
+def state_deviations(raw: bytes) -> list[str] | None:
+    """Human-readable schema violations of a state document (empty when it conforms); None
+    when jsonschema is not installed (the RHEL 9 RPM goes without: AppStream has none)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None
 
     try:
         doc = json.loads(raw)

@@ -11,7 +11,7 @@ import sys
 def enable_site_packages() -> None:
     """Add site-packages to sys.path: the runtime starts the hook with -S (no site.py), which
     keeps the hook's paths bare; call this just before importing a dependency (pynvml,
-    psutil, click). With -I the user site and PYTHON* variables stay ignored."""
+    click, yaml). With -I the user site and PYTHON* variables stay ignored."""
     if sys.flags.no_site and "site" not in sys.modules:
         import site
 

@@ -47,8 +47,11 @@ def _start_command(stage: str):
         config = cfg.load(config_path, os.environ, write_cache=False)
         state, spec = hook.read_container(raw, base_dir=base_dir)
         plan, _ = hook.plan_start(state, spec, config)  # the real run minus apply (and cache writes)
-        deviations = [f"state deviates from the OCI schema (accepted leniently): {d}"
-                      for d in schema.state_deviations(raw)]
+        found = schema.state_deviations(raw)
+        if found is None:
+            deviations = ["state not checked against the OCI schema: jsonschema is not installed"]
+        else:
+            deviations = [f"state deviates from the OCI schema (accepted leniently): {d}" for d in found]
         plan = plan._replace(notes=plan.notes + tuple(deviations))
         if as_json:
             click.echo(json.dumps(plan.as_dict(), indent=2))

@@ -72,7 +72,7 @@ class Hook:
 
         argv[0] is the interpreter's full path, not "python3": Python derives sys.executable
         from a bare argv[0] by searching PATH, which finds the system interpreter instead of a
-        venv's and so loses the venv's site-packages (pynvml, psutil)."""
+        venv's and so loses the venv's site-packages (pynvml, click)."""
         args = [self.python, "-I", "-S", self.launcher, stage]
         if self.config:
             args += ["--config", self.config]
@@ -168,9 +168,10 @@ def this_installation(python: str | None = None, config_path: str | None = None,
                 config=config_path, timeout=hook_timeout(config))
 
 
-def packaged_hook(launcher: str = DEBIAN_LAUNCHER) -> Hook:
-    """The hook a distribution package registers: system Python, default configuration."""
-    return Hook(python=SYSTEM_PYTHON, launcher=launcher, timeout=hook_timeout(cfg.defaults()))
+def packaged_hook(launcher: str = DEBIAN_LAUNCHER, python: str = SYSTEM_PYTHON) -> Hook:
+    """The hook a distribution package registers: the system's Python (RHEL 9's RPM: its
+    python3.11), default configuration."""
+    return Hook(python=python, launcher=launcher, timeout=hook_timeout(cfg.defaults()))
 
 
 # --- file formats -----------------------------------------------------------------------

@@ -1,0 +1,57 @@
+"""gpuhook.procstat against psutil, an independent reading of the same /proc files.
+
+gpuhook reads /proc/<pid>/stat itself instead of importing psutil: the reads are a few lines,
+and psutil's import costs about 27 ms on a GPU start (README, "Why not psutil"). psutil stays
+the oracle here.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+from gpuhook import procstat
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def assert_agrees(pid: int) -> None:
+    mine = procstat.read_stat(pid)
+    theirs = psutil.Process(pid)
+    assert mine.ppid == theirs.ppid()
+    assert mine.zombie == (theirs.status() == psutil.STATUS_ZOMBIE)
+    # psutil's create time is boot time plus the same start-time field, in seconds.
+    assert abs(psutil.boot_time() + mine.start_time / CLOCK_TICKS - theirs.create_time()) < 0.02
+
+
+def test_live_processes_agree_with_psutil():
+    for pid in (1, os.getpid(), os.getppid()):
+        assert_agrees(pid)
+
+
+def test_a_command_name_with_spaces_and_parentheses():
+    # A process may name itself anything (up to 15 bytes): here ") S 1 (x", which a parser
+    # that splits at the first ")" would misread.
+    rename = "open('/proc/self/comm', 'w').write(') S 1 (x'); print(flush=True); input()"
+    child = subprocess.Popen([sys.executable, "-c", rename], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        assert psutil.Process(child.pid).name() == ") S 1 (x"
+        assert_agrees(child.pid)
+        assert procstat.read_stat(child.pid).state == "S"
+    finally:
+        child.stdin.close()
+        child.wait()
+
+
+def test_a_zombie_and_a_vanished_process():
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 5
+    while not procstat.read_stat(child.pid).zombie and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert_agrees(child.pid)
+    assert not procstat.is_alive(child.pid, procstat.read_stat(child.pid).start_time)
+    child.wait()
+    assert procstat.read_stat(child.pid) is None and not psutil.pid_exists(child.pid)
