@@ -1,4 +1,4 @@
-"""Measurement pieces for benchmarks/run.py (issue 8), importable without root or runc.
+"""Measurement pieces for benchmarks/run.py, importable without root or runc.
 
 - `hooksd_hook`: the hook entry exactly as hooks.d/gpuhook.json registers it, with the two
   substitutions a checkout needs (the launcher path and the interpreter path);
@@ -12,7 +12,7 @@
 - `summary`, `ratio_row`: medians, ranges and ratios as plain dicts for the JSON;
 - `importtime_top`: `-X importtime` output turned into the top imports.
 
-Nothing here asserts on time; tests/test_benchmarks.py checks these pieces work.
+Nothing here asserts on time; tests/integration/test_benchmarks.py checks these pieces work.
 """
 
 import json

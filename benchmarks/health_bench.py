@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What gpuhook's health checks cost (issue 5): the healthy path for N GPUs, and a repair.
+"""What gpuhook's health checks cost (docs/health.md): the healthy path for N GPUs, and a repair.
 
     sudo .venv/bin/python benchmarks/health_bench.py [--gpus 1,8,16] [--latency-ms 1000]
                                                      [--repeat 5] [--json]

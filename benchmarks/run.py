@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""gpuhook's performance figures (issue 8): every target side by side in one run.
+"""gpuhook's performance figures (README, Performance): every target side by side in one run.
 
     sudo .venv/bin/python benchmarks/run.py [--quick] [--only GROUPS] [--json FILE]
                                             [--importtime] [--breakdown] [--write-markdown [FILE]]
@@ -103,7 +103,7 @@ def base_spec() -> dict:
     }
 
 
-# "big": the size tests/test_hot_path.py uses (2000 mounts, 500 annotations of 100 bytes);
+# "big": the size tests/integration/test_hot_path.py uses (2000 mounts, 500 annotations of 100 bytes);
 # "huge": four times that, plus a long environment: a stress row, informational.
 BIG = {"mounts": 2000, "annotations": 500, "env": 2}
 HUGE = {"mounts": 8000, "annotations": 2000, "env": 200}
@@ -452,7 +452,7 @@ DAEMON_INIT_MS = 1500  # nvmlInit without persistence mode, as hosts without it 
 def group_daemon(ctx) -> list:
     """A GPU start with health on, on an 8-GPU host whose NVML takes 1.5 s to load: without
     and with the health daemon (`gpuhook plugin --standalone`) running, next to health off;
-    each a ratio to a no-hook `runc run` on the same host (issue 15's target: ≤ 2× with the
+    each a ratio to a no-hook `runc run` on the same host (the device plugin's target: ≤ 2× with the
     daemon)."""
     from gpuhook import config as cfg
 

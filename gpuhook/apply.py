@@ -5,7 +5,7 @@ Order, and why:
 1. cgroup: allow the devices (host side). runc has applied its own rules before prestart
    hooks run, so we add ours on top and remember what we added.
 2. In a forked worker that joins the container's mount namespace (the container's /dev
-   tmpfs and its /proc exist only there, docs/reference section 1): device nodes, bind
+   tmpfs and its /proc exist only there, docs/runtime-facts.md §1): device nodes, bind
    mounts (read-only, nosuid, nodev), soname symlinks, the /proc/driver/nvidia mask, and the
    HOST's ldconfig against the rootfs. Every container path is resolved inside the rootfs
    (gpuhook.safepath) and mounted through /proc/self/fd, so what was checked is what gets
@@ -173,7 +173,7 @@ def _grant(place, rules) -> list:
 
         added = v2.grant(place.directory, rules)
     # systemd re-applies a scope's device list on daemon-reload and would drop what it does
-    # not know (issue 3); a refusal undoes the grant, so the start fails with nothing half-done.
+    # not know (docs/runtime-facts.md §5); a refusal undoes the grant, so the start fails with nothing half-done.
     # Only a scope can be systemd's (cgroupfs-driver containers never are): skip the import.
     if not place.cgroup_path.rstrip("/").endswith(".scope"):
         return added

@@ -4,7 +4,7 @@ CVE-2025-23266 ran an image's LD_PRELOAD as host root through a hook that passed
 environment on; so nothing here inherits one. Every child gets `MINIMAL_ENV` (or an explicit
 env), a working directory outside any rootfs, /dev/null on stdin, its own process group
 (killed whole on timeout) and a parent-death signal, so nothing outlives the hook holding
-the runtime's pipes (docs/reference section 1: runc waits for those pipes).
+the runtime's pipes (docs/runtime-facts.md §1: runc waits for those pipes).
 
 Plain fork/exec over subprocess: this is on the container-start path and subprocess costs
 an import of several milliseconds.

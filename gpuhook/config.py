@@ -6,7 +6,7 @@ explicitly must exist. Unknown keys and bad values are errors that name the key 
 so a typo never silently turns a policy off.
 
 The table below is the documentation: README's key list and ``gpuhook config`` are checked
-against it by tests/test_config.py.
+against it by tests/unit/test_config.py.
 """
 
 import os
@@ -90,7 +90,7 @@ KEYS = (
          "The syslog socket log-target = syslog or both writes to."),
     _key("state-dir", "path", "/run/gpuhook",
          "Runtime state: the host inventory cache, per-GPU locks, health reports and stamps."),
-    # [health]: the check-and-reset before a container gets its GPUs (issue 5, docs/health.md).
+    # [health]: the check-and-reset before a container gets its GPUs (docs/health.md).
     _key("mode", "choice", "fallback",
          "When the hook checks and cleans a container's GPUs before it starts: off never; "
          "fallback unless `gpuhook prepare` (a device plugin's PreStartContainer) left a fresh "

@@ -1,6 +1,6 @@
 """Host discovery without NVML: GPUs, driver version, device majors and driver files.
 
-Everything here is read from files (docs/reference section 4): /proc/driver/nvidia gives each
+Everything here is read from files (docs/runtime-facts.md §4): /proc/driver/nvidia gives each
 GPU's UUID, minor and PCI bus without loading NVML (whose start-up can take seconds without
 persistence mode), /proc/devices gives the majors, and the ld cache under the driver root
 says where each library is. Roots are parameters so a driver container or a simulated host
@@ -14,7 +14,7 @@ from gpuhook import ldcache
 from gpuhook.errors import HostError
 from gpuhook.record import record
 
-# Libraries per driver capability, by soname stem (docs/reference section 4).
+# Libraries per driver capability, by soname stem (docs/runtime-facts.md §4).
 LIBRARIES = {
     "utility": ("libnvidia-ml", "libnvidia-cfg", "libnvidia-nscq"),
     "compute": (

@@ -9,7 +9,7 @@ message, so the message must stand on its own.
 
 
 # The one exit-code table: README's list, `gpuhook --help` and the man page are made from it
-# or checked against it (tests/test_errors.py). Each code's class below sets `exit_code`.
+# or checked against it (tests/unit/test_errors.py). Each code's class below sets `exit_code`.
 EXIT_CODES = {
     0: "success, or a container that asks for no GPU",
     1: "aborted, or another gpuhook error",

@@ -4,7 +4,7 @@
 more than everything the hook decides. This module drives CPython's C accelerator ``_json``
 (the same scanner and encoder json itself uses) directly, so results are identical; where
 ``_json`` is missing (another Python), it falls back to the json package.
-tests/test_fastjson.py checks it against json on generated documents.
+tests/unit/test_fastjson.py checks it against json on generated documents.
 """
 
 try:

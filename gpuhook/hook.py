@@ -108,7 +108,7 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         record.update(decision="failed", error=err.one_line())
         if err.detail:
             record["detail"] = err.detail
-        if stage == "poststop":  # a stop never fails (issue 5, item 5): the problem is logged only
+        if stage == "poststop":  # a stop never fails (docs/health.md): the problem is logged only
             return 0
         print(f"gpuhook: {err.one_line()}", file=sys.stderr)
         return err.exit_code

@@ -1,4 +1,4 @@
-"""The host inventory, cached in <state-dir>/inventory.json (issue 4, item 5).
+"""The host inventory, cached in <state-dir>/inventory.json (docs/architecture.md).
 
 Reading the host the expensive way (parsing the driver root's ld cache, resolving every
 library, NVML queries) happens once per host state. The cache key is made of everything

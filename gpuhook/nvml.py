@@ -1,10 +1,10 @@
 """The NVML backend: the only module in gpuhook that imports pynvml (nvidia-ml-py).
 
 NVML answers what /proc/driver/nvidia cannot: the CUDA driver version, each GPU's brand and
-compute capability, the MIG layout, and the health facts of issue 5 (processes, memory, ECC
+compute capability, the MIG layout, and the health facts of docs/health.md (processes, memory, ECC
 errors, retired pages, remapped rows, a GPU fallen off the bus). Loading it costs about 20 ms
-of imports and, without persistence mode, NVML's start-up can take seconds (docs/reference
-sections 4 and 9), so nothing imports pynvml before a `Session` is opened: importing this
+of imports and, without persistence mode, NVML's start-up can take seconds (docs/runtime-facts.md
+§4; README, Performance), so nothing imports pynvml before a `Session` is opened: importing this
 module is free, and the no-GPU path never opens one.
 
 Usage::

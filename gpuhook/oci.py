@@ -1,6 +1,6 @@
 """Reading what the runtime hands the hook: the OCI state (stdin) and the bundle's config.json.
 
-Real runtimes deviate from runtime-spec (see docs/reference: runc says status "creating",
+Real runtimes deviate from runtime-spec (docs/runtime-facts.md §1: runc says status "creating",
 crun "created" with an extra "root" and pid 0 at createContainer, podman puts the bundle
 under its storage dir). We accept every shape a real runtime produces and reject what is
 unusable with a message that names the field and what was wrong with it.

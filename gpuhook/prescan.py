@@ -1,9 +1,9 @@
 """The hook's no-GPU path: decide from raw bytes whether a container could want a GPU.
 
 gpuhook is registered for every container on a host, so a container that requests no GPU
-must cost close to nothing (issue 8). This module answers "might this container ask for a
+must cost close to nothing (README, Performance). This module answers "might this container ask for a
 GPU?" without importing anything beyond what a ``python3 -I -S`` interpreter has already
-loaded (not even ``os`` or ``json``); tests/test_hot_path.py keeps it that way.
+loaded (not even ``os`` or ``json``); tests/integration/test_hot_path.py keeps it that way.
 
 The answer is conservative in one direction only: ``False`` means "certainly no request",
 ``True`` means "let the full parser decide". Every request channel has a marker that a

@@ -1,4 +1,4 @@
-"""NVIDIA_REQUIRE_* image requirements, with NVIDIA's semantics (docs/reference section 3).
+"""NVIDIA_REQUIRE_* image requirements, with NVIDIA's semantics (docs/runtime-facts.md §3).
 
 CUDA images state what they need from the host driver, e.g. a CUDA 12.2 image::
 
@@ -51,7 +51,7 @@ SYNTAX_HINT = ("constraints are KEY OP VALUE with keys cuda, driver, arch, brand
                "= != < <= > >=; a space separates alternatives, a comma joins conditions")
 CUDA_HINT = "update the host's driver, or use an image built for an earlier CUDA version"
 # An upper bound (driver<500, cuda<=12.2) fails on a host that is too new: updating the driver
-# cannot help there, the hint says what can (issue 17).
+# cannot help there, the hint says what can.
 CUDA_UPPER_HINT = ("use an image built for the host's newer CUDA version, or run it on a host with an older "
                    "driver")
 CUDA_EXACT_HINT = "run it on a host whose {key} matches, or use an image built for the host's {key}"

@@ -1,5 +1,10 @@
 """Shared fixtures: a simulated GPU host, the probe helper, and runc testbeds.
 
+The suite has three parts, and each test gets its part's marker from its folder:
+tests/unit (marker `unit`: no root, no runtime, no compiler; `pytest tests/unit` is the inner
+loop), tests/integration (marker `root`: real runtimes, namespaces and the simulated host) and
+tests/device (marker `device`: a real NVIDIA GPU).
+
 Tests that need root, runc, busybox or a C compiler skip on a developer machine that lacks
 them, but FAIL under CI (GPUHOOK_STRICT=1, set by .ci/run): a missing tool must never turn
 into a green run.
@@ -19,6 +24,16 @@ from gpuhook.simulate import host as simhost
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 STRICT = os.environ.get("GPUHOOK_STRICT") == "1"
+
+
+PART_MARKERS = {"unit": "unit", "integration": "root", "device": "device"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        part = os.path.relpath(str(item.path), HERE).split(os.sep)[0]
+        if part in PART_MARKERS:
+            item.add_marker(PART_MARKERS[part])
 
 
 def require(condition: bool, why: str) -> None:

@@ -36,7 +36,7 @@ F_REPLACE = 4
 
 LICENSE = b"Apache-2.0"
 # A failed load is retried with a verifier log this big; a smaller one can turn a long but
-# valid verification into ENOSPC (docs/reference section 5).
+# valid verification into ENOSPC (docs/runtime-facts.md §5).
 LOG_SIZE = 1 << 20
 INSN_SIZE = 8
 
@@ -211,7 +211,7 @@ def _raise_memlock() -> bool:
     try:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     except (OSError, ValueError):
-        return False  # not allowed to: best effort (docs/reference section 5)
+        return False  # not allowed to: best effort (docs/runtime-facts.md §5)
     return True
 
 

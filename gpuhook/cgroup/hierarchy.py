@@ -1,6 +1,6 @@
 """Where a process's device policy lives: the v1 devices controller or the v2 unified tree.
 
-Read from /proc/<pid>/cgroup and the mount table (docs/reference section 5). On a hybrid host
+Read from /proc/<pid>/cgroup and the mount table (docs/runtime-facts.md §5). On a hybrid host
 (v1 controllers plus a cgroup2 mount at /sys/fs/cgroup/unified) the devices controller is v1,
 so v1 wins whenever the process has a devices line and that hierarchy is mounted.
 """
@@ -39,7 +39,7 @@ def cgroup_mounts(mountinfo_text: str) -> list[tuple[str, str, str, set]]:
 
     A mount that a later one covers (at its mount point or above) is hidden: a private
     namespace that mounts cgroup2 over a hybrid host's /sys/fs/cgroup still lists the v1
-    mounts beneath it (docs/reference section 5).
+    mounts beneath it (docs/runtime-facts.md §5).
     """
     mounts = []
     for line in mountinfo_text.splitlines():

@@ -1,8 +1,8 @@
 """Device cgroup eBPF programs as data: build our allow prefix, decode programs into rules.
 
 Pure code, no system calls (gpuhook.cgroup.bpf loads and attaches). On cgroup v2 every
-device program attached to a container's cgroup must allow an access (docs/reference
-section 5), so a grant cannot add a program: it rebuilds each attached one as
+device program attached to a container's cgroup must allow an access (docs/runtime-facts.md
+§5), so a grant cannot add a program: it rebuilds each attached one as
 
     [our prefix: one allow block per rule] + [the program's own instructions, unchanged]
 

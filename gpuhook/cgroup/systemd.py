@@ -3,8 +3,8 @@
 With runc's systemd cgroup driver a container's cgroup is a transient scope, and systemd
 turns the scope's DeviceAllow= list into its own device program (v2) or devices.allow
 writes (v1). `systemctl daemon-reload` applies that list again and drops whatever only a
-hook added: the "Failed to initialize NVML: Unknown Error" reports (docs/reference
-section 5). So when the container's cgroup is a scope, systemd is running and the unit
+hook added: the "Failed to initialize NVML: Unknown Error" reports (docs/runtime-facts.md
+§5). So when the container's cgroup is a scope, systemd is running and the unit
 restricts devices, `register` adds the granted devices to the unit's DeviceAllow= at
 runtime only (``systemctl set-property --runtime``: it ends with the scope and is never
 written under /etc), and makes sure the /dev/char/MAJ:MIN (/dev/block/...) links exist:

@@ -1,6 +1,6 @@
 """cgroup v1 device access: devices.list, devices.allow, devices.deny.
 
-runc applies its own rules before prestart hooks run (docs/reference section 5), so we only
+runc applies its own rules before prestart hooks run (docs/runtime-facts.md §5), so we only
 add what the container lacks, and remember exactly that, so a failed start can take back
 only our additions. The kernel parses one rule per write(2).
 """

@@ -2,7 +2,7 @@
 
 runc (and systemd, for units with a device policy) attach BPF_PROG_TYPE_CGROUP_DEVICE
 programs to the container's cgroup before prestart hooks run, and every attached program
-must allow an access (docs/reference section 5). So `grant` takes each attached program
+must allow an access (docs/runtime-facts.md §5). So `grant` takes each attached program
 that does not yet allow what the container needs, reads its translated instructions, loads
 [our allow blocks + those instructions] (gpuhook.cgroup.program) and swaps it in place of
 the old one with BPF_F_REPLACE. It keeps the old programs open, so `revoke` can put them

@@ -1,4 +1,4 @@
-"""GPU health: every GPU is checked, cleaned and healthy before a container gets it (issue 5).
+"""GPU health: every GPU is checked, cleaned and healthy before a container gets it (docs/health.md).
 
 The Kubernetes device plugin API lets a plugin clean a device in PreStartContainer, but it
 is opt-in, has a 30 s budget, does not say which container, and no vendor plugin does it.

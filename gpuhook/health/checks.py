@@ -17,7 +17,7 @@ Each problem names its check, the evidence in words, and what could repair it:
                     row remaps pending                                  reset
 
 Processes of live owners (containers, the host) are no problem; they make the GPU shared,
-and the caller then never resets it (issue 5, item 2).
+and the caller then never resets it (docs/health.md).
 """
 
 from enum import Enum

@@ -1,7 +1,7 @@
 """Who owns each process NVML lists on a GPU: a live container, the host, or nobody.
 
 NVML reports host pids. Each is looked up in /proc and put in one of these classes
-(issue 5, item 2; docs/health.md):
+(docs/health.md, "Who owns a GPU process"):
 
     container        in the cgroups of a registered container whose init is alive
     other container  in other pid or mount namespaces than gpuhook's and not registered:

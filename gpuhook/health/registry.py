@@ -13,7 +13,7 @@ container's init for good: a reused pid has another start time. A container is *
 when that process no longer exists, is a zombie, or has another start time. `cgroups` are
 the init's cgroup paths (per controller, "" for cgroup v2) that are the container's own,
 i.e. differ from the registering hook's: a GPU process in those cgroups belongs to the
-container; if the container is gone, the process is an orphan (issue 5, item 2).
+container; if the container is gone, the process is an orphan (docs/health.md).
 
 Only cgroups the init has to itself at registration count as the container's: a cgroup that
 already holds other processes (a container placed into a host daemon's cgroup) is shared,

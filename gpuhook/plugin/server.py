@@ -9,7 +9,7 @@ evidence) and goes Unhealthy on ListAndWatch. docs/device-plugin.md has the whol
 
 Device IDs are GPU UUIDs (MIG UUIDs under mig-strategy = single). Allocate returns what makes
 gpuhook's hook grant exactly those GPUs (plugin.strategy). grpcio is imported here only: the
-hook never imports this package (tests/test_plugin.py checks it).
+hook never imports this package (tests/integration/test_plugin.py checks it).
 """
 
 import os

@@ -55,7 +55,7 @@ CUDA_BY_BRANCH = {
     580: "13.0",
 }
 
-# MIG (issue 4): an H100 has 7 compute slices; a profile "<slices>g.<GiB>gb" takes some.
+# MIG (docs/runtime-facts.md §4): an H100 has 7 compute slices; a profile "<slices>g.<GiB>gb" takes some.
 MIG_SLICES = 7
 DEFAULT_MIG_LAYOUT = ("3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb")
 # /proc/driver/nvidia-caps/mig-minors as the driver writes it: config 1, monitor 2, then per
@@ -390,7 +390,7 @@ def _gpu_state(gpu: dict, mig_mode: bool) -> dict:
 
 def _write_mig_caps(directory: str, gpus: list, caps_major: int) -> None:
     """The driver's MIG capability table and files, and nvidia-modprobe's device nodes for
-    the MIG devices that exist (docs/reference section 4)."""
+    the MIG devices that exist (docs/runtime-facts.md §4)."""
     lines = [f"config {MIG_CONFIG_MINOR}", f"monitor {MIG_MONITOR_MINOR}"]
     for gpu in gpus:
         for gi in range(MIG_GPU_INSTANCES):

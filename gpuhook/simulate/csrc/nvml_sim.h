@@ -2,7 +2,7 @@
  * The part of NVML's ABI the simulated libnvidia-ml implements: return codes, enums, structs
  * and prototypes written from NVIDIA's nvml.h (API version 12) and checked against the
  * ctypes structures of nvidia-ml-py, the real caller. Layouts must match nvml.h exactly;
- * tests/test_nvml_sim.py drives every function through pynvml.
+ * tests/integration/test_nvml_sim.py drives every function through pynvml.
  */
 #ifndef GPUHOOK_NVML_SIM_H
 #define GPUHOOK_NVML_SIM_H

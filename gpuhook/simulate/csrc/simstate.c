@@ -617,7 +617,7 @@ static long long get_count(const struct sj *gpu, const char *key)
     return v != NULL && v->type == SJ_NUMBER && v->is_integer ? v->integer : 0;
 }
 
-/* Count a reset that overlapped another one on the same GPU (for tests of issue 5's locks). */
+/* Count a reset that overlapped another one on the same GPU (for tests of the per-GPU locks, docs/health.md). */
 static void record_overlap(const char *path, const char *uuid, FILE *err)
 {
     struct sim_state s;

@@ -2,7 +2,7 @@
 idempotence, backups, uninstall taking back exactly what install added, and bad input. Every
 target registers two stages, prestart and poststop; the last section proves with real runc
 that a bundle registered by `gpuhook install runc-bundle` runs both (podman, containerd and
-crun: tests/test_podman.py, tests/test_containerd.py, tests/test_crun.py)."""
+crun: tests/integration/test_podman.py, tests/integration/test_containerd.py, tests/integration/test_crun.py)."""
 
 import json
 import os

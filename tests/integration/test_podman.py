@@ -1,4 +1,4 @@
-"""podman runs gpuhook from the hooks.d files `gpuhook install podman` writes (issue 6):
+"""podman runs gpuhook from the hooks.d files `gpuhook install podman` writes (docs/packaging.md):
 gpuhook.json at prestart, gpuhook-poststop.json when podman removes the stopped container.
 
 Containers start from a busybox rootfs with podman's own storage, on the simulated GPU host.

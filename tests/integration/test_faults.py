@@ -1,6 +1,6 @@
 """A failure at each apply step aborts cleanly: the error names the step, the host keeps
 nothing, and no child outlives the hook. (Issue 7, item 4.) The bpf, NVML and reset-command
-faults live with their features (tests/test_cgroup_v2.py, tests/test_health*.py)."""
+faults live with their features (tests/integration/test_cgroup_v2.py, tests/*/test_health*.py)."""
 
 import os
 import time

@@ -1,4 +1,4 @@
-"""crun runs gpuhook, on cgroup v1 only (issue 6).
+"""crun runs gpuhook, on cgroup v1 only (docs/runtime-facts.md §2).
 
 crun refuses this machine's hybrid cgroup layout (v1 controllers plus cgroup2 at
 /sys/fs/cgroup/unified), so every crun command runs in a private mount namespace with the v2

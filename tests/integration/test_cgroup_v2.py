@@ -1,11 +1,11 @@
 """Device access on pure cgroup v2: real runc containers, real eBPF device programs.
 
 runc decides between v1 and v2 by what /sys/fs/cgroup is, so these containers run in a
-private mount namespace with cgroup2 mounted there (docs/reference section 5). A holder
+private mount namespace with cgroup2 mounted there (docs/runtime-facts.md §5). A holder
 process keeps that namespace alive and every runc command for the containers enters it with
 nsenter. From outside, the namespace's cgroup tree is reachable under /proc/HOLDER/root.
 
-Access is checked by errno inside the container as in tests/test_runc_v1.py: ENXIO = the
+Access is checked by errno inside the container as in tests/integration/test_runc_v1.py: ENXIO = the
 device programs allow the node but no driver is behind it, EPERM = they deny it.
 
 The last part tests gpuhook.cgroup.systemd against a stand-in systemctl (systemd cannot run
@@ -26,7 +26,7 @@ from gpuhook.cgroup.devices import DeviceRule, parse_v1_line
 from gpuhook.errors import ApplyError
 
 from conftest import REPO, require, require_root_tools
-from test_cgroup_program import RULE_SETS, golden
+from helpers.bpfdata import RULE_SETS, golden
 
 pytestmark = pytest.mark.root
 
@@ -246,7 +246,7 @@ def test_swap_without_replace_attaches_then_detaches_and_leaves_one_program(v2ns
 
 
 def clobbering_r1(rules, original):
-    """The pitfall from docs/reference section 5: a prefix that uses r1 as its scratch
+    """The pitfall from docs/runtime-facts.md §5: a prefix that uses r1 as its scratch
     register (as runc's own blocks do) leaves the old code a number where it expects the
     context pointer, and the verifier refuses the program."""
     scratch = {program.ALU | program.MOV | program.SRC_X, program.ALU | program.AND | program.SRC_K,
@@ -375,7 +375,7 @@ HYBRID = "\n".join(HYBRID_WITH_V2_ON_TOP.splitlines()[:4]) + "\n"
 
 @pytest.mark.parametrize("mountinfo,devices_path,expected", [
     # A container runc put on v2 (in a private mount namespace), seen from the hybrid host:
-    # its policy is its v2 cgroup's programs, not the v1 root's "allow all" (issue 17).
+    # its policy is its v2 cgroup's programs, not the v1 root's "allow all".
     (HYBRID, "/", ("v2", "/sys/fs/cgroup/unified/ctr")),
     (HYBRID, "/ctr", ("v1", "/sys/fs/cgroup/devices/ctr")),
     (HYBRID_WITH_V2_ON_TOP, "/", ("v2", "/sys/fs/cgroup/ctr")),
@@ -741,7 +741,7 @@ def test_another_partys_program_on_the_cgroup_is_never_widened(v2ns, bed, gpus, 
 
 def test_cgroup_show_from_the_hosts_namespace_finds_the_v2_programs(v2ns, bed, gpus):
     """Run from the host's (hybrid) namespace for a container on v2, `cgroup show --pid` said
-    "v1 root, allow all" (issue 17); it now reads the container's v2 cgroup, where runc's
+    "v1 root, allow all"; it now reads the container's v2 cgroup, where runc's
     program is."""
     with Running(v2ns, bed, gpus, "show-from-host") as box:
         assert box.started.returncode == 0, box.output

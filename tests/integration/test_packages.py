@@ -1,4 +1,4 @@
-"""The .deb and the .rpm (issue 6): generated files, builds, lintian, and the installed .deb.
+"""The .deb and the .rpm (docs/packaging.md): generated files, builds, lintian, and the installed .deb.
 
 SLOW, about half a minute: the tests marked `root` below build both packages from the working
 tree (packaging/build-deb, packaging/build-rpm), run lintian, install the .deb on this machine

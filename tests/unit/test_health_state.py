@@ -142,7 +142,7 @@ def test_waiting_for_a_lock_stops_when_told(state_dir):
     assert first.acquire(time.monotonic() + 1)
     started = time.monotonic()
     assert not store.GpuLock(state_dir, UUID).acquire(time.monotonic() + 30, cancelled=lambda: True)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 10  # not the 30 s it would wait uncancelled
     first.release()
 
 

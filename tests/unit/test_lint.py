@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from conftest import REPO, require
 
@@ -20,11 +21,15 @@ def tool(name: str) -> str:
 
 
 def test_ruff_finds_nothing():
-    done = subprocess.run([tool("ruff"), "check", "--output-format", "concise", "."], cwd=REPO,
+    # No cache: tests/unit runs as any user, who may not write the tree's .ruff_cache.
+    done = subprocess.run([tool("ruff"), "check", "--no-cache", "--output-format", "concise", "."], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_mypy_accepts_the_planning_modules():
-    done = subprocess.run([tool("mypy"), *TYPED], cwd=REPO, capture_output=True, text=True, timeout=300)
+    # The cache lives where this user can write (tests/unit runs as any user).
+    cache = os.path.join(tempfile.gettempdir(), f"gpuhook-mypy-cache-{os.geteuid()}")
+    done = subprocess.run([tool("mypy"), "--cache-dir", cache, *TYPED], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -1,4 +1,4 @@
-"""The decision log an operator keeps (issue 17): bounded lines, tagged, with the pod UID,
+"""The decision log an operator keeps (docs/logging.md): bounded lines, tagged, with the pod UID,
 to a file and/or syslog, rotated by the packages' logrotate file."""
 
 import json

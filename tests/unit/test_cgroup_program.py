@@ -5,8 +5,6 @@ kernel loaded them (see the README there), so the builder and the disassembler a
 checked against something gpuhook did not write.
 """
 
-import os
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,26 +13,9 @@ from gpuhook.cgroup import program
 from gpuhook.cgroup.devices import WILDCARD, DeviceRule
 from gpuhook.cgroup.program import Insn
 
-from conftest import HERE
+from helpers.bpfdata import DATA, RULE_SETS, R, golden
 
-DATA = os.path.join(HERE, "data", "bpf")
-
-
-def R(text: str, allow: bool = True) -> DeviceRule:
-    """DeviceRule from devices.list notation: R("c 195:* rw")."""
-    from gpuhook.cgroup.devices import parse_v1_line
-
-    return parse_v1_line(text, allow)
-
-
-# The rule sets behind tests/data/bpf/*.txt (its README says how those files were made).
-RULE_SETS = {
-    "gpu-plan": [R("c 195:255 rw"), R("c 509:0 rw"), R("c 509:1 rw"), R("c 195:0 rw")],
-    "wildcards": [R("c 195:* rw"), R("b *:* rwm"), R("c *:* m"), R("a *:* r")],
-    "block-partial": [R("b 8:0 r"), R("b 259:* rw"), R("c 10:200 rwm"), R("c 1:3 w"), R("b 7:1 m")],
-}
-
-# runc's default device rules (docs/reference section 5) in the order its program tests them.
+# runc's default device rules (docs/runtime-facts.md §5) in the order its program tests them.
 RUNC_DEFAULT_RULES = [
     R("b *:* m"), R("c *:* m"), R("c 1:3 rwm"), R("c 1:5 rwm"), R("c 1:7 rwm"), R("c 1:8 rwm"),
     R("c 1:9 rwm"), R("c 5:0 rwm"), R("c 5:2 rwm"), R("c 10:200 rwm"), R("c 136:* rwm"),
@@ -60,11 +41,6 @@ def runc_program() -> list:
     with open(f"{DATA}/runc-1.1.5-default.hex") as f:
         code = b"".join(bytes.fromhex(line.strip()) for line in f if line.strip() and not line.startswith("#"))
     return program.decode_bytes(code)
-
-
-def golden(name: str) -> list:
-    with open(f"{DATA}/{name}.txt") as f:
-        return f.read().splitlines()
 
 
 def systemd_program() -> list:

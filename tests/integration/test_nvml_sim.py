@@ -351,10 +351,10 @@ def test_init_latency_applies_to_init_only(sim, state):
         assert time.monotonic() - start >= 0.4
         start = time.monotonic()
         pynvml.nvmlDeviceGetCount()
-        assert time.monotonic() - start < 0.2
+        assert time.monotonic() - start < 0.4  # no second helping of the 0.4 s latency
         pynvml.nvmlInit()  # nested, as a daemon's sessions are: only the first attaches
         pynvml.nvmlShutdown()
-        assert time.monotonic() - start < 0.2
+        assert time.monotonic() - start < 0.4
     finally:
         pynvml.nvmlShutdown()
 
@@ -379,7 +379,7 @@ def test_per_gpu_latency_runs_in_parallel_across_threads(nv, state):
     parallel = time.monotonic() - start
     assert len(found) == 4
     assert sequential >= 0.4
-    assert parallel < 2 * 0.4, f"4 lookups of 0.4 s took {parallel:.2f} s: the library serialises its latency"
+    assert parallel < 4 * 0.4 * 0.75, f"4 lookups of 0.4 s took {parallel:.2f} s: the library serialises its latency"
 
 
 # ---- nvidia-smi --gpu-reset ------------------------------------------------------------

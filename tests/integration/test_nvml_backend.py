@@ -196,7 +196,9 @@ def test_health_of_many_gpus_runs_in_parallel(sim, session, state):
         t.join()
     elapsed = time.monotonic() - start
     assert len(results) == 3 and all(not h.lost for h in results.values())
-    assert 0.5 <= elapsed < 1.0, f"3 GPUs with 0.5 s each took {elapsed:.2f} s"
+    # Parallel: well below the 1.5 s one GPU after the other would take (a loaded machine
+    # may be slow, but not 3x slow at sleeping).
+    assert 0.5 <= elapsed < 1.5 * 0.8, f"3 GPUs with 0.5 s each took {elapsed:.2f} s"
 
 
 def test_library_path_follows_the_config(sim, tmp_path):

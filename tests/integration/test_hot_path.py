@@ -1,7 +1,7 @@
 """The no-GPU path: what a container without a GPU request costs, checked without timing.
 
 Every container start on a host runs the hook, so for a container that wants no GPU the
-hook must import nothing beyond a bare `python3 -I -S` (issue 8): no json, no click, no
+hook must import nothing beyond a bare `python3 -I -S` (README, Performance): no json, no click, no
 gpuhook.hook, nothing from site-packages. `-X importtime` lists every import, so this test
 catches a regression without measuring time.
 """
@@ -82,7 +82,7 @@ def test_gpu_path_on_an_unchanged_host_avoids_the_heavy_stdlib(tmp_path, sim_hos
     from conftest import sim_config_values, write_config
 
     config = write_config(tmp_path / "c.toml", sim_config_values(sim_host, str(tmp_path / "log")),
-                          health={"mode": "off"})  # the checks load NVML by design (issue 5)
+                          health={"mode": "off"})  # the checks load NVML by design (docs/health.md)
     state = bundle(tmp_path, ("NVIDIA_VISIBLE_DEVICES=0",), pid=os.getpid())
     args = ["prestart", "--config", config]
     run_hook_process(args, state)  # warms the config and inventory caches

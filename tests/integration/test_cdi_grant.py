@@ -3,7 +3,7 @@
 Every CUDA image sets NVIDIA_VISIBLE_DEVICES=all. A pod that the device plugin (or DRA, or
 the runtime's own CDI) granted one GPU must get that GPU and nothing more: the grant wins
 over the environment, a grant the policy refuses is not replaced by it, and a grant that
-cannot be resolved fails. No root needed here; tests/test_cdi_runc.py runs real containers.
+cannot be resolved fails. No root needed here; tests/integration/test_cdi_runc.py runs real containers.
 """
 
 import json
@@ -135,7 +135,7 @@ def test_a_foreign_node_with_an_nvidia_name_never_lets_the_env_past_its_policy()
 
 def test_a_runtime_node_of_another_driver_is_no_grant():
     """/dev/nvidia1 as c 1:3 is /dev/null by another name: not NVIDIA's, so the environment
-    decides (and the plan then refuses the conflicting node, tests/test_faults.py)."""
+    decides (and the plan then refuses the conflicting node, tests/integration/test_faults.py)."""
     r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"], devices=[node("/dev/nvidia1", 1, 3)]))
     assert chosen(r) == [0]
 
@@ -304,7 +304,7 @@ def test_graphics_and_display_bring_the_icd_vendor_and_xorg_files(tmp_path):
 
 # --- specs shaped like the GPU Operator's and the DRA driver's (tests/data/cdi) -----------
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "data", "cdi")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "cdi")
 
 
 def fixture_dir(tmp_path, name: str, uuids=()) -> str:

@@ -1,4 +1,4 @@
-"""containerd with the base spec and config edit `gpuhook install containerd` makes (issue 6).
+"""containerd with the base spec and config edit `gpuhook install containerd` makes (docs/packaging.md).
 
 A containerd daemon of the test's own (private config, root, state and sockets) loads the
 edited config; `ctr run --rm --config` starts a container from the installed base spec, and
