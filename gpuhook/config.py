@@ -44,6 +44,9 @@ KEYS = (
     _key("proc-root", "path", "/proc",
          "Where /proc/devices and /proc/driver/nvidia are read from (a simulated host points it at "
          "its own tree). Container processes are always looked up in the real /proc."),
+    _key("sys-root", "path", "/sys",
+         "Where sysfs is read from: the device plugin reads each GPU's NUMA node from "
+         "<sys-root>/bus/pci/devices/<bus id>/numa_node (a simulated host points it at its own tree)."),
     _key("nvml-library", "path-or-empty", "",
          "The NVML library (libnvidia-ml) gpuhook loads when it needs NVML (brand, CUDA version, "
          "MIG layout, health checks). Empty means the system's libnvidia-ml.so.1: found by the "

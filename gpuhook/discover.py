@@ -329,6 +329,21 @@ def ipc(driver_root: str) -> tuple:
     return tuple(found)
 
 
+def numa_node(sys_root: str, bus_id: str):
+    """The NUMA node of the PCI device `bus_id` (e.g. 0000:07:00.0) from sysfs, or None when
+    the machine has no NUMA information for it (a file that is missing or says -1)."""
+    if not bus_id or "/" in bus_id or bus_id.startswith("."):
+        return None
+    try:
+        text = _read(f"{sys_root}/bus/pci/devices/{bus_id}/numa_node", "NUMA node", 32)
+    except (OSError, HostError):
+        return None
+    text = text.strip()
+    if not text.isdigit() or len(text) > 4:
+        return None
+    return int(text)
+
+
 def mig_minors(proc_root: str) -> dict:
     """The driver's nvidia-caps minor table (/proc/driver/nvidia-caps/mig-minors), or {}."""
     path = f"{proc_root}/driver/nvidia-caps/mig-minors"

@@ -100,7 +100,7 @@ def write_config(path, base: dict, **overrides) -> str:
 
 def sim_config_values(sim: dict, log_file: str) -> dict:
     d = sim["directory"]
-    return {"driver-root": f"{d}/driver", "dev-root": f"{d}/dev", "proc-root": f"{d}/proc",
+    return {"driver-root": f"{d}/driver", "dev-root": f"{d}/dev", "proc-root": f"{d}/proc", "sys-root": f"{d}/sys",
             "log-file": log_file, "state-dir": f"{os.path.dirname(log_file)}/run"}
 
 

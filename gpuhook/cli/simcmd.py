@@ -40,14 +40,19 @@ def _parse_mig(values) -> dict:
               help="Milliseconds every simulated NVML call takes.")
 @click.option("--nvml-init-latency-ms", default=0, show_default=True, type=int,
               help="Milliseconds nvmlInit takes (NVML start-up without persistence mode).")
-def simulate(directory, gpus, driver_version, cuda_version, model, brand, mig, nvml_latency_ms, nvml_init_latency_ms):
+@click.option("--numa-nodes", default=1, show_default=True, type=int,
+              help="NUMA nodes the GPUs are spread over, in bus order (sysfs numa_node; the device plugin's "
+                   "topology).")
+def simulate(directory, gpus, driver_version, cuda_version, model, brand, mig, nvml_latency_ms, nvml_init_latency_ms,
+             numa_nodes):
     built = host.build(directory, gpus=gpus, driver_version=driver_version, model=model, cuda_version=cuda_version,
                        brand=brand, mig=_parse_mig(mig), nvml_latency_ms=nvml_latency_ms,
-                       nvml_init_latency_ms=nvml_init_latency_ms)
+                       nvml_init_latency_ms=nvml_init_latency_ms, numa_nodes=numa_nodes)
     click.echo(f"simulated host with {len(built['gpus'])} GPU(s), driver {built['driver_version']} "
                f"(CUDA {built['cuda_version']}), in {built['directory']}")
     for gpu in built["gpus"]:
-        click.echo(f"  GPU {gpu['index']}  {gpu['uuid']}  {gpu['bus_id']}  {gpu['model']}  brand {gpu['brand']}")
+        click.echo(f"  GPU {gpu['index']}  {gpu['uuid']}  {gpu['bus_id']}  {gpu['model']}  brand {gpu['brand']}  "
+                   f"NUMA node {gpu['numa_node']}")
         for device in gpu["mig_devices"]:
             click.echo(f"    MIG {gpu['index']}:{device['index']}  {device['uuid']}  {device['profile']}  "
                        f"GI {device['gpu_instance_id']} CI {device['compute_instance_id']}")

@@ -43,9 +43,10 @@ def _api():
 class Devices:
     """The devices this node offers, their health, and who waits for a change."""
 
-    def __init__(self, ids: list, gpu_of: dict):
+    def __init__(self, ids: list, gpu_of: dict, numa: dict | None = None):
         self.ids = list(ids)  # device IDs, in NVML index order
         self.gpu_of = dict(gpu_of)  # device ID -> parent GPU UUID (itself for a whole GPU)
+        self.numa = dict(numa or {})  # device ID -> NUMA node of its GPU; absent when unknown
         self.health = {ident: HEALTHY for ident in ids}
         self.reasons: dict = {}
         self.version = 0
@@ -67,7 +68,7 @@ class Devices:
 def offered_devices(config) -> Devices:
     """The devices to advertise (plugin.mig-strategy)."""
     gpus = discover.gpus(config.proc_root)
-    ids, gpu_of = [], {}
+    ids, gpu_of, numa = [], {}, {}
     migs = {}
     if config.plugin.mig_strategy == "single" and discover.capabilities(config.proc_root):
         from gpuhook.inventory import nvml_facts
@@ -75,14 +76,13 @@ def offered_devices(config) -> Devices:
         facts, _ = nvml_facts(config, write=False)
         migs = {uuid: g.mig_devices for uuid, g in facts.gpus.items() if g.mig_mode}
     for gpu in gpus:
-        if gpu.uuid in migs:
-            for mig in migs[gpu.uuid]:
-                ids.append(mig.uuid)
-                gpu_of[mig.uuid] = gpu.uuid
-        else:
-            ids.append(gpu.uuid)
-            gpu_of[gpu.uuid] = gpu.uuid
-    return Devices(ids, gpu_of)
+        node = discover.numa_node(config.sys_root, gpu.bus_id)
+        for ident in [mig.uuid for mig in migs[gpu.uuid]] if gpu.uuid in migs else [gpu.uuid]:
+            ids.append(ident)
+            gpu_of[ident] = gpu.uuid
+            if node is not None:
+                numa[ident] = node
+    return Devices(ids, gpu_of, numa)
 
 
 def allocate_response(pb, ids: list, strategy: str):
@@ -104,8 +104,14 @@ def allocate_response(pb, ids: list, strategy: str):
 
 
 def preferred(devices: Devices, available: list, must: list, size: int, state_dir: str) -> list:
-    """Healthy first, then the most recently stamped (cleaned by PreStartContainer), then
-    NVML index order; must_include always. No topology (NVLink, NUMA) is considered."""
+    """`size` of the `available` devices, `must` (must_include) among them, best first.
+
+    Devices rank healthy first, then most recently stamped (cleaned by PreStartContainer),
+    then NVML index order. Topology: the NUMA node of each GPU (sysfs). The choice stays on
+    one NUMA node when it can: the node of the must_include devices if they share one, else
+    the node whose best `size` devices hold the fewest unhealthy ones and rank best. Only when no node has enough devices does
+    it take the best of the rest, nearest nodes first (by number). NVLink is not considered:
+    seeing it needs NVML, which the plugin's allocation path does not load."""
     def stamped(ident):
         try:
             return os.stat(store.stamp_path(state_dir, devices.gpu_of.get(ident, ident))).st_mtime
@@ -113,9 +119,28 @@ def preferred(devices: Devices, available: list, must: list, size: int, state_di
             return 0.0
 
     chosen = [ident for ident in must if ident in available]
-    rest = [ident for ident in available if ident not in chosen]
     order = {ident: i for i, ident in enumerate(devices.ids)}
-    rest.sort(key=lambda i: (devices.health.get(i) != HEALTHY, -stamped(i), order.get(i, 1 << 30)))
+    rank = {ident: (devices.health.get(ident) != HEALTHY, -stamped(ident), order.get(ident, 1 << 30))
+            for ident in available}
+    rest = sorted((ident for ident in available if ident not in chosen), key=rank.__getitem__)
+    wanted = max(size - len(chosen), 0)
+    nodes = {devices.numa.get(ident) for ident in available} - {None}
+    if wanted and nodes:
+        by_node: dict = {}
+        for ident in rest:
+            by_node.setdefault(devices.numa.get(ident), []).append(ident)
+        pinned = {devices.numa.get(ident) for ident in chosen}
+        fitting = [node for node in sorted(nodes) if len(by_node.get(node, ())) >= wanted]
+        if len(pinned) == 1 and next(iter(pinned)) in fitting:
+            home = next(iter(pinned))
+        elif fitting:
+            # Fewest unhealthy devices first, then the better-ranked devices.
+            home = min(fitting, key=lambda node: (sum(rank[i][0] for i in by_node[node][:wanted]),
+                                                  [rank[i] for i in by_node[node][:wanted]]))
+        else:
+            home = None
+        if home is not None:
+            rest = by_node[home] + [ident for ident in rest if devices.numa.get(ident) != home]
     return (chosen + rest)[:max(size, len(chosen))]
 
 
@@ -145,7 +170,16 @@ class Plugin:
                     continue
                 seen = self.devices.version
                 snapshot = [(ident, self.devices.health[ident]) for ident in self.devices.ids]
-            yield self.pb.ListAndWatchResponse(devices=[self.pb.Device(ID=i, health=h) for i, h in snapshot])
+            yield self.pb.ListAndWatchResponse(devices=[self._device(i, h) for i, h in snapshot])
+
+    def _device(self, ident: str, health: str):
+        """A Device message; its NUMA node, when known, lets kubelet's Topology Manager align
+        the GPU with the CPUs and memory it gives the pod."""
+        node = self.devices.numa.get(ident)
+        if node is None:
+            return self.pb.Device(ID=ident, health=health)
+        return self.pb.Device(ID=ident, health=health,
+                              topology=self.pb.TopologyInfo(nodes=[self.pb.NUMANode(ID=node)]))
 
     def GetPreferredAllocation(self, request, context):
         response = self.pb.PreferredAllocationResponse()

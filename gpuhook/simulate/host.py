@@ -211,17 +211,20 @@ def _check_target(directory: str) -> None:
 def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VERSION,
           model: str = DEFAULT_MODEL, seed: str = "default", machine: str | None = None,
           cuda_version: str | None = None, brand: str = DEFAULT_BRAND, mig: dict | None = None,
-          nvml_latency_ms: int = 0, nvml_init_latency_ms: int = 0) -> dict:
+          nvml_latency_ms: int = 0, nvml_init_latency_ms: int = 0, numa_nodes: int = 1) -> dict:
     """Create the simulated host under `directory` (replacing an earlier one there).
 
     `cuda_version` defaults to the driver branch's; `mig` maps GPU indices to MIG layouts
     (lists of profiles; empty for DEFAULT_MIG_LAYOUT) for GPUs that start in MIG mode;
-    `nvml_latency_ms` is slept in every simulated NVML call, `nvml_init_latency_ms` in nvmlInit.
+    `nvml_latency_ms` is slept in every simulated NVML call, `nvml_init_latency_ms` in nvmlInit;
+    the GPUs are spread over `numa_nodes` NUMA nodes in bus order (DIR/sys/bus/pci/devices).
     """
     if os.geteuid() != 0:
         raise SimulationError("simulate needs root: it creates device nodes and runs ldconfig -r")
     if not 1 <= gpus <= 64:
         raise SimulationError(f"--gpus must be between 1 and 64, not {gpus}")
+    if not 1 <= numa_nodes <= gpus:
+        raise SimulationError(f"--numa-nodes must be between 1 and the number of GPUs ({gpus}), not {numa_nodes}")
     parts = driver_version.split(".")
     if len(parts) < 2 or not all(p.isdigit() for p in parts):
         raise SimulationError(f"--driver-version must look like 550.54.15, not {driver_version!r}")
@@ -283,6 +286,8 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
     _write(f"{proc}/driver/nvidia/registry", "Binary: \"\"\n")
     for gpu in records:
         _write(f"{proc}/driver/nvidia/gpus/{gpu['bus_id']}/information", _information(gpu))
+        gpu["numa_node"] = gpu["index"] * numa_nodes // gpus
+        _write(f"{directory}/sys/bus/pci/devices/{gpu['bus_id']}/numa_node", f"{gpu['numa_node']}\n")
         gpu["brand"] = brand
         gpu["mig_devices"] = _mig_devices(gpu, layouts.get(gpu["index"], ()), seed)
 
@@ -305,7 +310,8 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
                               call_latency_ms=nvml_latency_ms, init_latency_ms=nvml_init_latency_ms)
     simnvml.save(state_file, state)
 
-    values = {"driver-root": driver, "dev-root": dev, "proc-root": proc, "log-file": f"{directory}/gpuhook.log",
+    values = {"driver-root": driver, "dev-root": dev, "proc-root": proc, "sys-root": f"{directory}/sys",
+              "log-file": f"{directory}/gpuhook.log",
               "state-dir": f"{directory}/run", "nvml-library": nvml_library}
     # A JSON string is a valid TOML basic string: quotes and backslashes in paths survive.
     config_text = "# Written by `gpuhook simulate`: points gpuhook at the simulated host in this directory.\n" + \

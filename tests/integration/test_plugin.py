@@ -79,7 +79,8 @@ def wait(predicate, timeout=20.0):
 def sim(tmp_path_factory):
     require_root_tools("gcc", "runc")
     api()
-    return simhost.build(str(tmp_path_factory.mktemp("plugin") / "host"), gpus=4, seed="plugin")
+    # Two NUMA nodes: GPUs 0 and 1 on node 0, GPUs 2 and 3 on node 1.
+    return simhost.build(str(tmp_path_factory.mktemp("plugin") / "host"), gpus=4, seed="plugin", numa_nodes=2)
 
 
 @pytest.fixture
@@ -123,6 +124,13 @@ def test_registration_says_v1beta1_its_socket_and_that_prestart_is_required(clus
     pb, stub, channel = cluster["kubelet"].plugin()
     with channel:
         assert first_devices(pb, stub) == {g["uuid"]: "Healthy" for g in cluster["sim"]["gpus"]}
+        stream = stub.ListAndWatch(pb.Empty(), timeout=10)
+        devices = next(stream).devices
+        stream.cancel()
+        # The NUMA node of each GPU, for kubelet's Topology Manager.
+        assert {d.ID: [n.ID for n in d.topology.nodes] for d in devices} == \
+            {g["uuid"]: [g["numa_node"]] for g in cluster["sim"]["gpus"]} != {}
+        assert [g["numa_node"] for g in cluster["sim"]["gpus"]] == [0, 0, 1, 1]
         options = stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
         assert options.pre_start_required
 
@@ -196,7 +204,8 @@ def test_allocate_is_honoured_by_a_real_runc_start_granting_exactly_that_gpu(clu
     assert [(m.container_path, m.host_path, m.read_only) for m in container.mounts] == [
         (f"/var/run/nvidia-container-devices/{granted}", "/dev/null", True)]
     (choice,) = preferred.container_responses
-    assert len(choice.deviceIDs) == 2 and choice.deviceIDs[0] == sim["gpus"][3]["uuid"]
+    # GPU 3's partner is GPU 2, on its NUMA node, not GPU 0 (first in index order).
+    assert list(choice.deviceIDs) == [sim["gpus"][3]["uuid"], sim["gpus"][2]["uuid"]]
 
     # What kubelet and the runtime make of it: the mounts in the container's spec; the image
     # says NVIDIA_VISIBLE_DEVICES=all, as every CUDA image does.

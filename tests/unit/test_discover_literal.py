@@ -66,3 +66,14 @@ def test_no_driver_and_no_nvidia_major_are_host_errors(proc):
     (proc / "driver/nvidia/version").unlink()
     with pytest.raises(HostError, match="no NVIDIA driver"):
         discover.driver_version(str(proc))
+
+
+def test_the_numa_node_of_a_gpu_from_sysfs(tmp_path):
+    device = tmp_path / "bus/pci/devices/0000:47:00.0"
+    device.mkdir(parents=True)
+    (device / "numa_node").write_text("1\n")
+    assert discover.numa_node(str(tmp_path), "0000:47:00.0") == 1
+    (device / "numa_node").write_text("-1\n")  # a machine without NUMA information
+    assert discover.numa_node(str(tmp_path), "0000:47:00.0") is None
+    assert discover.numa_node(str(tmp_path), "0000:07:00.0") is None  # no such device
+    assert discover.numa_node(str(tmp_path), "../../../etc") is None
