@@ -265,6 +265,11 @@ def _short(text: str, limit: int = 80) -> str:
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
+def _clip(text: str, limit: int = 120) -> str:
+    """`text` as is, cut to `limit` characters: an image's constraint is echoed, not its size."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _malformed(requirement: Requirement, constraint: Constraint, problem: str) -> RequirementError:
     return RequirementError(
         f"{requirement.variable}: malformed constraint {_short(constraint.text)}: {problem[:160]}",
@@ -276,10 +281,10 @@ def _unsatisfied(requirement: Requirement, host: HostFacts, gpu, failures: list)
     alternative, constraint = failures[0]
     have = _host_value(constraint.key, host, gpu)
     where = f" on {gpu.label}" if gpu is not None and constraint.key in ("arch", "brand") else ""
-    message = f"{requirement.variable} is not satisfied: {constraint.text} is false, the host has " \
+    message = f"{requirement.variable} is not satisfied: {_clip(constraint.text)} is false, the host has " \
               f"{constraint.key} {have}{where}"
     if len(alternative) > 1:
-        message += f" (in {','.join(c.text for c in alternative)})"
+        message += f" (in {_clip(','.join(c.text for c in alternative), 240)})"
     others = len(failures) - 1
     if others:
         message += f"; none of the other {others} alternative{'s' if others > 1 else ''} holds either"

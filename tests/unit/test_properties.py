@@ -2,7 +2,7 @@
 
 import json
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpuhook import config as cfg
@@ -127,6 +127,8 @@ huge_words = st.one_of(
 @SETTINGS
 @given(st.lists(huge_words | device_words, min_size=1, max_size=4).map(",".join),
        st.sampled_from(["env", "cdi", "mount", "require"]))
+# Found by this test: a long failing constraint was echoed whole, past the 1 KiB line bound.
+@example(",".join(["99", ",".join(str(i) for i in range(236))]), "require")
 def test_oversized_requests_are_request_errors_never_crashes(value, channel):
     """Any request, however large, resolves or is refused with a RequestError (exit 3)."""
     env, annotations, mounts = ["NVIDIA_VISIBLE_DEVICES=0"], None, []
