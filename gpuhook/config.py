@@ -200,22 +200,68 @@ def _check(key: Key, value, where: str):
     raise AssertionError(key.kind)
 
 
-class Config:
-    """Validated settings. Attribute names are the keys in snake_case (`driver_root`);
-    a section is an attribute too (`config.health.mode`)."""
+class _Table:
+    """Validated settings of one TOML table: each key is an attribute, its name in snake_case.
+    The attributes are declared in the subclasses, so `grep state_dir` finds its definition;
+    tests/unit/test_config.py checks the declarations against KEYS."""
 
     def __init__(self, values: dict, source: str | None):
         self._values = values
         self.source = source
-
-    def __getattr__(self, name: str):
-        try:
-            return self._values[name.replace("_", "-")]
-        except KeyError:
-            raise AttributeError(name) from None
+        for name, value in values.items():
+            setattr(self, name.replace("-", "_"), value)
 
     def as_dict(self) -> dict:
-        return {k: (v.as_dict() if isinstance(v, Config) else v) for k, v in self._values.items()}
+        return {k: (v.as_dict() if isinstance(v, _Table) else v) for k, v in self._values.items()}
+
+
+class HealthConfig(_Table):
+    """[health]: the check-and-reset before a container gets its GPUs (docs/health.md)."""
+
+    mode: str
+    deadline_seconds: float
+    on_failure: str
+    leftover_memory_mib: int
+    reset_command: str
+    reset_timeout_seconds: float
+    kill_orphans: bool
+    stamp_ttl_seconds: float
+    reset_on_release: bool
+    daemon_socket: str
+
+
+class PluginConfig(_Table):
+    """[plugin]: the Kubernetes device plugin (docs/device-plugin.md)."""
+
+    resource_name: str
+    strategy: str
+    mig_strategy: str
+    recheck_seconds: float
+    prestart_deadline_seconds: float
+
+
+class Config(_Table):
+    """Validated settings: the top-level keys, and the sections as `health` and `plugin`."""
+
+    driver_root: str
+    dev_root: str
+    proc_root: str
+    sys_root: str
+    nvml_library: str
+    accept_env_when_unprivileged: bool
+    accept_volume_mounts: bool
+    accept_cdi_annotations: bool
+    accept_runtime_devices: bool
+    cdi_spec_dirs: list
+    ldconfig: str
+    container_lib_dir: str
+    deadline_seconds: float
+    log_file: str
+    log_target: str
+    syslog_socket: str
+    state_dir: str
+    health: HealthConfig
+    plugin: PluginConfig
 
     @property
     def device_root(self) -> str:
@@ -223,6 +269,9 @@ class Config:
         if self.dev_root:
             return self.dev_root
         return "/dev" if self.driver_root == "/" else self.driver_root + "/dev"
+
+
+TABLES = {"": Config, "health": HealthConfig, "plugin": PluginConfig}
 
 
 def from_mapping(data: dict, where: str = "config") -> Config:
@@ -249,7 +298,7 @@ def from_mapping(data: dict, where: str = "config") -> Config:
         target = sections[key.section] if key.section else values
         target.setdefault(key.name, key.default)
     for section, section_values in sections.items():
-        values[section] = Config(section_values, where)
+        values[section] = TABLES[section](section_values, where)
     return Config(values, where)
 
 

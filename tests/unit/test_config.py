@@ -120,3 +120,16 @@ def test_cache_of_deleted_configs_is_pruned(tmp_path, monkeypatch):
     cfg.load(str(tmp_path / "live.toml"))
     left = os.listdir(tmp_path / "cache")
     assert len(left) < 64 and os.path.basename(cache.config_cache_path(str(tmp_path / "live.toml"))) in left
+
+
+def test_every_key_is_a_declared_attribute_of_its_table():
+    # Declared, so a reader can grep `state_dir` to its definition and mypy can check uses.
+    for section, table in cfg.TABLES.items():
+        declared = [name for name in table.__annotations__ if name not in cfg.TABLES]
+        keys = [k.name.replace("-", "_") for k in cfg.KEYS if k.section == section]
+        assert declared == keys, section
+    assert [name for name in cfg.Config.__annotations__ if name in cfg.TABLES] == sorted(set(cfg.TABLES) - {""})
+    config = cfg.defaults()
+    assert config.health.mode == "fallback" and config.state_dir == "/run/gpuhook"
+    with pytest.raises(AttributeError):
+        config.no_such_key  # noqa: B018
