@@ -32,7 +32,7 @@ from gpuhook.plan import ProcMask
 CLEANUP_MARGIN = 1.0
 
 
-class Outcome:
+class Applied:
     def __init__(self, cgroup_mode: str, rules_added: list, notes: list, steps: int, ldconfig_output: str = "",
                  cgroup_directory: str = ""):
         self.cgroup_mode = cgroup_mode
@@ -104,7 +104,7 @@ def _no_device_files(params: bytes) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
-def run(plan, state, config, deadline: float, record: dict) -> Outcome:
+def run(plan, state, config, deadline: float, record: dict) -> Applied:
     """Carry out the whole plan: the health step (check and repair the GPUs before the
     container gets them), the container's devices and files (`apply`), then what poststop
     needs: the cgroup v1 grant record (gpuhook.grants) and the health registry entry.
@@ -137,10 +137,10 @@ def _record_grant(plan, state, config, outcome, record: dict) -> None:
         record["grant_record"] = f"not recorded: {err}"
 
 
-def apply(plan, deadline: float) -> Outcome:
+def apply(plan, deadline: float) -> Applied:
     """Carry out `plan` on the running container; raises ApplyError/DeadlineError after undoing."""
     if plan.empty:
-        return Outcome("", [], [], 0)
+        return Applied("", [], [], 0)
     if plan.pid <= 0:
         raise InputError("state: no container pid; gpuhook runs as a prestart or createRuntime hook")
     ns_fd = open_container_mntns(plan.pid)
@@ -155,7 +155,7 @@ def apply(plan, deadline: float) -> Outcome:
         except BaseException as err:
             _undo_grant(place, added, err)
             raise
-        return Outcome(place.mode, added, report.get("notes", []), report.get("steps", 0),
+        return Applied(place.mode, added, report.get("notes", []), report.get("steps", 0),
                        report.get("ldconfig_output", ""), place.directory)
     finally:
         os.close(ns_fd)

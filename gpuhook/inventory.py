@@ -22,7 +22,7 @@ from gpuhook.record import record
 FORMAT = 3  # 3: binaries also hold the graphics and display data files
 
 
-class MigDevice(record("MigDevice", "index uuid gpu_instance_id compute_instance_id name")):
+class MigEntry(record("MigEntry", "index uuid gpu_instance_id compute_instance_id name")):
     """A MIG device as requests name it: `index` is NVML's MIG device index on its GPU."""
 
     __slots__ = ()
@@ -48,7 +48,7 @@ class NvmlFacts(record("NvmlFacts", "cuda_version gpus")):
     def from_dict(cls, doc: dict) -> "NvmlFacts":
         gpus = {}
         for uuid, g in doc["gpus"].items():
-            devices = tuple(MigDevice(**m) for m in g["mig_devices"])
+            devices = tuple(MigEntry(**m) for m in g["mig_devices"])
             gpus[uuid] = GpuFacts(g["uuid"], g["brand"], g["arch"], g["mig_mode"], devices)
         return cls(doc["cuda_version"], gpus)
 
@@ -144,7 +144,7 @@ def _query_nvml(config) -> tuple:
         seen = session.inventory()
     facts = NvmlFacts(seen.cuda_version, {
         gpu.uuid: GpuFacts(gpu.uuid, gpu.brand, gpu.arch, bool(gpu.mig_mode), tuple(
-            MigDevice(m.index, m.uuid, m.gpu_instance_id, m.compute_instance_id, m.name)
+            MigEntry(m.index, m.uuid, m.gpu_instance_id, m.compute_instance_id, m.name)
             for m in gpu.mig_devices or ()))
         for gpu in seen.gpus if not gpu.lost
     })

@@ -11,7 +11,7 @@ import os
 LIMIT = 16 << 20  # a mount table larger than this is refused, not read without bound
 
 
-class Mount:
+class MountEntry:
     """One line of mountinfo: `id`, `parent`, mount `point` (unescaped), per-mount `options`
     (bytes, e.g. b"ro"), `shared` (whether it is in a peer group) and `fstype`."""
 
@@ -58,7 +58,7 @@ def read(fd: int | None = None) -> list:
     finally:
         if own:
             os.close(fd)
-    return [Mount(line) for line in data.splitlines() if line]
+    return [MountEntry(line) for line in data.splitlines() if line]
 
 
 def subtree(mounts: list, top_id: int) -> list:

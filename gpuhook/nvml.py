@@ -64,7 +64,7 @@ class GpuInfo(record(
     __slots__ = ()
 
 
-class Inventory(record("Inventory", "driver_version cuda_version gpus")):
+class NvmlHost(record("NvmlHost", "driver_version cuda_version gpus")):
     """The host as NVML sees it: driver version ("550.54.15"), the CUDA version the driver
     supports ("12.4") and its GPUs in NVML index order."""
 
@@ -250,12 +250,12 @@ class Session:
                       self.pynvml.nvmlSystemGetCudaDriverVersion)
         return f"{value // 1000}.{value % 1000 // 10}"
 
-    def inventory(self) -> Inventory:
+    def inventory(self) -> NvmlHost:
         """Driver and CUDA versions and every GPU with its MIG devices."""
         p = self.pynvml
         count = _call(p, "nvmlDeviceGetCount", None, p.nvmlDeviceGetCount)
         gpus = tuple(self.gpu(index) for index in range(count))
-        return Inventory(self.driver_version(), self.cuda_version(), gpus)
+        return NvmlHost(self.driver_version(), self.cuda_version(), gpus)
 
     def gpu(self, index: int) -> GpuInfo:
         """GPU `index` (NVML order). A lost GPU is returned with `lost` set, not raised."""

@@ -6,6 +6,8 @@ under its storage dir). We accept every shape a real runtime produces and reject
 unusable with a message that names the field and what was wrong with it.
 """
 
+import errno
+
 from gpuhook import fastjson
 from gpuhook.errors import InputError
 from gpuhook.prescan import MAX_CONFIG_BYTES, MAX_STATE_BYTES, read_regular_file  # one limit and one reader
@@ -177,7 +179,7 @@ def read_config_bytes(bundle: str) -> bytes:
     except NotADirectoryError:
         raise InputError(f"bundle {bundle} is not a directory") from None
     except OSError as err:
-        what = "is not a regular file" if err.errno == 22 else f"cannot be read: {err.strerror}"
+        what = "is not a regular file" if err.errno == errno.EINVAL else f"cannot be read: {err.strerror}"
         raise InputError(f"{path} {what}") from err
     if len(raw) > MAX_CONFIG_BYTES:
         raise InputError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB")

@@ -120,8 +120,9 @@ class Plan(record("Plan", (
 
 
 def empty_plan(state, spec, request) -> Plan:
-    return Plan(state.id, state.pid, spec.rootfs, request.wants, request.channel, frozenset(), (),
-                (), (), (), (), None, None, request.notes)
+    return Plan(container_id=state.id, pid=state.pid, rootfs=spec.rootfs, wants=request.wants,
+                channel=request.channel, capabilities=frozenset(), gpus=(), nodes=(), mounts=(), symlinks=(),
+                rules=(), proc_mask=None, ldcache=None, notes=request.notes)
 
 
 def make_plan(state, spec, request, host, config) -> Plan:
@@ -220,10 +221,12 @@ def make_plan(state, spec, request, host, config) -> Plan:
         health = HealthStep(h.mode, tuple(dict.fromkeys(g.uuid for g in gpus)), h.on_failure, h.kill_orphans,
                             h.deadline_seconds)
     return Plan(
-        state.id, state.pid, spec.rootfs, request.wants, request.channel, caps, tuple(gpus),
-        tuple(nodes), tuple(mounts), tuple(symlinks), rules, proc_mask, ldcache, tuple(notes),
-        tuple(selection.migs), userns, any(m.destination.rstrip("/") == "/proc" and m.type == "proc"
-                                           for m in spec.mounts), health,
+        container_id=state.id, pid=state.pid, rootfs=spec.rootfs, wants=request.wants, channel=request.channel,
+        capabilities=caps, gpus=tuple(gpus), nodes=tuple(nodes), mounts=tuple(mounts), symlinks=tuple(symlinks),
+        rules=rules, proc_mask=proc_mask, ldcache=ldcache, notes=tuple(notes), migs=tuple(selection.migs),
+        userns=userns, proc_in_rootfs=any(m.destination.rstrip("/") == "/proc" and m.type == "proc"
+                                          for m in spec.mounts),
+        health=health,
     )
 
 
@@ -233,7 +236,7 @@ def requirement_facts(inventory, facts, selection) -> "reqs.HostFacts":
     gpus = []
     for gpu in selection.gpus:
         known = facts.gpus.get(gpu.uuid) if facts else None
-        gpus.append(reqs.GpuFacts(f"GPU {gpu.index} {gpu.uuid}", known and known.arch, known and known.brand))
+        gpus.append(reqs.GpuTraits(f"GPU {gpu.index} {gpu.uuid}", known and known.arch, known and known.brand))
     return reqs.HostFacts(facts.cuda_version if facts else None, inventory.driver_version, gpus)
 
 

@@ -79,7 +79,7 @@ class Request(record("Request", "wants ids capabilities channel notes mig_config
 
 
 class MigTarget(record("MigTarget", "gpu device")):
-    """A requested MIG device: its parent `gpu` (discover.Gpu) and `device` (inventory.MigDevice)."""
+    """A requested MIG device: its parent `gpu` (discover.Gpu) and `device` (inventory.MigEntry)."""
 
     __slots__ = ()
 

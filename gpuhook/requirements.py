@@ -57,7 +57,7 @@ CUDA_UPPER_HINT = ("use an image built for the host's newer CUDA version, or run
 CUDA_EXACT_HINT = "run it on a host whose {key} matches, or use an image built for the host's {key}"
 
 
-class GpuFacts(record("GpuFacts", "label arch brand")):
+class GpuTraits(record("GpuTraits", "label arch brand")):
     """What arch and brand constraints are checked against for one GPU. `label` names the GPU
     in messages ("GPU 0 GPU-..."); `arch` is the compute capability ("8.0"), `brand` a token
     such as "tesla"; None means unknown (and satisfies the constraint)."""

@@ -36,7 +36,7 @@ TIMEOUT = 5.0
 PSEUDO_DEVICES = tuple(DeviceRule("c", 1, minor, "rwm") for minor in (3, 5, 7, 8, 9))
 RESTRICTING_POLICIES = ("strict", "closed")
 
-# Status.state values.
+# UnitStatus.state values.
 NOT_A_SCOPE = "not a scope"
 NOT_RUNNING = "systemd not running"
 NO_SYSTEMCTL = "no systemctl"
@@ -58,7 +58,7 @@ class UnitDevices(record("UnitDevices", "unit load_state policy entries")):
         return self.policy in RESTRICTING_POLICIES or bool(self.entries)
 
 
-class Status(record("Status", "unit state unknown detail")):
+class UnitStatus(record("UnitStatus", "unit state unknown detail")):
     """Whether systemd would keep a cgroup's allowed devices over a daemon-reload.
 
     `unknown` lists the allowed rules the unit's DeviceAllow= does not cover; they are at
@@ -227,25 +227,25 @@ class Systemd:
         return UnitDevices(unit, load_state, policy, entries)
 
     def _unit_state(self, cgroup_path: str):
-        """(unit, UnitDevices or None, Status for when there is nothing to compare)."""
+        """(unit, UnitDevices or None, UnitStatus for when there is nothing to compare)."""
         unit = unit_of(cgroup_path)
         if unit is None:
-            return None, None, Status(None, NOT_A_SCOPE, [],
+            return None, None, UnitStatus(None, NOT_A_SCOPE, [],
                                       f"the cgroup {cgroup_path} is not a scope of the system's systemd")
         if not self.running():
-            return unit, None, Status(unit, NOT_RUNNING, [], "systemd is not running: a daemon-reload cannot "
+            return unit, None, UnitStatus(unit, NOT_RUNNING, [], "systemd is not running: a daemon-reload cannot "
                                                               "take grants away")
         if self._systemctl() is None:
-            return unit, None, Status(unit, NO_SYSTEMCTL, [], "systemd is running but systemctl is missing")
+            return unit, None, UnitStatus(unit, NO_SYSTEMCTL, [], "systemd is running but systemctl is missing")
         try:
             devices = self.show(unit)
         except OSError as err:
-            return unit, None, Status(unit, UNREADABLE, [], str(err.strerror or err))
+            return unit, None, UnitStatus(unit, UNREADABLE, [], str(err.strerror or err))
         if devices.load_state != "loaded":
-            return unit, devices, Status(unit, NOT_LOADED, [], f"{unit} is not a loaded unit "
+            return unit, devices, UnitStatus(unit, NOT_LOADED, [], f"{unit} is not a loaded unit "
                                                                f"(LoadState={devices.load_state or '?'})")
         if not devices.restricts:
-            return unit, devices, Status(unit, UNRESTRICTED, [], f"{unit} does not restrict devices "
+            return unit, devices, UnitStatus(unit, UNRESTRICTED, [], f"{unit} does not restrict devices "
                                                                  f"(DevicePolicy={devices.policy or 'auto'})")
         return unit, devices, None
 
@@ -256,14 +256,14 @@ class Systemd:
             rules += PSEUDO_DEVICES
         return rules
 
-    def status(self, cgroup_path: str, allowed) -> Status:
+    def status(self, cgroup_path: str, allowed) -> UnitStatus:
         """Which of the `allowed` rules the cgroup's unit does not know."""
         unit, devices, early = self._unit_state(cgroup_path)
         if early is not None:
             return early
         known = self.known_rules(devices)
         unknown = [rule for rule in allowed if rule.allow and not any(k.covers(rule) for k in known)]
-        return Status(unit, RESTRICTS, unknown, f"{unit} restricts devices (DevicePolicy={devices.policy})")
+        return UnitStatus(unit, RESTRICTS, unknown, f"{unit} restricts devices (DevicePolicy={devices.policy})")
 
     def register(self, cgroup_path: str, rules) -> Registration:
         """Add `rules` the unit does not know yet to its DeviceAllow= (runtime only) and

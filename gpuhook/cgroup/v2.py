@@ -31,7 +31,7 @@ class Swap(record("Swap", "old_id old_fd new_id new_fd how")):
     __slots__ = ()
 
 
-class Grant:
+class ProgramGrant:
     """What a v2 grant changed.
 
     Iterates over the rules it added, like the list gpuhook.cgroup.v1.grant returns (the
@@ -58,7 +58,7 @@ class Grant:
         return self.rules[index]
 
     def __repr__(self) -> str:
-        return f"Grant(rules={self.rules!r}, swaps={self.swaps!r})"
+        return f"ProgramGrant(rules={self.rules!r}, swaps={self.swaps!r})"
 
     def close(self) -> None:
         for swap in self.swaps:
@@ -99,10 +99,10 @@ def _unique(rules) -> list:
     return out
 
 
-def grant(directory: str, rules, *, build=program.prepend, use_replace: bool = True) -> Grant:
+def grant(directory: str, rules, *, build=program.prepend, use_replace: bool = True) -> ProgramGrant:
     """Allow `rules` in every device program attached to the cgroup at `directory`.
 
-    Returns a Grant (the rules added, empty when nothing was needed, e.g. a privileged
+    Returns a ProgramGrant (the rules added, empty when nothing was needed, e.g. a privileged
     container with no device program). `build(rules, original_insns)` makes the new
     instructions and `use_replace` False forces the attach-then-detach swap of kernels
     before 5.6; both exist for tests. Raises ApplyError with the original programs attached.
@@ -110,7 +110,7 @@ def grant(directory: str, rules, *, build=program.prepend, use_replace: bool = T
     from gpuhook.cgroup import bpf
 
     wanted = _unique(rules)
-    done = Grant()
+    done = ProgramGrant()
     if not wanted:
         return done
     done.cgroup_fd = _open_cgroup(directory)
@@ -216,7 +216,7 @@ def _refuse_denial_above(bpf, cgroup_fd: int, directory: str, wanted: list) -> N
                            "allow the NVIDIA devices in the parent cgroup's device policy")
 
 
-def _grant_one(bpf, done: Grant, directory: str, prog_id: int, wanted: list, build, use_replace: bool) -> None:
+def _grant_one(bpf, done: ProgramGrant, directory: str, prog_id: int, wanted: list, build, use_replace: bool) -> None:
     try:
         old_fd = bpf.open_program(prog_id)
     except OSError as err:
@@ -268,8 +268,8 @@ def _grant_one(bpf, done: Grant, directory: str, prog_id: int, wanted: list, bui
 
 
 def revoke(directory: str, added) -> list:
-    """Put back the programs a Grant replaced, newest first; returns problems, never raises."""
-    if not isinstance(added, Grant):
+    """Put back the programs a ProgramGrant replaced, newest first; returns problems, never raises."""
+    if not isinstance(added, ProgramGrant):
         return [f"{directory}: nothing recorded to restore"] if added else []
     from gpuhook.cgroup import bpf
 
@@ -349,9 +349,9 @@ def _describe_program(info, inherited: bool) -> AttachedProgram:
                            program.disassemble(insns))
 
 
-class Report(record("Report", "mode directory cgroup_path rules programs systemd")):
+class CgroupReport(record("CgroupReport", "mode directory cgroup_path rules programs systemd")):
     """What `gpuhook cgroup show` prints: v1 `rules` from devices.list, or v2 `programs`;
-    `systemd` is a gpuhook.cgroup.systemd.Status."""
+    `systemd` is a gpuhook.cgroup.systemd.UnitStatus."""
 
     __slots__ = ()
 
@@ -401,7 +401,7 @@ def placement_of_directory(directory: str, mountinfo: str | None = None):
     return hierarchy.Placement(mode, directory, cgroup_path)
 
 
-def describe(place, systemd=None) -> Report:
+def describe(place, systemd=None) -> CgroupReport:
     """The effective device rules of the cgroup at `place` (a hierarchy.Placement), and
     whether systemd knows the allowed ones. `systemd` is a gpuhook.cgroup.systemd.Systemd."""
     from gpuhook.cgroup import hierarchy
@@ -415,11 +415,11 @@ def describe(place, systemd=None) -> Report:
             rules = v1.current_rules(place.directory)
         except ApplyError as err:
             raise HostError(err.message.partition(": ")[2]) from err
-        report = Report(place.mode, place.directory, place.cgroup_path, rules, None, None)
+        report = CgroupReport(place.mode, place.directory, place.cgroup_path, rules, None, None)
     else:
         try:
             programs = attached_programs(place.directory)
         except ApplyError as err:
             raise HostError(err.message.partition(": ")[2], err.hint) from err
-        report = Report(place.mode, place.directory, place.cgroup_path, None, programs, None)
+        report = CgroupReport(place.mode, place.directory, place.cgroup_path, None, programs, None)
     return report._replace(systemd=systemd.status(place.cgroup_path, report.allowed()))

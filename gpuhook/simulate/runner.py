@@ -27,7 +27,7 @@ class TestbedError(InputError):
     """The testbed could not be set up or a runc call failed."""
 
 
-class Result:
+class RunResult:
     def __init__(self, returncode: int, stdout: str, stderr: str):
         self.returncode = returncode
         self.stdout = stdout
@@ -137,7 +137,7 @@ class Testbed:
             json.dump(spec, f, indent=2)
         return path
 
-    def run(self, bundle: str, container_id: str, timeout: float = 60, runc_args=()) -> Result:
+    def run(self, bundle: str, container_id: str, timeout: float = 60, runc_args=()) -> RunResult:
         """`runc run` the bundle to completion; always deletes the container afterwards."""
         argv = [*self.wrapper, self.runc, "--root", self.state_root, *runc_args, "run", "--bundle", bundle,
                 container_id]
@@ -149,7 +149,7 @@ class Testbed:
             raise TestbedError(f"container {container_id} did not finish within {timeout}s") from None
         finally:
             self.delete(container_id)
-        return Result(done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
+        return RunResult(done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
 
     def delete(self, container_id: str) -> None:
         subprocess.run([*self.wrapper, self.runc, "--root", self.state_root, "delete", "--force", container_id],

@@ -14,7 +14,7 @@ import time
 from conftest import NODE_PATHS, GpuContainers
 
 from gpuhook.health import registry
-from gpuhook.simulate.runner import RUN_ENV, Result, TestbedError
+from gpuhook.simulate.runner import RUN_ENV, RunResult, TestbedError
 
 
 class PodmanGpus(GpuContainers):
@@ -167,7 +167,7 @@ class Podman:
         return argv + ["--rootfs", rootfs, *args]
 
     def run(self, rootfs: str, args: list, env=(), annotations=None, cap_add=("MKNOD",),
-            timeout: float = 120) -> Result:
+            timeout: float = 120) -> RunResult:
         """Run one container to completion (podman removes it); `cap_add` defaults to MKNOD
         because tests make device nodes inside and podman's default set lacks it."""
         try:
@@ -177,7 +177,7 @@ class Podman:
             raise TestbedError(f"{self.podman} is not installed (apt-get install podman)") from None
         except subprocess.TimeoutExpired:
             raise TestbedError(f"podman container did not finish within {timeout}s") from None
-        return Result(done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
+        return RunResult(done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
 
 
 class Containerd:
@@ -262,11 +262,11 @@ class Containerd:
             self._process.wait(timeout=15)
         self._process = None
 
-    def ctr(self, *args, timeout: float = 60) -> Result:
+    def ctr(self, *args, timeout: float = 60) -> RunResult:
         """Run `ctr --address <our socket> ARGS`."""
         done = subprocess.run([self.ctr_path, "--address", self.address, *args], env=RUN_ENV,
                               capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd="/")
-        return Result(done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
+        return RunResult(done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
 
     def plugin_status(self, plugin_type: str, plugin_id: str) -> str:
         """A plugin's status as `ctr plugins ls` shows it (ok, error, skip)."""
@@ -277,7 +277,7 @@ class Containerd:
                 return fields[-1]
         raise TestbedError(f"plugin {plugin_type} {plugin_id} not listed: {listing.stderr.strip()}")
 
-    def run(self, spec_path: str, container_id: str, timeout: float = 60) -> Result:
+    def run(self, spec_path: str, container_id: str, timeout: float = 60) -> RunResult:
         """`ctr run --rm --config SPEC ID`: a container from a full spec (absolute root.path)."""
         try:
             return self.ctr("run", "--rm", "--config", spec_path, container_id, timeout=timeout)

@@ -17,7 +17,7 @@ from gpuhook import oci
 from gpuhook import request as req
 from gpuhook.discover import Gpu, Inventory
 from gpuhook.errors import HostError, RequestError
-from gpuhook.inventory import GpuFacts, MigDevice, NvmlFacts
+from gpuhook.inventory import GpuFacts, MigEntry, NvmlFacts
 
 GPUS = tuple(Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", i, f"0000:{i}0:00.0", "Sim") for i in range(4))
 ALL = ["NVIDIA_VISIBLE_DEVICES=all"]
@@ -142,7 +142,7 @@ def test_a_runtime_node_of_another_driver_is_no_grant():
 
 def test_mig_access_nodes_name_mig_devices():
     minors = {"gpu1/gi2/access": 21, "gpu1/gi2/ci0/access": 22, "config": 1}
-    mig = MigDevice(0, "MIG-1111", 2, 0, "1g.10gb")
+    mig = MigEntry(0, "MIG-1111", 2, 0, "1g.10gb")
     facts = NvmlFacts("12.4", {g.uuid: GpuFacts(g.uuid, "nvidia", "9.0", g.index == 1, (mig,) if g.index == 1 else ())
                                for g in GPUS})
     devices = [node("/dev/nvidia1", 195, 1), node("/dev/nvidia-caps/nvidia-cap21", 236, 21),

@@ -135,7 +135,7 @@ class Running:
     def probe(self, *paths) -> dict:
         done = self.runc("exec", self.id, "/bin/probe", *paths)
         assert done.returncode == 0, done.stderr
-        return testbed.Result(0, done.stdout, done.stderr).probes()
+        return testbed.RunResult(0, done.stdout, done.stderr).probes()
 
     def mknod(self, path, major, minor) -> None:
         done = self.runc("exec", self.id, "/bin/busybox", "mknod", path, "c", str(major), str(minor))

@@ -10,7 +10,7 @@ import pytest
 
 from gpuhook import nvml, requirements
 from gpuhook.errors import HostError, RequestError, RequirementError
-from gpuhook.requirements import GpuFacts, HostFacts
+from gpuhook.requirements import GpuTraits, HostFacts
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
 
@@ -45,7 +45,7 @@ ARM64_12_2 = "cuda>=12.2"
 
 
 def host(driver, cuda, brand="tesla", arch="8.0", gpus=1):
-    return HostFacts(cuda, driver, [GpuFacts(f"GPU {i}", arch, brand) for i in range(gpus)])
+    return HostFacts(cuda, driver, [GpuTraits(f"GPU {i}", arch, brand) for i in range(gpus)])
 
 
 # (image, host, passes?) -- where it fails, the message must name cuda>=X and the host's CUDA.
@@ -159,8 +159,8 @@ def test_a_condition_inside_an_alternative_is_named_with_its_alternative():
 
 
 def test_arch_and_brand_must_hold_for_every_gpu_the_container_gets():
-    facts = HostFacts("12.4", "550.54.15", [GpuFacts("GPU 0 (GPU-a)", "9.0", "nvidia"),
-                                            GpuFacts("GPU 1 (GPU-b)", "8.0", "nvidia")])
+    facts = HostFacts("12.4", "550.54.15", [GpuTraits("GPU 0 (GPU-a)", "9.0", "nvidia"),
+                                            GpuTraits("GPU 1 (GPU-b)", "8.0", "nvidia")])
     with pytest.raises(RequirementError, match=r"arch>=9.0 is false, the host has arch 8.0 on GPU 1 \(GPU-b\)"):
         requirements.evaluate({"NVIDIA_REQUIRE_ARCH": "arch>=9.0"}, facts)
     requirements.evaluate({"NVIDIA_REQUIRE_ARCH": "arch>=8.0"}, facts)
@@ -274,7 +274,7 @@ def facts_from_nvml(library: str) -> HostFacts:
     with nvml.Session(library) as session:
         inventory = session.inventory()
     return HostFacts(inventory.cuda_version, inventory.driver_version,
-                     [GpuFacts(f"GPU {g.index} ({g.uuid})", g.arch, g.brand) for g in inventory.gpus])
+                     [GpuTraits(f"GPU {g.index} ({g.uuid})", g.arch, g.brand) for g in inventory.gpus])
 
 
 @pytest.mark.parametrize("driver,cuda,brand,image,passes", [

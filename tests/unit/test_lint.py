@@ -33,3 +33,22 @@ def test_mypy_accepts_the_planning_modules():
     done = subprocess.run([tool("mypy"), "--cache-dir", cache, *TYPED], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_no_two_classes_in_the_package_share_a_name():
+    # One name, one meaning: a reader who greps a type finds one definition.
+    import ast
+
+    seen: dict = {}
+    for directory, _, files in os.walk(os.path.join(REPO, "gpuhook")):
+        if "_vendor" in directory or "generated" in directory:
+            continue
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read())
+                for node in tree.body:
+                    if isinstance(node, ast.ClassDef):
+                        seen.setdefault(node.name, []).append(os.path.relpath(path, REPO))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}
