@@ -26,7 +26,7 @@ GPU granted to nobody.
 import os
 
 from gpuhook import cache, procstat
-from gpuhook.cgroup.devices import parse_v1_line
+from gpuhook.devrules.devices import parse_v1_line
 
 FORMAT = 1
 MAX_ENTRIES = 4096  # bound on the directory scan; the directory lives in /run (tmpfs)

@@ -10,7 +10,7 @@ gpuhook.apply turns it into system calls (docs/architecture.md).
 
 from gpuhook import request as req
 from gpuhook import requirements as reqs
-from gpuhook.cgroup.devices import char_device
+from gpuhook.devrules.devices import char_device
 from gpuhook.discover import LIBRARIES
 from gpuhook.errors import HostError
 from gpuhook.record import record

@@ -24,7 +24,7 @@ import errno
 import os
 import stat
 
-from gpuhook.cgroup.devices import WILDCARD, DeviceRule
+from gpuhook.devrules.devices import WILDCARD, DeviceRule
 from gpuhook.errors import ApplyError
 from gpuhook.record import record
 

@@ -8,7 +8,7 @@ only our additions. The kernel parses one rule per write(2).
 import os
 import stat
 
-from gpuhook.cgroup.devices import parse_v1_line
+from gpuhook.devrules.devices import parse_v1_line
 from gpuhook.errors import ApplyError
 
 

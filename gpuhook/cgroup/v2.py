@@ -4,7 +4,7 @@ runc (and systemd, for units with a device policy) attach BPF_PROG_TYPE_CGROUP_D
 programs to the container's cgroup before prestart hooks run, and every attached program
 must allow an access (docs/runtime-facts.md §5). So `grant` takes each attached program
 that does not yet allow what the container needs, reads its translated instructions, loads
-[our allow blocks + those instructions] (gpuhook.cgroup.program) and swaps it in place of
+[our allow blocks + those instructions] (gpuhook.devrules.program) and swaps it in place of
 the old one with BPF_F_REPLACE. It keeps the old programs open, so `revoke` can put them
 back exactly when a later step of the start fails. Nothing is changed until every new
 program has loaded; a program that cannot be rebuilt (hardened, helper calls) or that the
@@ -16,7 +16,7 @@ verifier refuses fails the grant with one line, and the original programs stay a
 import errno
 import os
 
-from gpuhook.cgroup import program
+from gpuhook.devrules import program
 from gpuhook.errors import ApplyError, HostError, printable
 from gpuhook.record import record
 

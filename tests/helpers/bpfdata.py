@@ -3,7 +3,7 @@ tests/unit/test_cgroup_program.py and tests/integration/test_cgroup_v2.py."""
 
 import os
 
-from gpuhook.cgroup.devices import DeviceRule, parse_v1_line
+from gpuhook.devrules.devices import DeviceRule, parse_v1_line
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "bpf")
 

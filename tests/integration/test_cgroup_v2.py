@@ -21,8 +21,9 @@ import sys
 import pytest
 
 from gpuhook.simulate import runner as testbed
-from gpuhook.cgroup import bpf, program, systemd, v2
-from gpuhook.cgroup.devices import DeviceRule, parse_v1_line
+from gpuhook.cgroup import bpf, systemd, v2
+from gpuhook.devrules import program
+from gpuhook.devrules.devices import DeviceRule, parse_v1_line
 from gpuhook.errors import ApplyError
 
 from conftest import REPO, require, require_root_tools
@@ -272,7 +273,7 @@ def test_missing_capability_is_one_line_and_changes_nothing(v2ns, bed, gpus):
         assert box.started.returncode == 0, box.output
         before = box.program_ids()
         script = ("import sys; sys.path.insert(0, sys.argv[1]);"
-                  "from gpuhook.cgroup import v2; from gpuhook.cgroup.devices import char_device;"
+                  "from gpuhook.cgroup import v2; from gpuhook.devrules.devices import char_device;"
                   "from gpuhook.errors import ApplyError\n"
                   "try: v2.grant(sys.argv[2], [char_device(195, 0)])\n"
                   "except ApplyError as err: print(err.one_line()); sys.exit(5)\n")
@@ -705,8 +706,9 @@ def test_a_parent_cgroup_program_that_denies_the_gpu_fails_the_start_clearly(v2n
 FOREIGN_HOOK = r'''
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from gpuhook.cgroup import bpf, program
-from gpuhook.cgroup.devices import parse_v1_line as R
+from gpuhook.cgroup import bpf
+from gpuhook.devrules import program
+from gpuhook.devrules.devices import parse_v1_line as R
 state = json.load(sys.stdin)
 with open(f"/proc/{state['pid']}/cgroup") as f:
     (path,) = [line.split(":", 2)[2].strip() for line in f if line.startswith("0::")]

@@ -161,7 +161,7 @@ def test_cgroup_v1_undo_takes_back_only_the_access_gpuhook_added(tmp_path):
     """A container that could already read 195:0 keeps that when a failed start takes our
     'rw' grant back (the kernel merges both into one entry; only 'w' was ours)."""
     from gpuhook.cgroup import v1
-    from gpuhook.cgroup.devices import char_device, parse_v1_line
+    from gpuhook.devrules.devices import char_device, parse_v1_line
 
     directory = f"/sys/fs/cgroup/devices/gpuhook-undo-{os.getpid()}"
     os.makedirs(directory)

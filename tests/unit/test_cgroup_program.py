@@ -1,4 +1,4 @@
-"""The device program builder and decoder (gpuhook.cgroup.program), without a kernel.
+"""The device program builder and decoder (gpuhook.devrules.program), without a kernel.
 
 Expected disassembly lives in tests/data/bpf: bpftool's own dump of the programs as the
 kernel loaded them (see the README there), so the builder and the disassembler are both
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuhook.cgroup import program
-from gpuhook.cgroup.devices import WILDCARD, DeviceRule
-from gpuhook.cgroup.program import Insn
+from gpuhook.devrules import program
+from gpuhook.devrules.devices import WILDCARD, DeviceRule
+from gpuhook.devrules.program import Insn
 
 from helpers.bpfdata import DATA, RULE_SETS, R, golden
 

@@ -25,7 +25,7 @@ the way ``bpftool prog dump xlated`` does.
 
 import struct
 
-from gpuhook.cgroup.devices import ACCESS_ORDER, WILDCARD, DeviceRule
+from gpuhook.devrules.devices import ACCESS_ORDER, WILDCARD, DeviceRule
 from gpuhook.record import record
 
 PROGRAM_NAME = "gpuhook_dev"
