@@ -72,19 +72,26 @@ def ensure_dir(path: str, mode: int = 0o700) -> None:
         raise UntrustedPath(errno.EPERM, "not a directory owned by root and writable only by it", path)
 
 
+def read_trusted(path: str, limit: int) -> bytes:
+    """Up to `limit` bytes of the file at `path`, opened without following a symlink and
+    without blocking (a FIFO cannot hang the hook). Raises OSError, or UntrustedPath when it
+    is not a regular file owned by root and writable only by it (see `trusted`)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or not trusted(st):
+            raise UntrustedPath(errno.EPERM, "not a regular file owned by root and writable only by it", path)
+        return f.read(limit)
+
+
 def read(path: str, limit: int = 16 << 20):
     """The JSON document at `path`, or None if missing, damaged, or not trusted (see
     `trusted`: the file and its directory)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or not trusted(st) or not trusted(os.lstat(os.path.dirname(path) or ".")):
-                return None
-            return fastjson.loads(f.read(limit))
+        data = read_trusted(path, limit)
+        if not trusted(os.lstat(os.path.dirname(path) or ".")):
+            return None
+        return fastjson.loads(data)
     except (OSError, ValueError, RecursionError):
         return None
 

@@ -30,14 +30,11 @@ def _load(path: str):
     """The parsed spec at `path`, or None (with the reason) when it is not one gpuhook trusts
     or can parse."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = cache.read_trusted(path, MAX_BYTES + 1)
+    except cache.UntrustedPath as err:
+        return None, err.strerror
     except OSError as err:
         return None, f"cannot open: {err.strerror}"
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or not cache.trusted(st):
-            return None, "not a regular file owned by root and writable only by it"
-        data = f.read(MAX_BYTES + 1)
     if len(data) > MAX_BYTES:
         return None, f"larger than {MAX_BYTES >> 20} MiB"
     try:
