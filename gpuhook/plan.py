@@ -133,10 +133,9 @@ def make_plan(state, spec, request, host, config) -> Plan:
         request = request._replace(nodes=request.nodes + host.cdi_nodes)
     inventory = host.inventory
     selection = req.select(request, inventory.gpus, host.facts, inventory)
-    requirements = () if reqs.disabled(spec.env) else reqs.collect(spec.env)
-    if requirements:
+    if request.requirements:
         facts = requirement_facts(inventory, host.facts, selection)
-        for requirement in requirements:
+        for requirement in request.requirements:
             reqs.check(requirement, facts)
     container = host.container
     gpus = selection.gpus

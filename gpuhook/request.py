@@ -57,13 +57,15 @@ CDI = "CDI annotations"
 RUNTIME_DEVICES = "runtime devices (linux.devices)"
 
 
-class Request(record("Request", "wants ids capabilities channel notes mig_config mig_monitor cdi nodes",
-                         defaults=((), (), (), ()))):
+class Request(record("Request", "wants ids capabilities channel notes mig_config mig_monitor cdi nodes requirements",
+                         defaults=((), (), (), (), ()))):
     """`ids` are the requested device ids as written (indices, UUIDs, GPU:MIG pairs, MIG
     UUIDs), deduplicated. `mig_config` / `mig_monitor` are the GPU ids (or ("all",)) of
     NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES, honoured for privileged
     containers only. `cdi` are CDI names only a CDI spec can resolve (gpuhook.cdi turns them
-    into `nodes`); `nodes` are granted device nodes (oci.Device: GPU and MIG access nodes)."""
+    into `nodes`); `nodes` are granted device nodes (oci.Device: GPU and MIG access nodes);
+    `requirements` the image's NVIDIA_REQUIRE_* constraints (gpuhook.requirements), parsed once
+    here for discovery (they decide whether NVML is loaded) and planning (which checks them)."""
 
     __slots__ = ()
 
@@ -314,6 +316,9 @@ def resolve(spec, state_annotations: dict, config) -> Request:
             if value not in ("", "void", "none", "disabled", "false"):
                 raise RequestError(f"{name} asks for {what}, which gpuhook does not provide",
                                    f"unset {name}, or use NVIDIA's toolkit for this container")
+        from gpuhook import requirements as reqs
+
+        request = request._replace(requirements=reqs.collect(spec.env))
     return request
 
 

@@ -12,7 +12,6 @@ import os
 from gpuhook import discover
 from gpuhook import inventory as inv
 from gpuhook import request as req
-from gpuhook import requirements as reqs
 from gpuhook.record import record
 
 MAX_CAPS_NODES = 4096  # /dev/nvidia-caps entries looked at
@@ -38,13 +37,12 @@ def survey(request, spec, config) -> Host:
         from gpuhook import cdi
 
         cdi_nodes = req.gpu_nodes(cdi.resolve(request.cdi, config.cdi_spec_dirs))
-    requirements = () if reqs.disabled(spec.env) else reqs.collect(spec.env)
     names_mig = request._replace(nodes=request.nodes + cdi_nodes).names_mig
     # NVML only when something needs it: NVIDIA_REQUIRE_* constraints, MIG, or a host whose
     # driver lists MIG capability files (the cheap check: the cached inventory first).
     inventory, _, _, pending = inv.read(config)
     facts = source = None
-    if requirements or names_mig or inventory.capabilities:
+    if request.requirements or names_mig or inventory.capabilities:
         inventory, facts, source, pending = inv.read(config, want_facts=True)
     container = discover.container_facts(spec.rootfs, config)
     return Host(inventory, facts, source, container, host_nodes(config, inventory), cdi_nodes, pending)
