@@ -7,8 +7,10 @@ returned flag so tests can see it).
 
 Every line carries `tag: gpuhook` and, under Kubernetes, the pod's names and UID, and is at
 most MAX_LINE_BYTES long: long strings and lists are cut (a 1 MiB annotation must not add
-1 MiB per start), and a line that is still too long keeps only its summary fields, marked
-`truncated`. `log-target` sends lines to the file (`log-file`), to syslog/journald through
+1 MiB per start). A line still too long loses detail in steps, biggest field first, until it
+fits: a field is first kept shallow (its scalars, and the scalars of the records in its
+lists: a 16-GPU health report keeps each GPU's uuid and status), then dropped; the line then
+says what in `truncated`. Only if that fails are just the summary fields kept. `log-target` sends lines to the file (`log-file`), to syslog/journald through
 the `syslog-socket` datagram socket, or both (docs/logging.md).
 """
 
@@ -68,11 +70,56 @@ def _cut(value, depth: int = 0):
     return value
 
 
+def _shallow(value, depth: int = 0):
+    """`value` without its nested detail: a dict keeps its scalars, and, one level down, the
+    scalars of the dicts in its lists (and those lists' scalars)."""
+    if isinstance(value, dict):
+        kept = {}
+        for key, item in value.items():
+            if not isinstance(item, (dict, list, tuple)):
+                kept[key] = item
+            elif depth == 0 and isinstance(item, (list, tuple)):
+                kept[key] = [_shallow(v, 1) if isinstance(v, dict) else v for v in item
+                             if not isinstance(v, (list, tuple))]
+        return kept
+    if isinstance(value, (list, tuple)) and depth == 0:
+        return [_shallow(v, 1) if isinstance(v, dict) else v for v in value if not isinstance(v, (list, tuple))]
+    return value
+
+
+def _dumps(document) -> bytes:
+    return (fastjson.dumps(document, default=str) + "\n").encode()
+
+
 def line_bytes(record: dict) -> bytes:
-    """The bounded JSON line (with its newline) for `record`."""
-    data = (fastjson.dumps(_cut(record), default=str) + "\n").encode()
+    """The bounded JSON line (with its newline) for `record` (see the module docstring)."""
+    line = _cut(record)
+    data = _dumps(line)
     if len(data) <= MAX_LINE_BYTES:
         return data
+    full = len(data)
+    # Biggest first: each detail field is made shallow, then, if that is not enough, dropped.
+    sizes = sorted(((len(_dumps(value)), key) for key, value in line.items() if key not in SUMMARY), reverse=True)
+    shallow, dropped = [], []
+    for step in ("shallow", "drop"):
+        for _, key in sizes:
+            if step == "shallow":
+                kept = _shallow(line[key])
+                if kept == line[key]:
+                    continue  # nothing nested to leave out
+                line[key] = kept
+                shallow.append(key)
+            else:
+                del line[key]
+                dropped.append(key)
+                if key in shallow:
+                    shallow.remove(key)
+            what = [f"{', '.join(names)} {how}" for names, how in ((shallow, "kept shallow"), (dropped, "dropped"))
+                    if names]
+            line["truncated"] = f"{full} bytes: {'; '.join(what)}"
+            data = _dumps(line)
+            if len(data) <= MAX_LINE_BYTES:
+                return data
     summary = {key: record[key] for key in SUMMARY if key in record}
     summary["truncated"] = f"{len(data)} bytes: only the summary fields are kept"
     data = (fastjson.dumps(_cut(summary), default=str) + "\n").encode()
