@@ -109,9 +109,9 @@ def preferred(devices: Devices, available: list, must: list, size: int, state_di
     Devices rank healthy first, then most recently stamped (cleaned by PreStartContainer),
     then NVML index order. Topology: the NUMA node of each GPU (sysfs). The choice stays on
     one NUMA node when it can: the node of the must_include devices if they share one, else
-    the node whose best `size` devices hold the fewest unhealthy ones and rank best. Only when no node has enough devices does
-    it take the best of the rest, nearest nodes first (by number). NVLink is not considered:
-    seeing it needs NVML, which the plugin's allocation path does not load."""
+    the node whose best devices hold the fewest unhealthy ones and rank best. When no node
+    has enough devices, the best-ranked ones are taken, whatever their node. NVLink is not
+    considered: seeing it needs NVML, which the plugin's allocation path does not load."""
     def stamped(ident):
         try:
             return os.stat(store.stamp_path(state_dir, devices.gpu_of.get(ident, ident))).st_mtime
