@@ -19,6 +19,8 @@ from gpuhook.discover import Gpu, Inventory
 from gpuhook.errors import HostError, RequestError
 from gpuhook.inventory import GpuFacts, MigEntry, NvmlFacts
 
+from conftest import require_root_tools
+
 GPUS = tuple(Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", i, f"0000:{i}0:00.0", "Sim") for i in range(4))
 ALL = ["NVIDIA_VISIBLE_DEVICES=all"]
 MAJORS = {"nvidia": 195, "nvidia-caps": 236}
@@ -202,8 +204,7 @@ def test_an_unknown_claim_fails_naming_it(tmp_path):
 
 
 def test_a_spec_others_can_write_is_not_trusted(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("trust is root ownership")
+    require_root_tools()  # trust is root ownership; under CI a missing root fails, never skips
     write(tmp_path, "claim.json", CLAIM_SPEC, mode=0o666)
     with pytest.raises(RequestError, match="no CDI spec"):
         cdi.resolve(["k8s.gpu.nvidia.com/claim=uid-gpu-0"], [str(tmp_path)])

@@ -6,7 +6,10 @@ import time
 
 import pytest
 
-pytest.importorskip("grpc", reason="the device plugin needs grpcio (pip install -e '.[plugin]')")
+from conftest import STRICT
+
+if not STRICT:  # under CI a missing grpcio fails the import below instead of skipping
+    pytest.importorskip("grpc", reason="the device plugin needs grpcio (pip install -e '.[plugin]')")
 
 from gpuhook.health import store  # noqa: E402
 from gpuhook.plugin.server import UNHEALTHY, Devices, preferred  # noqa: E402
