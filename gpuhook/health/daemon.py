@@ -57,12 +57,7 @@ def ask(config, uuids: list, container: str, timeout: float) -> tuple:
             sock.connect(path)
             sock.sendall((fastjson.dumps({"op": "prepare", "gpus": list(uuids), "container": container}) + "\n")
                          .encode())
-            data = b""
-            while not data.endswith(b"\n") and len(data) < MAX_REQUEST:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+            data = _read_line(sock)
         finally:
             sock.close()
         answer = fastjson.loads(data)
@@ -72,6 +67,17 @@ def ask(config, uuids: list, container: str, timeout: float) -> tuple:
         return [], "health daemon answered nonsense"
     stamped = [u for u in answer.get("stamped", []) if u in uuids]
     return stamped, "prepared by the health daemon" if answer.get("ok") else str(answer.get("error", ""))[:300]
+
+
+def _read_line(sock) -> bytes:
+    """One message: bytes up to a newline, the peer closing, or MAX_REQUEST (either side)."""
+    data = b""
+    while not data.endswith(b"\n") and len(data) < MAX_REQUEST:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 class Daemon:
@@ -133,13 +139,7 @@ class Daemon:
         with conn:
             conn.settimeout(5)
             try:
-                data = b""
-                while not data.endswith(b"\n") and len(data) < MAX_REQUEST:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    data += chunk
-                request = fastjson.loads(data)
+                request = fastjson.loads(_read_line(conn))
                 uuids = request["gpus"]
                 if request.get("op") != "prepare" or not isinstance(uuids, list) or not all(map(is_uuid, uuids)):
                     raise ValueError("not a prepare request")
