@@ -99,27 +99,32 @@ def line_bytes(record: dict) -> bytes:
         return data
     full = len(data)
     # Biggest first: each detail field is made shallow, then, if that is not enough, dropped.
-    sizes = sorted(((len(_dumps(value)), key) for key, value in line.items() if key not in SUMMARY), reverse=True)
+    biggest = [key for _, key in sorted(((len(_dumps(v)), k) for k, v in line.items() if k not in SUMMARY),
+                                        reverse=True)]
     shallow, dropped = [], []
-    for step in ("shallow", "drop"):
-        for _, key in sizes:
-            if step == "shallow":
-                kept = _shallow(line[key])
-                if kept == line[key]:
-                    continue  # nothing nested to leave out
-                line[key] = kept
-                shallow.append(key)
-            else:
-                del line[key]
-                dropped.append(key)
-                if key in shallow:
-                    shallow.remove(key)
-            what = [f"{', '.join(names)} {how}" for names, how in ((shallow, "kept shallow"), (dropped, "dropped"))
-                    if names]
-            line["truncated"] = f"{full} bytes: {'; '.join(what)}"
-            data = _dumps(line)
-            if len(data) <= MAX_LINE_BYTES:
+
+    def fits() -> bool:
+        what = [f"{', '.join(names)} {how}" for names, how in ((shallow, "kept shallow"), (dropped, "dropped"))
+                if names]
+        line["truncated"] = f"{full} bytes: {'; '.join(what)}"
+        nonlocal data
+        data = _dumps(line)
+        return len(data) <= MAX_LINE_BYTES
+
+    for key in biggest:
+        kept = _shallow(line[key])
+        if kept != line[key]:  # something nested to leave out
+            line[key] = kept
+            shallow.append(key)
+            if fits():
                 return data
+    for key in biggest:
+        del line[key]
+        dropped.append(key)
+        if key in shallow:
+            shallow.remove(key)
+        if fits():
+            return data
     summary = {key: record[key] for key in SUMMARY if key in record}
     summary["truncated"] = f"{len(data)} bytes: only the summary fields are kept"
     data = (fastjson.dumps(_cut(summary), default=str) + "\n").encode()
