@@ -5,11 +5,12 @@ add what the container lacks, and remember exactly that, so a failed start can t
 only our additions. The kernel parses one rule per write(2).
 """
 
+import errno
 import os
-import stat
 
 from gpuhook.devrules.devices import parse_v1_line
 from gpuhook.errors import ApplyError
+from gpuhook.prescan import read_regular_file
 
 
 def current_rules(directory: str) -> list:
@@ -18,14 +19,10 @@ def current_rules(directory: str) -> list:
     on) another file, and a line that is no rule is never quoted back."""
     path = f"{directory}/devices.list"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ApplyError("cgroup", f"{path} is not a regular file")
-            text = os.read(fd, 1 << 20).decode("ascii", "replace")
-        finally:
-            os.close(fd)
+        text = read_regular_file(path, 1 << 20, os.O_NOFOLLOW).decode("ascii", "replace")
     except OSError as err:
+        if err.errno == errno.EINVAL:
+            raise ApplyError("cgroup", f"{path} is not a regular file") from None
         raise ApplyError("cgroup", f"cannot read {path}: {err.strerror}") from err
     try:
         return [parse_v1_line(line) for line in text.splitlines() if line.strip()]
