@@ -6,6 +6,7 @@ the oracle here.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,16 +34,18 @@ def test_live_processes_agree_with_psutil():
 
 def test_a_command_name_with_spaces_and_parentheses():
     # A process may name itself anything (up to 15 bytes): here ") S 1 (x", which a parser
-    # that splits at the first ")" would misread.
-    rename = "open('/proc/self/comm', 'w').write(') S 1 (x'); print(flush=True); input()"
-    child = subprocess.Popen([sys.executable, "-c", rename], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    # that splits at the first ")" would misread. The child stops itself, so its state is a
+    # stable "T" when read (a child about to block on input could still be "R": a CI flake).
+    rename = "import os, signal; open('/proc/self/comm', 'w').write(') S 1 (x'); os.kill(os.getpid(), signal.SIGSTOP)"
+    child = subprocess.Popen([sys.executable, "-c", rename])
     try:
-        child.stdout.readline()
+        _, status = os.waitpid(child.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
         assert psutil.Process(child.pid).name() == ") S 1 (x"
         assert_agrees(child.pid)
-        assert procstat.read_stat(child.pid).state == "S"
+        assert procstat.read_stat(child.pid).state == "T"
     finally:
-        child.stdin.close()
+        os.kill(child.pid, signal.SIGKILL)
         child.wait()
 
 
