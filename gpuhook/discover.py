@@ -459,11 +459,7 @@ def container_facts(rootfs: str, config, machine: str | None = None) -> Containe
         raise InputError(f"container rootfs {rootfs}: {err.strerror}") from err
 
     def exists(path):
-        try:
-            os.close(safepath.open_in_root(root, path, os.O_PATH))
-            return True
-        except OSError:
-            return False
+        return safepath.exists_in_root(root, path)
 
     try:
         glibc = any(exists(p) for p in GLIBC_MARKERS)

@@ -8,14 +8,14 @@ a chroot. Results are O_PATH file descriptors, so what was checked is what gets 
 
 Two resolvers give the same answers: openat2(RESOLVE_IN_ROOT) where the kernel has it (5.6+),
 and a component walk over O_NOFOLLOW descriptors elsewhere (RHEL 8's 4.18, for one). Tests
-run both.
+run both. openat2 needs ctypes (gpuhook.linux), which costs about 3 ms to load; the planning
+side only asks `exists_in_root`, which walks, so the hook process does not load ctypes while
+the namespace worker (gpuhook.workerproc) loads it on another core.
 """
 
 import errno
 import os
 import stat
-
-from gpuhook import linux
 
 MAX_SYMLINKS = 40
 _CLOEXEC = os.O_CLOEXEC
@@ -47,6 +47,8 @@ def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, follow_final: 
     if not follow_final:
         flags |= os.O_NOFOLLOW
     if use_openat2:
+        from gpuhook import linux
+
         resolve = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
         for _ in range(16):
             try:
@@ -62,6 +64,16 @@ def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, follow_final: 
 
             raise OSError(errno.EAGAIN, "resolution kept racing with renames", path)
     return _walk(root_fd, path, flags, follow_final)
+
+
+def exists_in_root(root_fd: int, path: str) -> bool:
+    """Whether `path` (absolute, container-side) exists inside the tree at `root_fd`,
+    following its symlinks inside that tree (the component walk: no ctypes)."""
+    try:
+        os.close(_walk(root_fd, path, _PATH, True))
+        return True
+    except OSError:
+        return False
 
 
 def _walk(root_fd: int, path: str, flags: int, follow_final: bool) -> int:
@@ -142,6 +154,11 @@ class Changes:
         """`name` was a symlink to `old_target` that we re-pointed."""
         self.entries.append(("relink", os.dup(parent_fd), name, old_target))
 
+    def add_replaced(self, parent_fd: int, name: str, backup: str) -> None:
+        """`name` is being replaced; `backup` is what it was, set aside (`set_aside`), or ""
+        when there was nothing. Undo puts the old one back; forget drops it."""
+        self.entries.append(("replaced", os.dup(parent_fd), name, backup))
+
     def undo(self) -> list[str]:
         """Remove what was created, newest first. Returns problems, never raises."""
         problems = []
@@ -154,6 +171,13 @@ class Changes:
                     temp = f".{name}.gpuhook"
                     os.symlink(old_target, temp, dir_fd=parent)
                     os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+                elif kind == "replaced" and old_target:
+                    os.rename(old_target, name, src_dir_fd=parent, dst_dir_fd=parent)
+                elif kind == "replaced":
+                    try:
+                        os.unlink(name, dir_fd=parent)
+                    except FileNotFoundError:
+                        pass  # the replacement never got there
                 else:
                     os.unlink(name, dir_fd=parent)
             except OSError as err:
@@ -163,8 +187,30 @@ class Changes:
         return problems
 
     def forget(self) -> None:
+        """Keep everything: close the directory fds, drop what `set_aside` kept."""
         while self.entries:
-            os.close(self.entries.pop()[1])
+            kind, parent, _, backup = self.entries.pop()
+            if kind == "replaced" and backup:
+                try:
+                    os.unlink(backup, dir_fd=parent)
+                except OSError:
+                    pass  # a stray hidden copy of the image's old file: untidy, harmless
+            os.close(parent)
+
+
+def set_aside(dir_fd: int, name: str) -> str:
+    """Rename the file or symlink `name` (never followed) in the directory open as `dir_fd`
+    to a fresh hidden name there, so a replacement can be undone (Changes.add_replaced);
+    returns that name, or "" when `name` does not exist."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return ""
+    if stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.EISDIR, "is a directory", name)
+    backup = f".{name}.gpuhook-old-{os.urandom(6).hex()}"
+    os.rename(name, backup, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return backup
 
 
 def make_dirs(root_fd: int, path: str, changes: Changes, mode: int = 0o755) -> int:
@@ -256,7 +302,7 @@ def resolve_host(root: str, path: str) -> str:
     try:
         fd = open_in_root(root_fd, path, os.O_PATH)
         try:
-            real = os.readlink(linux.fd_path(fd))
+            real = os.readlink(f"/proc/self/fd/{fd}")
         finally:
             os.close(fd)
     finally:

@@ -186,3 +186,57 @@ def test_very_deep_paths(tmp_path, resolver):
         assert not (tmp_path / "d").exists()
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("path,exists", [
+    ("/abs-etc/secret", True),          # the container's /etc/secret
+    ("/rel-up/secret", True),
+    ("/chain1/er", True),
+    ("/to-host/secret", False),         # a host path spelled absolutely: looked up inside, not there
+    ("/dangling", False),
+    ("/loop1", False),
+    ("/etc/secret/below-a-file", False),
+])
+def test_exists_in_root_answers_as_open_in_root_does(tree, resolver, path, exists):
+    """The planning side's question, asked without openat2 (no ctypes in the hook process):
+    the same answer as the resolver the worker uses."""
+    root, _ = tree
+    fd = rootfd(root)
+    try:
+        assert safepath.exists_in_root(fd, path) is exists
+        try:
+            os.close(safepath.open_in_root(fd, path))
+            opened = True
+        except OSError:
+            opened = False
+        assert opened is exists
+    finally:
+        os.close(fd)
+
+
+def test_replaced_is_undone_to_the_old_file_and_forget_drops_the_copy(tmp_path):
+    (tmp_path / "ld.so.cache").write_bytes(b"image's own")
+    parent = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        for keep in (False, True):
+            changes = safepath.Changes()
+            changes.add_replaced(parent, "ld.so.cache", safepath.set_aside(parent, "ld.so.cache"))
+            safepath.replace_file(parent, "ld.so.cache", b"ours")
+            if keep:
+                changes.forget()
+                assert os.listdir(tmp_path) == ["ld.so.cache"]
+                assert (tmp_path / "ld.so.cache").read_bytes() == b"ours"
+            else:
+                assert changes.undo() == []
+                assert os.listdir(tmp_path) == ["ld.so.cache"]
+                assert (tmp_path / "ld.so.cache").read_bytes() == b"image's own"
+        os.unlink(tmp_path / "ld.so.cache")
+        changes = safepath.Changes()  # nothing to set aside: undo removes ours
+        changes.add_replaced(parent, "ld.so.cache", safepath.set_aside(parent, "ld.so.cache"))
+        safepath.replace_file(parent, "ld.so.cache", b"ours")
+        assert changes.undo() == [] and os.listdir(tmp_path) == []
+        (tmp_path / "ld.so.cache").mkdir()
+        with pytest.raises(IsADirectoryError):
+            safepath.set_aside(parent, "ld.so.cache")
+    finally:
+        os.close(parent)
