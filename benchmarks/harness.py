@@ -132,7 +132,7 @@ def interleave(candidates: dict, rounds: int, warmup: int = 1, seed: int = 8, be
     """
     rng = random.Random(seed)
     names = list(candidates)
-    samples = {name: {"ms": [], "cpu_ms": []} for name in names}
+    samples = {name: {"ms": [], "cpu_ms": [], "minflt": []} for name in names}
     for _ in range(warmup):
         for name in names:
             if between is not None:
@@ -148,6 +148,7 @@ def interleave(candidates: dict, rounds: int, warmup: int = 1, seed: int = 8, be
             if isinstance(result, Spawned):
                 samples[name]["ms"].append(result.ms)
                 samples[name]["cpu_ms"].append(result.cpu_ms)
+                samples[name]["minflt"].append(result.rusage.ru_minflt)
             else:
                 samples[name]["ms"].append(float(result))
     return samples

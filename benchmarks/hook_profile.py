@@ -63,6 +63,49 @@ def patch(module, attribute: str, name: str) -> None:
         setattr(module, attribute, timed(name, original))
 
 
+class PatchOnImport:
+    """A meta path finder that lets the normal finders find module `name`, then times its
+    import and calls `patcher(module)` once it has run."""
+
+    def __init__(self, name: str, patcher):
+        self.name = name
+        self.patcher = patcher
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = None
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                break
+        if spec is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            start = time.perf_counter_ns()
+            exec_module(module)
+            emit(f"import {fullname} (linux, ctypes, safepath, mountinfo, ...)", 1, start, time.perf_counter_ns())
+            self.patcher(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def patch_worker(nsworker) -> None:
+    from gpuhook import linux, safepath
+
+    patch(nsworker, "_read_exactly", "nsworker._read_exactly (waiting for the order)")
+    patch(nsworker, "run", "nsworker.run (in the container's mount ns)")
+    for method in ("open_sources", "node", "bind", "symlink", "mask_proc", "ldconfig"):
+        patch(nsworker._Work, method, f"_Work.{method}")
+    patch(safepath, "make_dirs", "safepath.make_dirs")
+    patch(safepath, "ensure_file", "safepath.ensure_file")
+    patch(linux, "mount", "linux.mount")
+
+
 def main() -> None:
     start = time.perf_counter_ns()
     _depth[0] = 1
@@ -74,8 +117,8 @@ def main() -> None:
          1, start, time.perf_counter_ns())
     start = time.perf_counter_ns()
     from gpuhook import apply
-    emit("import gpuhook.apply (safepath, linux, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
-    from gpuhook import cache, config, discover, inventory, journal, linux, oci, request, safepath
+    emit("import gpuhook.apply (workerproc, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
+    from gpuhook import cache, config, discover, inventory, journal, oci, request
     from gpuhook.cgroup import hierarchy
 
     patch(entry, "run_stage", "entry.run_stage (stdin, config.json, prescan, hook)")
@@ -107,16 +150,16 @@ def main() -> None:
     patch(apply, "read_proc_files", "apply.read_proc_files")
     patch(hierarchy, "placement", "cgroup.hierarchy.placement")
     patch(apply, "_grant", "apply._grant (devices.allow / device program, systemd)")
-    patch(apply, "_run_worker", "apply._run_worker (fork, wait for the worker)")
-    patch(apply, "_collect", "apply._collect (parent waits)")
-    from gpuhook import nsworker
+    from gpuhook import workerproc
 
-    patch(nsworker, "run", "nsworker.run (in the container's mount ns)")
-    for method in ("node", "bind", "symlink", "mask_proc", "ldconfig"):
-        patch(nsworker._Work, method, f"_Work.{method}")
-    patch(safepath, "make_dirs", "safepath.make_dirs")
-    patch(safepath, "ensure_file", "safepath.ensure_file")
-    patch(linux, "mount", "linux.mount")
+    patch(workerproc, "start_early", "workerproc.start_early (fork the namespace worker)")
+    patch(workerproc.Worker, "send_order", "Worker.send_order")
+    patch(workerproc.Worker, "report", "Worker.report (parent waits for the worker)")
+    patch(workerproc.Worker, "commit", "Worker.commit (worker keeps its work, exits)")
+    patch(workerproc, "discard", "workerproc.discard")
+    # The worker imports gpuhook.nsworker itself, after the fork (that is the point of
+    # forking early): its phases are patched as that import finishes, in the worker.
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.nsworker", patch_worker))
     patch(journal, "write", "journal.write (decision log)")
     try:
         entry.main(sys.argv[1:])

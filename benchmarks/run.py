@@ -411,6 +411,12 @@ def group_gpu(ctx) -> list:
     for name, (_, visible, glibc, check) in SimGpu.VARIANTS.items():
         sim.add(name, runc_hook(sim.hook), visible, glibc, check)
     names = ["none", *SimGpu.VARIANTS]
+    against = getattr(ctx.args, "against", None)
+    if against:  # the same start with another tree's launcher, interleaved: an A/B in one run
+        other = H.hooksd_hook(ctx.hook["path"], launcher=os.path.abspath(against), extra_args=["--config", sim.config])
+        _, visible, glibc, check = SimGpu.VARIANTS["static"]
+        sim.add("against", runc_hook(other), visible, glibc, check)
+        names.append("against")
     # Warm the config and inventory caches (untimed), then check they are warm.
     for name in names:
         sim.run(name)
@@ -441,7 +447,22 @@ def group_gpu(ctx) -> list:
         rows.append(H.row(f"gpu.{name}", "gpu", label, "ms", stats, baseline="gpu.none", baseline_stats=none,
                           target=target, paired=H.paired_ratios(samples[name]["ms"], samples["none"]["ms"]),
                           note=note, extra={"visible_devices": visible, "glibc_image": glibc}))
+    if against:
+        stats = H.summary(samples["against"]["ms"])
+        rows.append(H.row("gpu.against", "gpu", f"GPU path, static image, GPU 0, with {against} (A/B)", "ms", stats,
+                          baseline="gpu.none", baseline_stats=none,
+                          paired=H.paired_ratios(samples["against"]["ms"], samples["static"]["ms"]),
+                          note=f"{stats['median'] - samples_median(samples, 'static'):+.1f} ms against this "
+                               f"checkout's static row; paired ratio is against that row; CPU time (user+sys "
+                               f"of runc and its hooks) {H.summary(samples['against']['cpu_ms'])['median']:.1f} ms "
+                               f"vs {H.summary(samples['static']['cpu_ms'])['median']:.1f} ms; minor page faults "
+                               f"{H.summary(samples['against']['minflt'])['median']:.0f} vs "
+                               f"{H.summary(samples['static']['minflt'])['median']:.0f}"))
     return rows
+
+
+def samples_median(samples: dict, name: str) -> float:
+    return H.summary(samples[name]["ms"])["median"]
 
 
 # --- group: the health daemon -------------------------------------------------------------
@@ -921,6 +942,9 @@ def parse_args(argv):
     p.add_argument("--launcher", default=H.LAUNCHER,
                    help="gpuhook/launch.py to register (default: this checkout's; another tree's for an A/B "
                         "comparison; --breakdown always profiles this checkout)")
+    p.add_argument("--against", default=None, metavar="LAUNCHER",
+                   help="gpu group: also time the static-image start with another tree's gpuhook/launch.py, "
+                        "interleaved with this one's (an A/B comparison in the same run; informational row)")
     p.add_argument("--seed", type=int, default=8, help="seed of the interleaving order")
     p.add_argument("--workdir", default=None, help="parent of the scratch directory (default: $TMPDIR)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
