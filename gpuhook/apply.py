@@ -1,31 +1,32 @@
 """The only layer that changes anything: turn a Plan into system calls (host side).
 
-Order, and why:
+Two halves, at the same time, and why:
 
-1. cgroup: allow the devices (host side). runc has applied its own rules before prestart
-   hooks run, so we add ours on top and remember what we added.
-2. In a forked worker that joins the container's mount namespace (the container's /dev
-   tmpfs and its /proc exist only there, docs/runtime-facts.md §1): device nodes, bind
-   mounts (read-only, nosuid, nodev), soname symlinks, the /proc/driver/nvidia mask, and the
-   HOST's ldconfig against the rootfs. Every container path is resolved inside the rootfs
-   (gpuhook.safepath) and mounted through /proc/self/fd, so what was checked is what gets
-   mounted.
+- cgroup: allow the devices (host side, this process). runc has applied its own rules
+  before prestart hooks run, so we add ours on top and remember what we added.
+- In the namespace worker, a child that joins the container's mount namespace (the
+  container's /dev tmpfs and its /proc exist only there, docs/runtime-facts.md §1): device
+  nodes, bind mounts (read-only, nosuid, nodev), soname symlinks, the /proc/driver/nvidia
+  mask, and the HOST's ldconfig against the rootfs. Every container path is resolved inside
+  the rootfs (gpuhook.safepath) and mounted through /proc/self/fd, so what was checked is
+  what gets mounted.
 
-Any failure undoes what was done, newest first: mounts, then created files, symlinks and
-directories, then our cgroup rules, and the error names the step. The worker reports each
-step as it starts, so a deadline names the step that was cut off.
+Neither half needs the other (the worker's mknod is checked against the hook's own cgroup,
+not the container's), so the worker gets its order first and the grant runs while it works
+(gpuhook.workerproc). Any failure undoes both, newest first: mounts, then created files,
+symlinks and directories, then our cgroup rules, and the error names the step. The worker
+names each step as it starts, so a deadline names the step that was cut off.
 
 This module is the host side: the health step, the cgroup grant, the records poststop needs,
-and the forked worker's supervision. What runs inside the container's mount namespace is
+and the worker's supervision. What runs inside the container's mount namespace is
 gpuhook.nsworker.
 """
 
 import os
-import time
 
-from gpuhook import fastjson, linux, nsworker
+from gpuhook import actions, workerproc
 from gpuhook.cgroup import hierarchy
-from gpuhook.errors import ApplyError, DeadlineError, GpuhookError, HostError, InputError
+from gpuhook.errors import GpuhookError, HostError, InputError
 from gpuhook.plan import ProcMask
 
 # The worker's own deadline is this much shorter than the hook's, so it can clean up itself.
@@ -138,29 +139,54 @@ def _record_grant(plan, state, config, outcome, record: dict) -> None:
 
 
 def apply(plan, deadline: float) -> Applied:
-    """Carry out `plan` on the running container; raises ApplyError/DeadlineError after undoing."""
+    """Carry out `plan` on the running container; raises ApplyError/DeadlineError after undoing.
+
+    The namespace worker (gpuhook.workerproc, usually forked before the planning began)
+    gets its order first and works in the container while this process grants the cgroup
+    rules; the worker keeps its work only when the grant succeeded too."""
     if plan.empty:
         return Applied("", [], [], 0)
     if plan.pid <= 0:
         raise InputError("state: no container pid; gpuhook runs as a prestart or createRuntime hook")
+    # The namespaces stay open until the worker has reported: it opens them again by pid and
+    # compares their identity, which only a namespace held alive here makes unambiguous (a
+    # freed namespace's inode number can be given to a new one).
     ns_fd = open_container_mntns(plan.pid)
     user_fd = None
+    worker = None
     try:
         user_fd = open_container_userns(plan.pid) if plan.userns else None
         proc_files = read_proc_files(plan.proc_mask) if plan.proc_mask else {}
         place = hierarchy.placement(plan.pid)
-        added = _grant(place, plan.rules)
+        worker = workerproc.take()
+        worker.send_order(actions.encode_order(plan, _identity(ns_fd), None if user_fd is None else _identity(user_fd),
+                                               proc_files, deadline - CLEANUP_MARGIN))
         try:
-            report = _run_worker(plan, ns_fd, user_fd, proc_files, deadline)
+            added = _grant(place, plan.rules)
+        except BaseException as err:
+            problems = worker.abort(deadline)
+            if problems and isinstance(err, GpuhookError):
+                err.hint = "; ".join(filter(None, [err.hint, "undo: " + "; ".join(problems)]))
+            raise
+        try:
+            report = worker.report(deadline)
         except BaseException as err:
             _undo_grant(place, added, err)
             raise
-        return Applied(place.mode, added, report.get("notes", []), report.get("steps", 0),
-                       report.get("ldconfig_output", ""), place.directory)
+        worker.commit()
     finally:
+        if worker is not None:
+            worker.close()
         os.close(ns_fd)
         if user_fd is not None:
             os.close(user_fd)
+    return Applied(place.mode, added, report.get("notes", []), report.get("steps", 0),
+                   report.get("ldconfig_output", ""), place.directory)
+
+
+def _identity(fd: int) -> tuple:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
 
 
 def _grant(place, rules) -> list:
@@ -205,76 +231,3 @@ def _revoke(place, added) -> list:
     from gpuhook.cgroup import v2
 
     return v2.revoke(place.directory, added)
-
-
-def _run_worker(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float) -> dict:
-    import mmap
-
-    # The worker reports each step it starts through shared memory (no wake-up of this
-    # process per step) and its final result, once, through the pipe.
-    progress = mmap.mmap(-1, nsworker.PROGRESS_BYTES)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read_end)
-            code = nsworker.run(plan, ns_fd, user_fd, proc_files, deadline - CLEANUP_MARGIN, write_end, progress)
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    try:
-        return _collect(pid, read_end, deadline, progress)
-    finally:
-        progress.close()
-
-
-def _get_progress(progress) -> str:
-    size = int.from_bytes(progress[0:2], "little")
-    return progress[2:2 + size].decode("utf-8", "replace") or "starting"
-
-
-def _collect(pid: int, read_end: int, deadline: float, progress) -> dict:
-    import select
-
-    chunks = []
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready, _, _ = select.select([read_end], [], [], left)
-            if not ready:
-                continue
-            data = os.read(read_end, 65536)
-            if not data:
-                break
-            chunks.append(data)
-    finally:
-        os.close(read_end)
-    final = None
-    if chunks:
-        try:
-            final = fastjson.loads(b"".join(chunks))
-        except ValueError:
-            final = None
-    last_step = _get_progress(progress)
-    if final is None:
-        try:
-            os.kill(pid, linux.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
-        if time.monotonic() >= deadline:
-            raise DeadlineError(f"hook deadline passed during {last_step}")
-        raise ApplyError(last_step, "the namespace worker died")
-    os.waitpid(pid, 0)
-    if not final.get("ok"):
-        problems = final.get("cleanup") or []
-        hint = ("cleanup: " + "; ".join(problems)) if problems else None
-        err = ApplyError(final.get("step", last_step), final.get("error", "failed"), hint)
-        err.detail = final.get("ldconfig_output") or None
-        raise err
-    return final
-
-

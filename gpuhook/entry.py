@@ -48,6 +48,15 @@ def run_stage(stage: str, config_path: str | None) -> int:
             if spec is not None and len(spec) <= prescan.MAX_CONFIG_BYTES \
                     and not prescan.may_request_gpu(state, spec):
                 return 0
-    from gpuhook.hook import run_hook
+    from gpuhook import workerproc
 
-    return run_hook(stage, state, config_path, spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None)
+    if stage != "poststop":
+        # The namespace worker loads its modules on another core while this process plans
+        # (gpuhook.workerproc); a start that needs none ends it unused.
+        workerproc.start_early()
+    try:
+        from gpuhook.hook import run_hook
+
+        return run_hook(stage, state, config_path, spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None)
+    finally:
+        workerproc.discard()

@@ -1,11 +1,13 @@
 """The namespace worker: what gpuhook does inside the container's mount namespace.
 
-gpuhook.apply forks a child that runs `run` here: it opens the host's sources, joins the
-container's mount namespace (and user namespace), checks it is the right one, then makes
-the plan's device nodes, bind mounts, symlinks, the /proc/driver/nvidia mask and the ld
-cache update, each container path resolved inside the rootfs (gpuhook.safepath). It reports
-each step as it starts through shared memory and its result once through a pipe; any
-failure undoes everything it did, newest first.
+gpuhook.workerproc forks a child that runs `serve` here: it waits for its work order (the
+part of the plan it carries out), opens the host's sources, joins the container's mount
+namespace (and user namespace), checks it is the right one, then makes the device nodes,
+bind mounts, symlinks, the /proc/driver/nvidia mask and the ld cache update, each container
+path resolved inside the rootfs (gpuhook.safepath). It names each step as it starts in
+shared memory and reports once through a pipe; any failure undoes everything it did, newest
+first. After an ok report it keeps its work only when the parent commits (the parent's
+cgroup grant ran meanwhile and may have failed); otherwise it undoes it too.
 """
 
 import errno
@@ -13,10 +15,8 @@ import os
 import stat
 import time
 
-from gpuhook import fastjson, linux, mountinfo, safepath
-from gpuhook.plan import ProcMask
-
-PROGRESS_BYTES = 4096  # the shared page the worker names its current step in
+from gpuhook import fastjson, linux, mountinfo, safepath, workerproc
+from gpuhook.actions import ProcMask, decode_order
 
 _MS = {"ro": linux.MS_RDONLY, "nosuid": linux.MS_NOSUID, "nodev": linux.MS_NODEV, "noexec": linux.MS_NOEXEC}
 _MOUNT_ATTR = {"ro": linux.MOUNT_ATTR_RDONLY, "nosuid": linux.MOUNT_ATTR_NOSUID, "nodev": linux.MOUNT_ATTR_NODEV,
@@ -36,25 +36,84 @@ def _flags(options) -> int:
 
 
 def _set_progress(progress, step: str) -> None:
-    data = step.encode("utf-8", "replace")[: PROGRESS_BYTES - 2]
+    data = step.encode("utf-8", "replace")[: workerproc.PROGRESS_BYTES - 2]
     progress[0:2 + len(data)] = len(data).to_bytes(2, "little") + data
 
 
-def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, progress) -> int:
-    """Runs in the forked child; returns its exit code. Never raises."""
+def serve(orders: int, out: int, progress, parent: int) -> int:
+    """The forked worker's life (gpuhook.workerproc.start): wait for the order on `orders`,
+    carry it out, report on `out`, then commit or undo as `orders` says. Returns the exit
+    code; never raises."""
+    try:
+        linux.prctl_set_pdeathsig(linux.SIGKILL)
+        if os.getppid() != parent:  # the hook ended before the line above: nobody to serve
+            return 0
+        size = _read_exactly(orders, 8)
+        if len(size) < 8:
+            return 0  # the start needed no worker
+        data = _read_exactly(orders, min(int.from_bytes(size, "little"), workerproc.ORDER_LIMIT))
+        order, mntns, userns, proc_files, deadline = decode_order(data)
+    except BaseException as err:  # noqa: BLE001 - nothing done yet: say why and end
+        _send_quietly(out, {"ok": False, "step": "read the work order", "error": f"{type(err).__name__}: {err}"})
+        return 1
+    ns_fd = user_fd = -1
+    try:
+        try:
+            ns_fd = _open_same_namespace(order.pid, "mnt", mntns)
+            if userns is not None:
+                user_fd = _open_same_namespace(order.pid, "user", userns)
+        except OSError as err:
+            _send_quietly(out, {"ok": False, "step": "enter mount namespace", "error": err.strerror or str(err)})
+            return 1
+        return run(order, ns_fd, None if user_fd < 0 else user_fd, proc_files, deadline, out, progress, orders)
+    finally:
+        for fd in (ns_fd, user_fd):
+            if fd >= 0:
+                os.close(fd)
 
-    def send(message: dict) -> None:
-        data = fastjson.dumps(message).encode()
-        while data:
-            data = data[os.write(out, data):]
 
+def _open_same_namespace(pid: int, kind: str, expected) -> int:
+    """fd of process `pid`'s namespace `kind`, which must be the one the parent opened and
+    checked (the pid could name another process by now)."""
+    fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if [st.st_dev, st.st_ino] != list(expected):
+        os.close(fd)
+        raise OSError(errno.ESRCH, f"process {pid} is no longer the container the hook checked")
+    return fd
+
+
+def _read_exactly(fd: int, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = os.read(fd, count - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _send(out: int, message: dict) -> None:
+    data = (fastjson.dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(out, data):]
+
+
+def _send_quietly(out: int, message: dict) -> None:
+    """_send for a message the hook may no longer be there to read."""
+    try:
+        _send(out, message)
+    except OSError:
+        pass
+
+
+def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, progress, decisions: int) -> int:
+    """Carry out `plan` (an Order, or a Plan: the same fields) in the container's mount
+    namespace `ns_fd`; report on `out`; after an ok report keep the work only on COMMIT from
+    `decisions`. Returns the exit code; never raises."""
     step = "enter mount namespace"
     work = _Work(plan, deadline)
     try:
-        linux.prctl_set_pdeathsig(linux.SIGKILL)
-        devnull = os.open("/dev/null", os.O_RDWR)
-        for fd in (0, 1, 2):  # never hold the runtime's pipes
-            os.dup2(devnull, fd)
         os.umask(0)
         # Host files (and the host's ldconfig) are opened here, in the hook's own mount
         # namespace: after setns a path like /sbin/ldconfig means whatever that namespace has
@@ -92,22 +151,29 @@ def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, 
             if time.monotonic() > deadline:
                 raise TimeoutError("deadline passed")
             action()
-        work.changes.forget()
-        work.forget_mounts()
-        work.close_sources()
-        send({"ok": True, "notes": work.notes, "steps": work.count, "ldconfig_output": work.ldconfig_output})
-        return 0
+        step = "wait for the hook's commit"
+        _set_progress(progress, step)
+        _send(out, {"ok": True, "notes": work.notes, "steps": work.count, "ldconfig_output": work.ldconfig_output})
     except BaseException as err:  # noqa: BLE001 - the worker reports everything
         problems = work.undo()
         message = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         if isinstance(err, OSError) and err.filename:
             message = f"{err.filename}: {message}"
-        try:
-            send({"ok": False, "step": step, "error": message or type(err).__name__, "cleanup": problems,
-                  "ldconfig_output": work.ldconfig_output})
-        except OSError:
-            pass
+        _send_quietly(out, {"ok": False, "step": step, "error": message or type(err).__name__, "cleanup": problems,
+                            "ldconfig_output": work.ldconfig_output})
         return 1
+    try:
+        decision = os.read(decisions, 1)
+    except OSError:
+        decision = b""
+    if decision == workerproc.COMMIT:
+        work.changes.forget()
+        work.forget_mounts()
+        work.close_sources()
+        return 0
+    # ABORT (the parent's half of the start failed) or the parent is gone: take it all back.
+    _send_quietly(out, {"undone": work.undo()})
+    return 0
 
 
 class _Work:
@@ -476,6 +542,9 @@ class _Work:
             except ldsandbox.SandboxError as err:
                 self.ldconfig_output = err.output
                 raise OSError(errno.EIO, str(err)) from None
+            # The image's own cache is set aside, not overwritten: the start can still be
+            # undone after this last step (the parent's grant may fail meanwhile).
+            self.changes.add_replaced(etc, "ld.so.cache", safepath.set_aside(etc, "ld.so.cache"))
             safepath.replace_file(etc, "ld.so.cache", cache)
         finally:
             os.close(etc)

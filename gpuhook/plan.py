@@ -13,6 +13,7 @@ from gpuhook import requirements as reqs
 from gpuhook.devrules.devices import char_device
 from gpuhook.discover import LIBRARIES
 from gpuhook.errors import HostError
+from gpuhook.actions import BindMount, DeviceNode, LdCacheUpdate, ProcMask, Symlink  # noqa: F401 (re-exported)
 from gpuhook.record import record
 
 # Mount options, as in `mount -o`; the apply layer maps them to MS_* flags.
@@ -24,41 +25,6 @@ LIBRARY_CAPABILITIES = frozenset(LIBRARIES)
 DEFAULT_NODE_MODE = 0o666
 CONTROL_MINOR = 255
 MODESET_MINOR = 254
-
-
-class DeviceNode(record("DeviceNode", "path major minor mode uid gid host_path", defaults=(None,))):
-    """A character device for the container's /dev: made with mknod, or, for a container in
-    a user namespace (where a node on its /dev could not be opened), `host_path` is the
-    host's node, bind-mounted in its place (as runc does for its own devices there)."""
-
-    __slots__ = ()
-
-
-class BindMount(record("BindMount", "source target kind options")):
-    """Host `source` bind-mounted at container `target`; `kind` is file, socket or dir."""
-
-    __slots__ = ()
-
-
-class Symlink(record("Symlink", "path target")):
-    __slots__ = ()
-
-
-class ProcMask(record("ProcMask", "source_dir gpu_buses capabilities", defaults=((),))):
-    """Cover the container's /proc/driver/nvidia with a read-only tmpfs holding a copy of
-    `params` with ModifyDeviceFiles: 0, `version`, `registry`, only its own GPUs' dirs, and
-    the capability files of its own MIG devices (relative paths under capabilities/; CUDA
-    reads the nvidia-caps minors from them)."""
-
-    __slots__ = ()
-
-    target = "/proc/driver/nvidia"
-
-
-class LdCacheUpdate(record("LdCacheUpdate", "ldconfig directories")):
-    """Run the HOST's `ldconfig` against the container's rootfs for `directories`."""
-
-    __slots__ = ()
 
 
 class HealthStep(record("HealthStep", "mode gpus on_failure kill_orphans deadline_seconds")):

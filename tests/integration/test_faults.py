@@ -73,6 +73,55 @@ def test_cgroup_write_failure_names_the_rule(gpus, tmp_path):
                 time.sleep(0.1)
 
 
+def test_a_failed_grant_puts_the_images_own_ld_cache_back(gpus):
+    """The namespace worker runs while the hook grants the cgroup rules (gpuhook.apply): when
+    the grant fails after the worker finished, even its last step (the image's ld.so.cache,
+    replaced) is undone, byte for byte."""
+    parent = f"/sys/fs/cgroup/devices/gpuhook-fault-cache-{os.getpid()}"
+    os.makedirs(parent, exist_ok=True)
+    own_cache = b"the image's own ld.so.cache\n"
+    try:
+        with open(f"{parent}/devices.deny", "w") as f:
+            f.write("c 195:* rw")
+
+        def under_parent(spec):
+            spec["linux"]["cgroupsPath"] = f"/gpuhook-fault-cache-{os.getpid()}/fault-cgroup"
+
+        def image_cache(rootfs):
+            with open(f"{rootfs}/etc/ld.so.cache", "wb") as f:
+                f.write(own_cache)
+
+        before = host_mounts()
+        result = gpus.run("fault-cgroup-cache", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=under_parent,
+                          rootfs_setup=image_cache)
+        assert result.returncode != 0
+        assert "cgroup: cannot allow c 195:255 rw" in gpuhook_line(result)
+        assert host_mounts() == before
+        with open(f"{result.rootfs}/etc/ld.so.cache", "rb") as f:
+            assert f.read() == own_cache
+        assert sorted(os.listdir(f"{result.rootfs}/etc")) == ["ld.so.cache", "ld.so.conf"]
+        assert not os.path.exists(result.rootfs + LIBDIR)
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(parent)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_a_replaced_ld_cache_leaves_no_copy_behind(gpus):
+    def image_cache(rootfs):
+        with open(f"{rootfs}/etc/ld.so.cache", "wb") as f:
+            f.write(b"old")
+
+    result = gpus.run("cache-replaced", env=["NVIDIA_VISIBLE_DEVICES=0"], rootfs_setup=image_cache)
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(f"{result.rootfs}/etc")) == ["ld.so.cache", "ld.so.conf"]
+    with open(f"{result.rootfs}/etc/ld.so.cache", "rb") as f:
+        assert f.read() != b"old"
+
+
 def processes_running(binary: str) -> list:
     found = []
     for pid in os.listdir("/proc"):

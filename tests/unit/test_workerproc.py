@@ -1,0 +1,101 @@
+"""gpuhook.workerproc: the namespace worker forked ahead of the planning never outlives the
+hook, whether it was used or not. (Its work in a real container: tests/integration.)"""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpuhook import nsworker, workerproc
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def test_an_unused_early_worker_is_killed_and_reaped():
+    workerproc.start_early()
+    pid = workerproc._early.pid
+    workerproc.discard()
+    assert workerproc._early is None and gone(pid)
+    workerproc.discard()  # nothing left to end: a no-op
+
+
+def test_take_hands_out_the_early_worker_once():
+    workerproc.start_early()
+    early = workerproc._early.pid
+    first = workerproc.take()
+    second = workerproc.take()  # none forked early any more: a new one
+    try:
+        assert first.pid == early and second.pid != early
+    finally:
+        first.close()
+        second.close()
+    assert gone(first.pid) and gone(second.pid)
+
+
+def test_a_worker_whose_order_never_comes_exits_by_itself():
+    """The hook died, or closed the pipe: the worker ends with status 0, having done nothing."""
+    worker = workerproc.start()
+    os.close(worker.order_w)
+    worker.order_w = -1
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(worker.pid, os.WNOHANG)
+        if pid:
+            assert os.waitstatus_to_exitcode(status) == 0
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the worker kept waiting for an order that could not come")
+    worker.reaped = True
+    worker.close()
+
+
+def test_the_hook_leaves_no_worker_behind_when_the_start_fails_before_applying(tmp_path):
+    """A GPU request (so the worker is forked early) with a state the hook refuses."""
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({
+        "ociVersion": "1.0.2", "root": {"path": "rootfs"},
+        "process": {"args": ["true"], "cwd": "/", "env": ["NVIDIA_VISIBLE_DEVICES=0"]}}))
+    config = tmp_path / "config.toml"
+    config.write_text(f'log-file = "{tmp_path}/gpuhook.log"\nstate-dir = "{tmp_path}/state"\n')
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "running", "pid": os.getpid(),
+                        "bundle": str(bundle)})
+    probe = (
+        "import io, os, sys\n"
+        f"sys.path.insert(0, {REPO!r})\n"
+        "from gpuhook import entry\n"
+        f"sys.stdin = io.TextIOWrapper(io.BytesIO({state.encode()!r}))\n"
+        f"code = entry.run_stage('prestart', {str(config)!r})\n"
+        "try:\n"
+        "    os.waitpid(-1, os.WNOHANG)\n"
+        "    print('a child is left', code)\n"
+        "except ChildProcessError:\n"
+        "    print('no child left', code)\n"
+    )
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "no child left 2", done.stdout + done.stderr
+    assert "status 'running'" in done.stderr
+
+
+def test_the_worker_refuses_a_namespace_other_than_the_one_the_hook_checked():
+    """The worker opens the container's namespaces again by pid; a pid that names another
+    process by then (another namespace) is refused, never joined."""
+    st = os.stat(f"/proc/{os.getpid()}/ns/mnt")
+    fd = nsworker._open_same_namespace(os.getpid(), "mnt", (st.st_dev, st.st_ino))
+    os.close(fd)
+    with pytest.raises(OSError) as refused:
+        nsworker._open_same_namespace(os.getpid(), "mnt", (st.st_dev, st.st_ino + 1))
+    assert refused.value.errno == errno.ESRCH and "no longer the container" in refused.value.strerror
