@@ -87,7 +87,7 @@ class PatchOnImport:
         def exec_and_patch(module):
             start = time.perf_counter_ns()
             exec_module(module)
-            emit(f"import {fullname} (linux, ctypes, safepath, mountinfo, ...)", 1, start, time.perf_counter_ns())
+            emit(f"import {fullname}", 1, start, time.perf_counter_ns())
             self.patcher(module)
 
         spec.loader.exec_module = exec_and_patch
@@ -145,7 +145,8 @@ def main() -> None:
     patch(hook, "make_plan", "plan.make_plan")
     patch(survey, "write_caches", "survey.write_caches")
     patch(apply, "run", "apply.run (health, apply, records)")
-    patch(apply, "apply", "apply.apply")
+    patch(apply, "begin", "apply.begin (order the worker, grant)")
+    patch(apply.Pending, "finish", "Pending.finish (wait for the worker, commit)")
     patch(apply, "open_container_mntns", "apply.open_container_mntns")
     patch(apply, "read_proc_files", "apply.read_proc_files")
     patch(hierarchy, "placement", "cgroup.hierarchy.placement")
@@ -160,6 +161,14 @@ def main() -> None:
     # The worker imports gpuhook.nsworker itself, after the fork (that is the point of
     # forking early): its phases are patched as that import finishes, in the worker.
     sys.meta_path.insert(0, PatchOnImport("gpuhook.nsworker", patch_worker))
+    # Health (only with [health] mode on) is imported where it is used: patched likewise.
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.health.hooks", lambda m: (
+        patch(m, "before_start", "health.before_start (stamps, daemon or own checks)"),
+        patch(m, "register_container", "health.register_container"))))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.grants", lambda m: patch(m, "record", "grants.record (cgroup v1)")))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.health.daemon", lambda m: patch(m, "ask", "health.daemon.ask")))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.health.store", lambda m: patch(m, "claim_stamp",
+                                                                                   "health.store.claim_stamp")))
     patch(journal, "write", "journal.write (decision log)")
     try:
         entry.main(sys.argv[1:])

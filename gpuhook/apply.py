@@ -13,11 +13,15 @@ Two halves, at the same time, and why:
 
 Neither half needs the other (the worker's mknod is checked against the hook's own cgroup,
 not the container's), so the worker gets its order first and the grant runs while it works
-(gpuhook.workerproc). Any failure undoes both, newest first: mounts, then created files,
-symlinks and directories, then our cgroup rules, and the error names the step. The worker
-names each step as it starts, so a deadline names the step that was cut off.
+(gpuhook.workerproc), and so does the health step (gpuhook.health.hooks: check and repair
+the GPUs; none of it touches the container). The worker keeps its work only when the hook
+commits, after the grant and the health step succeeded; the container runs no code before
+the hook returns, so it never gets a GPU that failed its check. Any failure undoes both
+halves, newest first: mounts, then created files, symlinks and directories, then our cgroup
+rules, and the error names the step. The worker names each step as it starts, so a deadline
+names the step that was cut off.
 
-This module is the host side: the health step, the cgroup grant, the records poststop needs,
+This module is the host side: the cgroup grant, the health step, the records poststop needs,
 and the worker's supervision. What runs inside the container's mount namespace is
 gpuhook.nsworker.
 """
@@ -106,22 +110,35 @@ def _no_device_files(params: bytes) -> bytes:
 
 
 def run(plan, state, config, deadline: float, record: dict) -> Applied:
-    """Carry out the whole plan: the health step (check and repair the GPUs before the
-    container gets them), the container's devices and files (`apply`), then what poststop
-    needs: the cgroup v1 grant record (gpuhook.grants) and the health registry entry.
-    `record` (the hook's log record) receives the decisions."""
+    """Carry out the whole plan: the container's devices and files and the cgroup grant
+    (`begin`), the health step (check and repair the GPUs) while the worker works, then,
+    once both are fine, commit (`Pending.finish`), and record what poststop needs: the
+    cgroup v1 grant record (gpuhook.grants) and the health registry entry. A failed health
+    step undoes the rest: the container never gets a GPU that failed its check. `record`
+    (the hook's log record) receives the decisions."""
+    if plan.empty:
+        return Applied("", [], [], 0)
     health = None
-    if plan.health is not None:
-        # Only now, and only for GPUs: with health off nothing of NVML, threads or
-        # gpuhook.health is imported.
-        from gpuhook.health import hooks as health
+    pending = begin(plan, deadline)
+    try:
+        if plan.health is not None:
+            # Only now, and only for GPUs: with health off nothing of NVML, threads or
+            # gpuhook.health is imported.
+            from gpuhook.health import hooks as health
 
-        health.before_start(plan, state, config, deadline, record)
-    outcome = apply(plan, deadline)
-    if outcome.cgroup_mode == hierarchy.V1 and plan.rules:
-        _record_grant(plan, state, config, outcome, record)
-    if health is not None:
-        health.register_container(plan, state, config, record)
+            try:
+                health.before_start(plan, state, config, deadline, record)
+            except BaseException as err:
+                pending.abort(deadline, err)
+                raise
+        outcome = pending.finish(deadline)
+        # The records are written while the committed worker closes its files and exits.
+        if outcome.cgroup_mode == hierarchy.V1 and plan.rules:
+            _record_grant(plan, state, config, outcome, record)
+        if health is not None:
+            health.register_container(plan, state, config, record)
+    finally:
+        pending.close()
     return outcome
 
 
@@ -138,50 +155,73 @@ def _record_grant(plan, state, config, outcome, record: dict) -> None:
         record["grant_record"] = f"not recorded: {err}"
 
 
-def apply(plan, deadline: float) -> Applied:
-    """Carry out `plan` on the running container; raises ApplyError/DeadlineError after undoing.
-
-    The namespace worker (gpuhook.workerproc, usually forked before the planning began)
-    gets its order first and works in the container while this process grants the cgroup
-    rules; the worker keeps its work only when the grant succeeded too."""
-    if plan.empty:
-        return Applied("", [], [], 0)
+def begin(plan, deadline: float) -> "Pending":
+    """Set both halves of a start going: the namespace worker (gpuhook.workerproc, usually
+    forked before the planning began) gets its order and works in the container while this
+    process grants the cgroup rules. Raises after undoing when the grant fails."""
     if plan.pid <= 0:
         raise InputError("state: no container pid; gpuhook runs as a prestart or createRuntime hook")
     # The namespaces stay open until the worker has reported: it opens them again by pid and
     # compares their identity, which only a namespace held alive here makes unambiguous (a
     # freed namespace's inode number can be given to a new one).
     ns_fd = open_container_mntns(plan.pid)
-    user_fd = None
-    worker = None
+    pending = Pending(ns_fd)
     try:
-        user_fd = open_container_userns(plan.pid) if plan.userns else None
+        if plan.userns:
+            pending.user_fd = open_container_userns(plan.pid)
         proc_files = read_proc_files(plan.proc_mask) if plan.proc_mask else {}
-        place = hierarchy.placement(plan.pid)
-        worker = workerproc.take()
-        worker.send_order(actions.encode_order(plan, _identity(ns_fd), None if user_fd is None else _identity(user_fd),
-                                               proc_files, deadline - CLEANUP_MARGIN))
+        pending.place = hierarchy.placement(plan.pid)
+        pending.worker = workerproc.take()
+        pending.worker.send_order(actions.encode_order(
+            plan, _identity(ns_fd), None if pending.user_fd is None else _identity(pending.user_fd), proc_files,
+            deadline - CLEANUP_MARGIN))
+        pending.added = _grant(pending.place, plan.rules)
+    except BaseException as err:
+        if pending.worker is not None:
+            _add_undo_problems(err, pending.worker.abort(deadline))
+        pending.close()
+        raise
+    return pending
+
+
+class Pending:
+    """A start whose two halves are under way: the worker's, ordered, and the cgroup grant,
+    made. `finish` commits both, `abort` undoes both; `close` in any case."""
+
+    def __init__(self, ns_fd: int):
+        self.ns_fd = ns_fd
+        self.user_fd = None
+        self.place = None
+        self.added: list = []
+        self.worker = None
+
+    def finish(self, deadline: float) -> Applied:
+        """Wait for the worker's report and commit; raises after undoing both halves."""
         try:
-            added = _grant(place, plan.rules)
+            report = self.worker.report(deadline)
         except BaseException as err:
-            problems = worker.abort(deadline)
-            if problems and isinstance(err, GpuhookError):
-                err.hint = "; ".join(filter(None, [err.hint, "undo: " + "; ".join(problems)]))
+            _undo_grant(self.place, self.added, err)
             raise
-        try:
-            report = worker.report(deadline)
-        except BaseException as err:
-            _undo_grant(place, added, err)
-            raise
-        worker.commit()
-    finally:
-        if worker is not None:
-            worker.close()
-        os.close(ns_fd)
-        if user_fd is not None:
-            os.close(user_fd)
-    return Applied(place.mode, added, report.get("notes", []), report.get("steps", 0),
-                   report.get("ldconfig_output", ""), place.directory)
+        self.worker.commit()
+        return Applied(self.place.mode, self.added, report.get("notes", []), report.get("steps", 0),
+                       report.get("ldconfig_output", ""), self.place.directory)
+
+    def abort(self, deadline: float, err: BaseException) -> None:
+        """Undo both halves while `err` unwinds; what could not be undone joins its hint."""
+        _add_undo_problems(err, self.worker.abort(deadline) + _revoke(self.place, self.added))
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        for fd in (self.ns_fd, self.user_fd):
+            if fd is not None:
+                os.close(fd)
+        self.ns_fd = self.user_fd = None
+
+
+def _add_undo_problems(err: BaseException, problems: list) -> None:
+    if problems and isinstance(err, GpuhookError):
+        err.hint = "; ".join(filter(None, [err.hint, "undo: " + "; ".join(problems)]))
 
 
 def _identity(fd: int) -> tuple:
@@ -215,9 +255,7 @@ def _grant(place, rules) -> list:
 
 def _undo_grant(place, added, err: BaseException) -> None:
     """Take back a grant while `err` unwinds; a failed undo is added to err's hint."""
-    problems = _revoke(place, added)
-    if problems and isinstance(err, GpuhookError):
-        err.hint = "; ".join(filter(None, [err.hint, "undo: " + "; ".join(problems)]))
+    _add_undo_problems(err, _revoke(place, added))
 
 
 def _revoke(place, added) -> list:

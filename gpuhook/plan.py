@@ -28,9 +28,9 @@ MODESET_MINOR = 254
 
 
 class HealthStep(record("HealthStep", "mode gpus on_failure kill_orphans deadline_seconds")):
-    """Check (and repair) `gpus` (UUIDs: whole GPUs and MIG parents) before anything is
-    applied (gpuhook.health.hooks.before_start); in fallback mode a GPU with a fresh
-    `gpuhook prepare` stamp is skipped."""
+    """Check (and repair) `gpus` (UUIDs: whole GPUs and MIG parents) while the rest is
+    applied, before it is committed (gpuhook.health.hooks.before_start); in fallback mode
+    a GPU with a fresh `gpuhook prepare` stamp is skipped."""
 
     __slots__ = ()
 
@@ -261,7 +261,7 @@ def render_text(plan: Plan) -> str:
         lines.append(f"ld cache: host ldconfig for {', '.join(plan.ldcache.directories)}")
     if plan.health:
         skip = ", skipping a GPU with a fresh `gpuhook prepare` stamp" if plan.health.mode == "fallback" else ""
-        lines.append(f"health ({plan.health.mode}, on failure: {plan.health.on_failure}): before anything is "
+        lines.append(f"health ({plan.health.mode}, on failure: {plan.health.on_failure}): while the rest is "
                      f"applied, check and repair {', '.join(plan.health.gpus)} within "
                      f"{plan.health.deadline_seconds:g} s{skip}")
     lines += [f"note: {n}" for n in plan.notes]

@@ -50,6 +50,7 @@ class Worker:
         self.progress = progress
         self.buffer = b""
         self.reaped = False
+        self.committed = False
 
     def send_order(self, order: bytes) -> None:
         try:
@@ -71,12 +72,14 @@ class Worker:
         return message
 
     def commit(self) -> None:
-        """Keep what the worker did (after an ok report); it closes its files and exits."""
+        """Keep what the worker did (after an ok report); it closes its files and exits by
+        itself (`close` then only reaps it: killed, it could leave the set-aside copy of the
+        image's ld.so.cache behind)."""
+        self.committed = True
         try:
             os.write(self.order_w, COMMIT)
         except BrokenPipeError:
             pass  # it is gone already: all it did stays, which is what commit means
-        self.close(kill=False)
 
     def abort(self, deadline: float) -> list:
         """Have the worker undo everything, whether it is still working or done: returns
@@ -104,7 +107,7 @@ class Worker:
             if fd >= 0:
                 os.close(fd)
         self.order_w = self.result_r = -1
-        self._reap(kill)
+        self._reap(kill and not self.committed)
         if not self.progress.closed:
             self.progress.close()
 

@@ -112,6 +112,13 @@ def run_hook_process(args, stdin: bytes, env=None, timeout=60, python_flags=()):
 
 
 LIBDIR = "/usr/lib64"  # busybox rootfses are not Debian-family
+
+
+def assert_rootfs_clean(rootfs):
+    """Nothing of a refused start is left in the rootfs."""
+    assert not os.path.exists(rootfs + LIBDIR)
+    assert not os.path.exists(rootfs + "/usr/bin/nvidia-smi")
+    assert not os.path.exists(rootfs + "/etc/ld.so.cache")
 NODE_PATHS = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] + [f"/dev/nvidia{i}" for i in range(4)]
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import LIBDIR, fake_ldconfig, host_mounts
+from conftest import LIBDIR, assert_rootfs_clean, fake_ldconfig, host_mounts
 
 pytestmark = pytest.mark.root
 
@@ -15,12 +15,6 @@ pytestmark = pytest.mark.root
 def gpuhook_line(result) -> str:
     (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
     return line
-
-
-def assert_rootfs_clean(rootfs):
-    assert not os.path.exists(rootfs + LIBDIR)
-    assert not os.path.exists(rootfs + "/usr/bin/nvidia-smi")
-    assert not os.path.exists(rootfs + "/etc/ld.so.cache")
 
 
 def test_mknod_failure_names_the_node_and_undoes_everything(gpus):

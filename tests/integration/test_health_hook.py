@@ -4,6 +4,7 @@ the hook and the reset command always read this host's own nvml.json)."""
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from gpuhook.health import registry, store
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
 
-from conftest import GpuContainers, require_root_tools, run_hook_process, sim_config_values, write_config
+from conftest import GpuContainers, assert_rootfs_clean, host_mounts, require_root_tools, run_hook_process
 
 pytestmark = pytest.mark.root
 
@@ -149,9 +150,14 @@ def test_a_gpu_with_a_fault_a_reset_fixes_is_reset_before_the_container_gets_it(
 
 
 def test_an_unrepairable_gpu_fails_the_start_with_one_line(hgpus, nvml_state):
+    """The check runs while the rest of the start is applied (gpuhook.apply): its failure
+    undoes that too, so nothing of the start is left."""
     simnvml.set_gpu(nvml_state, 2, remapped_rows_failure=True, remapped_rows_uncorrectable=3)
+    before = host_mounts()
     result = hgpus.run("broken", env=["NVIDIA_VISIBLE_DEVICES=2"])
     assert result.returncode != 0
+    assert host_mounts() == before
+    assert_rootfs_clean(result.rootfs)
     assert hook_message(result) == (f"{hgpus.uuid(2)} failed its remapped-rows check: row remapping failed "
                          "(3 uncorrectable, 0 correctable rows remapped): the GPU needs servicing")
     assert result.probes() == {}  # the container's process never ran
@@ -353,23 +359,31 @@ def test_poststop_of_a_broken_or_unknown_state_exits_0_and_logs_why(hgpus, state
 
 # --- what mode off costs -------------------------------------------------------------------
 
-def imported(tmp_path, sim, config_path) -> set:
-    spec = {"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "process": {"args": ["sh"],
-            "env": ["NVIDIA_VISIBLE_DEVICES=0"]}, "mounts": [], "annotations": {}}
-    (tmp_path / "config.json").write_text(json.dumps(spec))
-    (tmp_path / "rootfs").mkdir(exist_ok=True)
-    state = json.dumps({"ociVersion": "1.0.2", "id": "imports", "status": "creating", "pid": os.getpid(),
-                        "bundle": str(tmp_path)}).encode()
-    done = run_hook_process(["prestart", "--config", config_path], state, python_flags=("-X", "importtime"))
-    assert b"shares the hook's mount namespace" in done.stderr  # it went all the way to apply
-    return {line.rsplit("|", 1)[1].strip() for line in done.stderr.decode().splitlines()
+def imported(hgpus, name: str, tmp_path) -> set:
+    """The modules the hook process loaded for a real GPU start (python -X importtime, its
+    stderr kept in a file). The health step runs only once the start is under way in a real
+    container (gpuhook.apply), so nothing less than a container shows it."""
+    errors = tmp_path / f"{name}.importtime"
+    entry = testbed.hook_entry(hgpus.config, "prestart")
+    python, flags, rest = entry["args"][0], entry["args"][1:3], entry["args"][3:]
+    command = " ".join(shlex.quote(a) for a in [python, "-X", "importtime", *flags, *rest])
+    entry.update(path="/bin/sh", args=["sh", "-c", f"exec {command} 2>{shlex.quote(str(errors))}"])
+
+    def importtime_hook(spec):
+        spec["hooks"]["prestart"] = [entry]
+
+    result = hgpus.run(name, env=["NVIDIA_VISIBLE_DEVICES=0"], edit=importtime_hook)
+    assert result.returncode == 0, result.stderr
+    return {line.rsplit("|", 1)[1].strip() for line in errors.read_text().splitlines()
             if line.startswith("import time:") and "|" in line}
 
 
-def test_mode_off_loads_no_nvml_no_threads_and_no_health_code(tmp_path, sim):
-    values = sim_config_values(sim, str(tmp_path / "log"))
-    off = imported(tmp_path, sim, write_config(tmp_path / "off.toml", values, health={"mode": "off"}))
+def test_mode_off_loads_no_nvml_no_threads_and_no_health_code(hgpus, tmp_path):
+    hgpus.configure(health={"mode": "off"})
+    off = imported(hgpus, "imports-off", tmp_path)
+    assert "gpuhook.apply" in off  # it went all the way
     assert not off & {"pynvml", "psutil", "threading", "gpuhook.nvml"}
     assert not {m for m in off if m.startswith("gpuhook.health")}
-    on = imported(tmp_path, sim, write_config(tmp_path / "on.toml", values))
+    hgpus.configure(health={"mode": "always"})
+    on = imported(hgpus, "imports-on", tmp_path)
     assert {"pynvml", "threading", "gpuhook.health.engine"} <= on  # the converse: the checks did run

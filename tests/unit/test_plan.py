@@ -153,7 +153,7 @@ def test_the_health_step_is_part_of_the_plan_and_of_the_dry_run():
     plan = plan_for(["NVIDIA_VISIBLE_DEVICES=all"])
     assert plan.health.mode == "fallback" and plan.health.gpus == ("GPU-a", "GPU-b")
     assert plan.as_dict()["health"]["gpus"] == ["GPU-a", "GPU-b"]
-    assert "health (fallback, on failure: fail): before anything is applied, check and repair GPU-a, GPU-b" \
+    assert "health (fallback, on failure: fail): while the rest is applied, check and repair GPU-a, GPU-b" \
         in render_text(plan)
     assert plan_for(["NVIDIA_VISIBLE_DEVICES=all"], health={"mode": "off"}).health is None
     assert plan_for(["NVIDIA_VISIBLE_DEVICES=none"]).health is None  # no GPU, nothing to check
