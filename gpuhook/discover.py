@@ -10,7 +10,6 @@ says where each library is. Roots are parameters so a driver container or a simu
 import os
 import stat
 
-from gpuhook import ldcache
 from gpuhook.errors import HostError
 from gpuhook.record import record
 
@@ -208,6 +207,8 @@ def _stem_of(soname: str) -> str:
 
 def libraries(driver_root: str, machine: str | None = None) -> tuple:
     """Driver libraries found in the driver root's ld cache, 64-bit and 32-bit."""
+    from gpuhook import ldcache  # only when the inventory is (re)built, not on a cached start
+
     machine = machine or os.uname().machine
     arch = ldcache.ARCH_FLAGS.get(machine)
     if arch is None:

@@ -76,8 +76,12 @@ def subtree(mounts: list, top_id: int) -> list:
 
 def mount_id(fd: int) -> int:
     """The id of the mount an open fd is on (its `mnt_id` in /proc/self/fdinfo)."""
-    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
-        for line in f.read(4096).splitlines():
-            if line.startswith(b"mnt_id:"):
-                return int(line.split()[1])
-    raise OSError(5, "fdinfo has no mnt_id")
+    info = os.open(f"/proc/self/fdinfo/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(info, 4096)
+    finally:
+        os.close(info)
+    start = data.find(b"mnt_id:")
+    if start < 0:
+        raise OSError(5, "fdinfo has no mnt_id")
+    return int(data[start + 7:data.index(b"\n", start)])

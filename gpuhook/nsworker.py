@@ -195,6 +195,7 @@ class _Work:
         self.shared_checked: set = set()  # mount ids known not to be shared
         self.mount_table = None
         self.dirs: dict = {}  # container dir -> O_PATH fd, resolved (or made) once
+        self.unshared_dirs: set = set()  # fds in self.dirs whose mount is known not to be shared
 
     def parent(self, path: str) -> tuple:
         """(fd of `path`'s directory, made if missing and then kept open, file name)."""
@@ -345,7 +346,9 @@ class _Work:
         """Bind the host file `source` (opened as self.sources[source]) at `target_path` in
         the rootfs with `options`."""
         parent, name = self.parent(target_path)
-        self.refuse_shared(parent, target_path)
+        if parent not in self.unshared_dirs:  # one check per directory (its fd stays open)
+            self.refuse_shared(parent, target_path)
+            self.unshared_dirs.add(parent)
         target = self._new_mount_point(parent, name, kind)
         if target is None:  # something is there already: ours from an earlier run, or in the way
             if self._already_mounted(target_path, src_st):
