@@ -33,7 +33,8 @@ from gpuhook.cgroup import hierarchy
 from gpuhook.errors import GpuhookError, HostError, InputError
 from gpuhook.plan import ProcMask
 
-# The worker's own deadline is this much shorter than the hook's, so it can clean up itself.
+# The worker's and the health step's deadlines are this much shorter than the hook's, so
+# that undoing a start (the worker's steps, the grant) still fits in the hook's own time.
 CLEANUP_MARGIN = 1.0
 
 
@@ -127,7 +128,8 @@ def run(plan, state, config, deadline: float, record: dict) -> Applied:
             from gpuhook.health import hooks as health
 
             try:
-                health.before_start(plan, state, config, deadline, record)
+                # Cut off early enough that undoing the rest still fits in the hook's time.
+                health.before_start(plan, state, config, deadline - CLEANUP_MARGIN, record)
             except BaseException as err:
                 pending.abort(deadline, err)
                 raise

@@ -117,8 +117,9 @@ class Worker:
         import time
 
         while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            ready = select.select([self.result_r], [], [], left)[0] if left > 0 else []
+            # Past the deadline, still take what is already there (a report that came while
+            # the health step used up the time), just do not wait for more.
+            ready = select.select([self.result_r], [], [], max(0.0, deadline - time.monotonic()))[0]
             data = os.read(self.result_r, 65536) if ready else b""
             if not data or len(self.buffer) > REPORT_LIMIT:
                 step = self.step()

@@ -187,6 +187,22 @@ def test_a_health_deadline_fails_the_start_naming_the_gpu_and_the_step(hgpus, nv
     assert f"health checks cut off by their 1.0 s deadline: {hgpus.uuid(3)} at step query (NVML health queries)" in hook_message(result)
 
 
+def test_a_health_step_cut_off_by_the_hooks_own_deadline_still_undoes_the_start(hgpus, nvml_state):
+    """The health step runs while the rest of the start is applied; when it is the hook's
+    deadline (not the health step's own) that cuts it off, there must still be time to undo
+    the rest (gpuhook.apply.CLEANUP_MARGIN)."""
+    hgpus.configure(**{"deadline-seconds": 3}, health={"deadline-seconds": 30.0})
+    simnvml.set_gpu(nvml_state, 3, handle_latency_ms=8000)
+    before = host_mounts()
+    started = time.monotonic()
+    result = hgpus.run("slow-hook", env=["NVIDIA_VISIBLE_DEVICES=3"])
+    assert time.monotonic() - started < 6
+    assert result.returncode != 0
+    assert f"{hgpus.uuid(3)} at step query" in hook_message(result)
+    assert host_mounts() == before
+    assert_rootfs_clean(result.rootfs)
+
+
 @pytest.fixture(scope="module")
 def mig_sim(tmp_path_factory):
     """A host of its own with GPU 1 in MIG mode: the planner asks NVML on MIG hosts, which
