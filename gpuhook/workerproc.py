@@ -18,11 +18,11 @@ The exchange, over two pipes (docs/architecture.md, "The namespace worker"):
    child names the step it is on in a shared page (`progress`), so a deadline names it.
 3. parent -> child, after an ok report: one byte, COMMIT (keep everything, exit) or ABORT
    (undo everything, answer ``{"undone": [problems]}``, exit). The parent grants the cgroup
-   rules while the child works and aborts when that grant fails, so either both halves of
-   a start happen or neither does.
+   rules and runs the health step while the child works (gpuhook.apply) and aborts when
+   either fails, so either the whole start happens or none of it does.
 
-Only the standard library's os (and mmap) here: this module is on the GPU path of every
-start, ahead of the planning.
+Little beyond os here (mmap, select and time when used): this module is on the GPU path of
+every start, ahead of the planning.
 """
 
 import os
