@@ -110,13 +110,14 @@ def _no_device_files(params: bytes) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
-def run(plan, state, config, deadline: float, record: dict) -> Applied:
+def run(plan, state, config, deadline: float, names: dict, record: dict) -> Applied:
     """Carry out the whole plan: the container's devices and files and the cgroup grant
     (`begin`), the health step (check and repair the GPUs) while the worker works, then,
     once both are fine, commit (`Pending.finish`), and record what poststop needs: the
-    cgroup v1 grant record (gpuhook.grants) and the health registry entry. A failed health
-    step undoes the rest: the container never gets a GPU that failed its check. `record`
-    (the hook's log record) receives the decisions."""
+    cgroup v1 grant record (gpuhook.grants) and the health registry entry, which keeps the
+    container's Kubernetes `names` (journal.k8s_names). A failed health step undoes the
+    rest: the container never gets a GPU that failed its check. `record` (the hook's log
+    record) receives the decisions; nothing is read from it."""
     if plan.empty:
         return Applied("", [], [], 0)
     health = None
@@ -138,7 +139,7 @@ def run(plan, state, config, deadline: float, record: dict) -> Applied:
         if outcome.cgroup_mode == hierarchy.V1 and plan.rules:
             _record_grant(plan, state, config, outcome, record)
         if health is not None:
-            health.register_container(plan, state, config, record)
+            health.register_container(plan, state, config, names, record)
     finally:
         pending.close()
     return outcome

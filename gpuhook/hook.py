@@ -50,7 +50,8 @@ def prestart(state, spec, config, deadline: float, record: dict | None = None) -
     from gpuhook import apply, survey
 
     survey.write_caches(config, host)
-    return plan, apply.run(plan, state, config, deadline, {} if record is None else record)
+    names = journal.k8s_names({**spec.annotations, **state.annotations})
+    return plan, apply.run(plan, state, config, deadline, names, {} if record is None else record)
 
 
 def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, record: dict,

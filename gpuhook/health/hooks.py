@@ -85,7 +85,7 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
     raise error
 
 
-def register_container(plan, state, config, record: dict) -> None:
+def register_container(plan, state, config, names: dict, record: dict) -> None:
     """Record the started container (its init, cgroups and GPUs) in the registry, so its GPU
     processes are known as its own while it runs and as orphans once it is gone. Best effort:
     a container that cannot be registered is only noted (its processes then count as
@@ -93,10 +93,10 @@ def register_container(plan, state, config, record: dict) -> None:
     gpus = plan_gpus(plan)
     if not gpus:
         return
-    # The Kubernetes names run_hook found in the state's and the bundle's annotations.
-    names = {key: record[key] for key in ("pod", "namespace", "container_name") if key in record}
+    # The Kubernetes names from the state's and the bundle's annotations (journal.k8s_names).
+    kept = {key: names[key] for key in ("pod", "namespace", "container_name") if key in names}
     try:
-        entry = registry.from_process(state.id, state.pid, gpus, names)
+        entry = registry.from_process(state.id, state.pid, gpus, kept)
         registry.record(config.state_dir, entry)
         record["registered"] = {"pid": entry.pid, "cgroups": entry.cgroups}
     except (OSError, LookupError) as err:

@@ -132,6 +132,8 @@ def test_a_healthy_gpu_starts_untouched_and_the_container_is_registered(hgpus, n
     assert (checked["uuid"], checked["status"], checked["actions"]) == (hgpus.uuid(0), "healthy", [])
     assert set(checked["steps"]) >= {"lock", "query", "attribute"}
     assert isinstance(line["registered"], dict) and line["registered"]["cgroups"]
+    (entry,) = registry.load_id(hgpus.state_dir, "healthy")  # poststop names the pod from it
+    assert entry.names == {"pod": "trainer-0", "namespace": "ml", "container_name": "main"}
     assert line["nvml"] == "loaded (1 init)"  # the checks loaded NVML: the log says so
     assert gpu_record(nvml_state, 0)["reset_count"] == 0
     assert store.read_report(hgpus.state_dir, hgpus.uuid(0))["status"] == "healthy"
