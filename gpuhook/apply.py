@@ -179,6 +179,8 @@ def begin(plan, deadline: float) -> "Pending":
             plan, _identity(ns_fd), None if pending.user_fd is None else _identity(pending.user_fd), proc_files,
             deadline - CLEANUP_MARGIN))
         pending.added = _grant(pending.place, plan.rules)
+        if pending.place.mode == hierarchy.V1 and plan.rules:
+            from gpuhook import grants  # noqa: F401 - loaded while the worker works (run records the grant)
     except BaseException as err:
         if pending.worker is not None:
             _add_undo_problems(err, pending.worker.abort(deadline))
@@ -214,8 +216,13 @@ class Pending:
         _add_undo_problems(err, self.worker.abort(deadline) + _revoke(self.place, self.added))
 
     def close(self) -> None:
-        if self.worker is not None:
+        """End the worker (a committed one is reaped by workerproc.discard, once the hook's
+        log line is written) and close the namespaces."""
+        if self.worker is not None and self.worker.committed:
+            workerproc.reap_later(self.worker)
+        elif self.worker is not None:
             self.worker.close()
+        self.worker = None
         for fd in (self.ns_fd, self.user_fd):
             if fd is not None:
                 os.close(fd)

@@ -130,3 +130,6 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         record["nvml"] = f"loaded ({loaded} init{'s' if loaded != 1 else ''})" if loaded else "not loaded"
         record["seconds"] = round(time.monotonic() - started, 4)
         journal.write(log_path, record, log_target, syslog_socket)
+        workers = sys.modules.get("gpuhook.workerproc")
+        if workers is not None:  # reap the committed worker, which exited meanwhile
+            workers.discard()

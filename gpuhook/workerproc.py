@@ -38,6 +38,7 @@ ABORT = b"a"
 SIGKILL = 9  # as signal.SIGKILL, without importing signal (and enum) on the hook's path
 
 _early = None  # the worker gpuhook.entry forked ahead of the planning, until taken
+_exiting: list = []  # committed workers on their way out, reaped by `discard`
 
 
 class Worker:
@@ -191,12 +192,20 @@ def take() -> Worker:
     return worker if worker is not None else start()
 
 
+def reap_later(worker: Worker) -> None:
+    """Leave a committed worker to finish its exit while the hook writes its log line;
+    `discard` reaps it."""
+    _exiting.append(worker)
+
+
 def discard() -> None:
-    """End a worker forked early that the start did not need."""
+    """End a worker forked early that the start did not need, and reap committed ones."""
     global _early
     worker, _early = _early, None
     if worker is not None:
         worker.close()
+    while _exiting:
+        _exiting.pop().close()
 
 
 def _write_all(fd: int, data: bytes) -> None:
