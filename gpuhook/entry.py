@@ -53,7 +53,10 @@ def run_stage(stage: str, config_path: str | None) -> int:
     if stage != "poststop":
         # The namespace worker loads its modules on another core while this process plans
         # (gpuhook.workerproc); a start that needs none ends it unused.
-        workerproc.start_early()
+        try:
+            workerproc.start_early()
+        except OSError:
+            pass  # no fork now (EAGAIN, ENOMEM): apply forks it later, inside the hook's error boundary
     try:
         from gpuhook.hook import run_hook
 

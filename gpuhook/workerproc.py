@@ -157,7 +157,13 @@ def start() -> Worker:
     order_r, order_w = os.pipe()
     result_r, result_w = os.pipe()
     parent = os.getpid()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        for fd in (order_r, order_w, result_r, result_w):
+            os.close(fd)
+        progress.close()
+        raise
     if pid == 0:
         code = 1
         try:

@@ -90,6 +90,33 @@ def test_the_hook_leaves_no_worker_behind_when_the_start_fails_before_applying(t
     assert "status 'running'" in done.stderr
 
 
+def test_no_fork_ahead_of_the_planning_is_not_an_internal_error(tmp_path):
+    """fork failing (EAGAIN) where the worker is forked early: the start goes on, and a
+    problem is reported inside the hook's error boundary with its own exit code, never 70."""
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({
+        "ociVersion": "1.0.2", "root": {"path": "rootfs"},
+        "process": {"args": ["true"], "cwd": "/", "env": ["NVIDIA_VISIBLE_DEVICES=void", "CUDA_VERSION=12.0"]}}))
+    config = tmp_path / "config.toml"
+    config.write_text(f'log-file = "{tmp_path}/gpuhook.log"\nstate-dir = "{tmp_path}/state"\n')
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": os.getpid(),
+                        "bundle": str(bundle)})
+    probe = (
+        "import errno, io, os, sys\n"
+        f"sys.path.insert(0, {REPO!r})\n"
+        "def no_fork():\n"
+        "    raise OSError(errno.EAGAIN, 'Resource temporarily unavailable')\n"
+        "os.fork = no_fork\n"
+        "from gpuhook import entry\n"
+        f"sys.stdin = io.TextIOWrapper(io.BytesIO({state.encode()!r}))\n"
+        f"print('exit', entry.run_stage('prestart', {str(config)!r}))\n"
+    )
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "exit 0", done.stdout + done.stderr  # past the prescan (CUDA_VERSION), then void
+    assert "internal error" not in done.stderr
+
+
 def test_the_worker_refuses_a_namespace_other_than_the_one_the_hook_checked():
     """The worker opens the container's namespaces again by pid; a pid that names another
     process by then (another namespace) is refused, never joined."""
