@@ -21,6 +21,7 @@ import os
 import stat
 
 from gpuhook import fastjson
+from gpuhook.prescan import read_regular_file
 
 CONFIG_CACHE_DIR = "/run/gpuhook/config-cache"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -76,12 +77,15 @@ def read_trusted(path: str, limit: int) -> bytes:
     """Up to `limit` bytes of the file at `path`, opened without following a symlink and
     without blocking (a FIFO cannot hang the hook). Raises OSError, or UntrustedPath when it
     is not a regular file owned by root and writable only by it (see `trusted`)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or not trusted(st):
-            raise UntrustedPath(errno.EPERM, "not a regular file owned by root and writable only by it", path)
-        return f.read(limit)
+    try:
+        data, st = read_regular_file(path, limit, os.O_NOFOLLOW, with_stat=True)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        st = None
+    if st is None or not trusted(st):  # what was read of an untrusted file is dropped unused
+        raise UntrustedPath(errno.EPERM, "not a regular file owned by root and writable only by it", path)
+    return data
 
 
 def read(path: str, limit: int = 16 << 20):

@@ -29,20 +29,24 @@ MAX_CONFIG_BYTES = 64 << 20
 _S_IFMT, _S_IFREG = 0o170000, 0o100000
 
 
-def read_regular_file(path: str, limit: int, flags: int = 0) -> bytes:
-    """Up to `limit` bytes of the regular file at `path`. Opened non-blocking and checked
-    before reading: a FIFO or a device there (a bundle path the runtime took from a user)
-    must not block the hook until the runtime kills it. `flags` are added to the open
-    (O_NOFOLLOW where a planted symlink must not be followed). Raises OSError (EINVAL for a
-    file that is not regular). Uses the built-in posix module: nothing is imported."""
+def read_regular_file(path: str, limit: int, flags: int = 0, with_stat: bool = False):
+    """Up to `limit` bytes of the regular file at `path` (and its stat, `with_stat`). Opened
+    non-blocking and checked before reading: a FIFO or a device there (a bundle path the
+    runtime took from a user) must not block the hook until the runtime kills it. `flags`
+    are added to the open (O_NOFOLLOW where a planted symlink must not be followed). Raises
+    OSError (EINVAL for a file that is not regular). The one reader of files gpuhook does not
+    control (gpuhook.cache, gpuhook.install use it too). Uses the built-in posix module:
+    nothing is imported."""
     import posix
 
     fd = posix.open(path, posix.O_RDONLY | posix.O_NONBLOCK | posix.O_CLOEXEC | flags)
-    if posix.fstat(fd).st_mode & _S_IFMT != _S_IFREG:
+    st = posix.fstat(fd)
+    if st.st_mode & _S_IFMT != _S_IFREG:
         posix.close(fd)
         raise OSError(22, "not a regular file", path)
     with open(fd, "rb") as f:
-        return f.read(limit)
+        data = f.read(limit)
+    return (data, st) if with_stat else data
 
 
 def top_level_strings(data: bytes) -> dict[bytes, bytes] | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from gpuhook import config as cfg
 from gpuhook.errors import InputError
+from gpuhook.prescan import read_regular_file
 
 TARGETS = ("podman", "crio", "containerd", "runc-bundle", "docker")
 
@@ -302,27 +303,20 @@ def _read_text(path: str) -> str | None:
 
 
 def _read_bytes(path: str, want_stat: bool = False):
+    """The file at `path` (and its stat), never through a symlink, never blocking on a FIFO
+    (gpuhook.prescan.read_regular_file); None when it does not exist."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        data, st = read_regular_file(path, MAX_FILE_BYTES + 1, os.O_NOFOLLOW, with_stat=True)
     except FileNotFoundError:
         return None
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise InstallError(f"{path} is a symlink; gpuhook does not follow links when installing") from None
+        if err.errno == errno.EINVAL:
+            raise InstallError(f"{path} is not a regular file") from None
         raise InstallError(f"cannot read {path}: {err.strerror}") from err
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise InstallError(f"{path} is a directory, not a file")
-        if not stat.S_ISREG(st.st_mode):
-            raise InstallError(f"{path} is not a regular file")
-        data = os.read(fd, MAX_FILE_BYTES + 1)
-        if len(data) > MAX_FILE_BYTES:
-            raise InstallError(f"{path} is larger than {MAX_FILE_BYTES >> 20} MiB")
-    except OSError as err:
-        raise InstallError(f"cannot read {path}: {err.strerror}") from err
-    finally:
-        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise InstallError(f"{path} is larger than {MAX_FILE_BYTES >> 20} MiB")
     return (data, st) if want_stat else data
 
 
