@@ -113,14 +113,14 @@ def _no_device_files(params: bytes) -> bytes:
 def run(plan, state, config, deadline: float, names: dict, record: dict) -> Applied:
     """Carry out the whole plan: the container's devices and files and the cgroup grant
     (`begin`), the health step (check and repair the GPUs) while the worker works, then,
-    once both are fine, commit (`Pending.finish`), and record what poststop needs: the
-    cgroup v1 grant record (gpuhook.grants) and the health registry entry, which keeps the
-    container's Kubernetes `names` (journal.k8s_names). A failed health step undoes the
-    rest: the container never gets a GPU that failed its check. `record` (the hook's log
-    record) receives the decisions; nothing is read from it."""
+    once both are fine, commit (`Pending.finish`). What poststop needs is recorded on the
+    way: the health registry entry, with the container's Kubernetes `names`
+    (journal.k8s_names), before the commit (taken back if the start fails), and the cgroup
+    v1 grant record (gpuhook.grants) after it. A failed health step undoes the rest: the
+    container never gets a GPU that failed its check. `record` (the hook's log record)
+    receives the decisions; nothing is read from it."""
     if plan.empty:
         return Applied("", [], [], 0)
-    health = None
     pending = begin(plan, deadline)
     try:
         if plan.health is not None:
@@ -131,15 +131,21 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
             try:
                 # Cut off early enough that undoing the rest still fits in the hook's time.
                 health.before_start(plan, state, config, deadline - CLEANUP_MARGIN, record)
+                # Registered while the worker still works; taken back if the start fails.
+                entry = health.register_container(plan, state, config, names, record)
             except BaseException as err:
                 pending.abort(deadline, err)
                 raise
-        outcome = pending.finish(deadline)
-        # The records are written while the committed worker closes its files and exits.
+            try:
+                outcome = pending.finish(deadline)
+            except BaseException:
+                health.unregister(config, entry, record)
+                raise
+        else:
+            outcome = pending.finish(deadline)
+        # The grant record is written while the committed worker closes its files and exits.
         if outcome.cgroup_mode == hierarchy.V1 and plan.rules:
             _record_grant(plan, state, config, outcome, record)
-        if health is not None:
-            health.register_container(plan, state, config, names, record)
     finally:
         pending.close()
     return outcome

@@ -85,22 +85,36 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
     raise error
 
 
-def register_container(plan, state, config, names: dict, record: dict) -> None:
-    """Record the started container (its init, cgroups and GPUs) in the registry, so its GPU
-    processes are known as its own while it runs and as orphans once it is gone. Best effort:
-    a container that cannot be registered is only noted (its processes then count as
-    another container's: never killed)."""
+def register_container(plan, state, config, names: dict, record: dict):
+    """Record the container being started (its init, cgroups and GPUs) in the registry, so
+    its GPU processes are known as its own while it runs and as orphans once it is gone.
+    Returns the entry, for `unregister` should the start fail after all; None when there
+    is none. Best effort: a container that cannot be registered is only noted (its
+    processes then count as another container's: never killed)."""
     gpus = plan_gpus(plan)
     if not gpus:
-        return
+        return None
     # The Kubernetes names from the state's and the bundle's annotations (journal.k8s_names).
     kept = {key: names[key] for key in ("pod", "namespace", "container_name") if key in names}
     try:
         entry = registry.from_process(state.id, state.pid, gpus, kept)
         registry.record(config.state_dir, entry)
-        record["registered"] = {"pid": entry.pid, "cgroups": entry.cgroups}
     except (OSError, LookupError) as err:
         record["registered"] = f"not registered: {err}"
+        return None
+    record["registered"] = {"pid": entry.pid, "cgroups": entry.cgroups}
+    return entry
+
+
+def unregister(config, entry, record: dict) -> None:
+    """Take back `register_container`'s entry of a start that failed after it."""
+    if entry is None:
+        return
+    try:
+        registry.forget(config.state_dir, entry)
+        record["registered"] = "not registered: the start failed"
+    except OSError as err:
+        record["registered"] = f"the failed start's entry could not be removed: {err}"
 
 
 def after_stop(state, config, hook_deadline: float, record: dict) -> None:

@@ -169,6 +169,19 @@ def test_an_unrepairable_gpu_fails_the_start_with_one_line(hgpus, nvml_state):
     assert registry.load_all(hgpus.state_dir) == ()
 
 
+def test_a_start_that_fails_after_the_check_leaves_no_registry_entry(hgpus, nvml_state):
+    """The container is registered while the worker works; when the worker then fails (here
+    a mount makes /dev/nvidia0 a directory), the entry is taken back with the rest."""
+    def dir_at_node(spec):
+        spec["mounts"].append({"destination": "/dev/nvidia0", "type": "tmpfs", "source": "tmpfs"})
+
+    result = hgpus.run("late-failure", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=dir_at_node)
+    assert result.returncode != 0 and "exists and is a directory" in hook_message(result)
+    (line,) = hgpus.records("prestart")
+    assert line["health"]["ok"] is True and line["registered"] == "not registered: the start failed"
+    assert registry.load_all(hgpus.state_dir) == ()
+
+
 def test_warn_mode_starts_the_container_and_logs_the_failure(hgpus, nvml_state):
     hgpus.configure(health={"on-failure": "warn"})
     simnvml.set_gpu(nvml_state, 2, lost=True)
