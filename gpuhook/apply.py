@@ -121,6 +121,7 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
     receives the decisions; nothing is read from it."""
     if plan.empty:
         return Applied("", [], [], 0)
+    health = entry = None
     pending = begin(plan, deadline)
     try:
         if plan.health is not None:
@@ -136,13 +137,12 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
             except BaseException as err:
                 pending.abort(deadline, err)
                 raise
-            try:
-                outcome = pending.finish(deadline)
-            except BaseException:
-                health.unregister(config, entry, record)
-                raise
-        else:
+        try:
             outcome = pending.finish(deadline)
+        except BaseException:
+            if health is not None:
+                health.unregister(config, entry, record)
+            raise
         # The grant record is written while the committed worker closes its files and exits.
         if outcome.cgroup_mode == hierarchy.V1 and plan.rules:
             _record_grant(plan, state, config, outcome, record)

@@ -10,8 +10,9 @@ most MAX_LINE_BYTES long: long strings and lists are cut (a 1 MiB annotation mus
 1 MiB per start). A line still too long loses detail in steps, biggest field first, until it
 fits: a field is first kept shallow (its scalars, and the scalars of the records in its
 lists: a 16-GPU health report keeps each GPU's uuid and status), then dropped; the line then
-says what in `truncated`. Only if that fails are just the summary fields kept. `log-target` sends lines to the file (`log-file`), to syslog/journald through
-the `syslog-socket` datagram socket, or both (docs/logging.md).
+says what in `truncated`. Only if that fails are just the summary fields kept.
+`log-target` sends lines to the file (`log-file`), to syslog/journald through the
+`syslog-socket` datagram socket, or both (docs/logging.md).
 """
 
 from gpuhook import fastjson

@@ -33,7 +33,7 @@ import select
 import stat
 import time
 
-from gpuhook import child, fastjson, linux, mountinfo, safepath
+from gpuhook import child, fastjson, linux, mountinfo, safepath, workerproc
 
 CACHE_LIMIT = 32 << 20  # largest ld.so.cache accepted (a big image's is a few MiB)
 OUTPUT_LIMIT = 4096  # bytes of ldconfig's output kept for the log
@@ -181,9 +181,7 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, ne
         report["ok"] = True
     except BaseException as err:  # noqa: BLE001 - reported to the worker
         report["error"] = str(err) if isinstance(err, SandboxError) else _describe(err)
-    data = fastjson.dumps(report).encode()
-    while data:
-        data = data[os.write(out, data):]
+    workerproc.write_all(out, fastjson.dumps(report).encode())
     return 0
 
 

@@ -94,9 +94,7 @@ def _read_exactly(fd: int, count: int) -> bytes:
 
 
 def _send(out: int, message: dict) -> None:
-    data = (fastjson.dumps(message) + "\n").encode()
-    while data:
-        data = data[os.write(out, data):]
+    workerproc.write_all(out, (fastjson.dumps(message) + "\n").encode())
 
 
 def _send_quietly(out: int, message: dict) -> None:
@@ -192,7 +190,6 @@ class _Work:
         self.local: dict = {}  # host path -> the same file opened in the container's namespace
         self.ldconfig_fd = -1
         self.ldconfig_output = ""
-        self.shared_checked: set = set()  # mount ids known not to be shared
         self.mount_table = None
         self.dirs: dict = {}  # container dir -> O_PATH fd, resolved (or made) once
         self.unshared_dirs: set = set()  # fds in self.dirs whose mount is known not to be shared
@@ -367,15 +364,12 @@ class _Work:
         propagate to its peers, the host's mount table among them (a bidirectional volume,
         or rootfsPropagation "shared"). Every mount gpuhook makes stays in the container."""
         mount = mountinfo.mount_id(parent)
-        if mount in self.shared_checked:
-            return
         if self.mount_table is None:
             self.mount_table = {m.id: m for m in mountinfo.read()}
         found = self.mount_table.get(mount)
         if found is not None and found.shared:
             raise OSError(errno.EPERM, f"{target_path} is on a shared mount (propagation to other mount "
                                        f"namespaces, the host's included); gpuhook mounts nothing there")
-        self.shared_checked.add(mount)
 
     def _attach(self, target: int, target_path: str, options) -> bool:
         """Attach the detached clone of the source made on the host, its flags set and its

@@ -55,7 +55,7 @@ class Worker:
 
     def send_order(self, order: bytes) -> None:
         try:
-            _write_all(self.order_w, len(order).to_bytes(8, "little") + order)
+            write_all(self.order_w, len(order).to_bytes(8, "little") + order)
         except BrokenPipeError:
             self._reap()
             raise ApplyError("start the namespace worker", "the namespace worker died") from None
@@ -214,7 +214,8 @@ def discard() -> None:
         _exiting.pop().close()
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` to `fd` (a pipe may take it in parts)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
