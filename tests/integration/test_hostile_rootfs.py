@@ -288,6 +288,39 @@ def test_ldconfig_never_reaches_the_host_through_magic_links_or_special_files(gp
         assert result.probes()["/dev/nvidia0"]["read"] == "ENXIO"
 
 
+def test_an_aborted_start_puts_back_a_magic_linked_ld_cache_without_following_it(gpus, sentinel):
+    """The worker sets the image's ld.so.cache aside before installing its own, so that an
+    abort (here the cgroup grant, run meanwhile, fails) can put it back. Aside and back are
+    renames in the image's /etc: the link through /proc/1/root is never followed, and it is
+    the same link afterwards."""
+    (sentinel / "etc" / "ld.so.cache").write_text(HOST_SECRET)
+    link = f"/proc/1/root{sentinel}/etc/ld.so.cache"
+    parent = f"/sys/fs/cgroup/devices/gpuhook-hostile-{os.getpid()}"
+    os.makedirs(parent, exist_ok=True)
+    try:
+        with open(f"{parent}/devices.deny", "w") as f:
+            f.write("c 195:* rw")
+
+        def under_parent(spec):
+            spec["linux"]["cgroupsPath"] = f"/gpuhook-hostile-{os.getpid()}/aborted"
+
+        before = (host_mounts(), snapshot(str(sentinel)))
+        result = gpus.run("ld-link-aborted", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=under_parent,
+                          rootfs_setup=lambda rootfs: _link(rootfs, "/etc/ld.so.cache", link))
+        assert result.returncode != 0 and "cgroup: cannot allow" in result.stderr
+        assert (host_mounts(), snapshot(str(sentinel))) == before
+        assert os.readlink(result.rootfs + "/etc/ld.so.cache") == link
+        assert sorted(os.listdir(result.rootfs + "/etc")) == ["ld.so.cache", "ld.so.conf"]
+        assert HOST_SECRET not in result.stderr + json.dumps(gpus.log_lines())
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(parent)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 def test_swapping_etc_for_a_magic_link_while_ldconfig_scans_never_reaches_the_host(gpus, sentinel):
     """A second process (a sidecar sharing the rootfs) flips the image's /etc between a
     directory and a link to the host's /etc through /proc/1/root while ldconfig scans a big
