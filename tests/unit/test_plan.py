@@ -7,7 +7,7 @@ import pytest
 from gpuhook import config as cfg
 from gpuhook import oci
 from gpuhook import request as req
-from gpuhook.discover import ContainerFacts, Gpu, HostFile, Inventory, Library
+from gpuhook.discover import ContainerFacts, Gpu, HostFile, HostLdconfig, Inventory, Library
 from gpuhook.plan import make_plan, render_text
 from gpuhook.survey import Host
 
@@ -41,7 +41,8 @@ NODE_PATHS = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/de
 def host(container=GLIBC_IMAGE, node_info=lambda p: None, inventory=INV) -> Host:
     """A literal survey.Host: what discovery would have found."""
     nodes = {p: node_info(p) for p in NODE_PATHS if node_info(p) is not None}
-    return Host(inventory, None, None, container, nodes, (), None)
+    ldconfig = HostLdconfig("/sbin/ldconfig", None, None, None) if container.glibc else None
+    return Host(inventory, None, None, container, nodes, (), None, ldconfig)
 
 
 def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None, namespaces=(), **config):
