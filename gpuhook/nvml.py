@@ -131,7 +131,7 @@ def library_path(config) -> str:
     for lib in discover.libraries(config.driver_root, lib_dirs=config.driver_lib_dirs):
         if lib.bits == 64 and SYSTEM_LIBRARY in lib.sonames:
             return lib.host_path
-    raise HostError(f"no {SYSTEM_LIBRARY} in the ld cache of driver root {config.driver_root}",
+    raise HostError(f"no {SYSTEM_LIBRARY} among the driver's libraries under driver root {config.driver_root}",
                     "set nvml-library to the NVML library's path")
 
 
