@@ -413,7 +413,15 @@ def group_gpu(ctx) -> list:
     names = ["none", *SimGpu.VARIANTS]
     against = getattr(ctx.args, "against", None)
     if against:  # the same start with another tree's launcher, interleaved: an A/B in one run
-        other = H.hooksd_hook(ctx.hook["path"], launcher=os.path.abspath(against), extra_args=["--config", sim.config])
+        # Its own state dir: two trees whose inventory cache formats differ would otherwise
+        # rebuild each other's cache on every start.
+        with open(sim.config) as f:
+            lines = f.read().splitlines()
+        other_config = f"{sim.dir}/config-against.toml"
+        with open(other_config, "w") as f:
+            f.write("\n".join(f'state-dir = "{sim.sim["directory"]}/run-against"' if line.startswith("state-dir =")
+                              else line for line in lines) + "\n")
+        other = H.hooksd_hook(ctx.hook["path"], launcher=os.path.abspath(against), extra_args=["--config", other_config])
         _, visible, glibc, check = SimGpu.VARIANTS["static"]
         sim.add("against", runc_hook(other), visible, glibc, check)
         names.append("against")

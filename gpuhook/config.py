@@ -38,6 +38,16 @@ KEYS = (
     _key("driver-root", "path", "/",
          "Root under which the driver's libraries, binaries, firmware and ld cache are found: / on "
          "a normal host, the driver container's root (e.g. /run/nvidia/driver), or a simulated host."),
+    _key("driver-bin-dirs", "paths", [],
+         "Directories under driver-root that hold the driver's programs (nvidia-smi, nvidia-debugdump, "
+         "nvidia-persistenced, the MPS tools), searched in order. Empty means /usr/bin, /usr/sbin, /bin, "
+         "/sbin, /usr/local/nvidia/bin (GKE), /home/kubernetes/bin/nvidia/bin (COS), /usr/local/bin. Only ELF "
+         "programs are mounted: a shell wrapper of the same name (GKE's /usr/bin/nvidia-smi) is skipped."),
+    _key("driver-lib-dirs", "paths", [],
+         "Directories under driver-root that hold the driver's libraries (files named <lib>.so.<driver "
+         "version>), used instead of the driver root's ld cache. Empty means the ld cache, plus "
+         "/usr/local/nvidia/lib64 and /home/kubernetes/bin/nvidia/lib64 (and their lib) for libraries the "
+         "cache lacks (docs/driver-layouts.md)."),
     _key("dev-root", "path-or-empty", "",
          "Where the host's NVIDIA device nodes live (their mode and owner are copied); empty means "
          "<driver-root>/dev, falling back to /dev."),
@@ -73,9 +83,12 @@ KEYS = (
          "Where CDI specs (JSON or YAML) are read to resolve a CDI device whose name does not say "
          "which GPU it is (a DRA claim such as k8s.gpu.nvidia.com/claim=<uid>-gpu-0): the device "
          "nodes the spec injects name the GPUs. Specs must be root-owned and not writable by others."),
-    _key("ldconfig", "path", "/sbin/ldconfig",
-         "The HOST's ldconfig, run with an empty environment to update the container's ld cache. "
-         "Never taken from the image."),
+    _key("ldconfig", "path-or-empty", "",
+         "The HOST's ldconfig, run with an empty environment to update the container's ld cache; it must be "
+         "statically linked. Empty means the first static one of /sbin/ldconfig.real, /sbin/ldconfig, "
+         "/usr/sbin/ldconfig(.real), /usr/bin/ldconfig, /bin/ldconfig on the host, then in driver-root. A "
+         "path whose file is a wrapper script is replaced by its .real sibling (Ubuntu). Never taken from the "
+         "image."),
     _key("container-lib-dir", "path-or-empty", "",
          "Library directory in the container; empty picks /usr/lib/x86_64-linux-gnu (or the "
          "machine's multiarch dir) for Debian-family images, else /usr/lib64."),
@@ -244,6 +257,8 @@ class Config(_Table):
     """Validated settings: the top-level keys, and the sections as `health` and `plugin`."""
 
     driver_root: str
+    driver_bin_dirs: list
+    driver_lib_dirs: list
     dev_root: str
     proc_root: str
     sys_root: str

@@ -3,15 +3,19 @@
 Reading the host the expensive way (parsing the driver root's ld cache, resolving every
 library, NVML queries) happens once per host state. The cache key is made of everything
 that content depends on, all cheap to read on every start: the driver version
-(/proc/driver/nvidia/version), the boot id, the roots in the configuration, the list of GPU
-directories in /proc/driver/nvidia/gpus, the driver's MIG capability files (they change
-when MIG instances are made or destroyed), the nvidia lines of /proc/devices and the
-identity of the driver root's ld cache. IPC sockets are never cached: a daemon can come
-and go.
+(/proc/driver/nvidia/version), the boot id, the roots and driver dirs in the configuration,
+the list of GPU directories in /proc/driver/nvidia/gpus, the driver's capability files (MIG
+instances' files come and go with the instances), the nvidia lines of /proc/devices, the
+identity of the driver root's ld cache and of every directory discovery looks into for
+programs, data files (Xorg module, Vulkan/EGL/GLVND JSON), firmware and libraries no ld
+cache lists (discover.watched_dirs: a package installed later changes its directory). IPC
+sockets are never cached: a daemon can come and go.
 
 The NVML part (CUDA version, each GPU's brand, compute capability and MIG layout) is read
-only when something needs it (NVIDIA_REQUIRE_* constraints, MIG requests, a MIG host) and
-then kept in the same file under the same key: a start on an unchanged host loads no NVML.
+only when something needs it (NVIDIA_REQUIRE_* constraints, MIG requests, a host with MIG
+instances) and then kept in the same file: a start on an unchanged host loads no NVML. It
+depends only on the driver and the GPUs (NVML_KEY), so a driver file installed later
+rebuilds the inventory but keeps NVML's facts.
 """
 
 import os
@@ -19,7 +23,9 @@ import os
 from gpuhook import cache, discover
 from gpuhook.record import record
 
-FORMAT = 3  # 3: binaries also hold the graphics and display data files
+FORMAT = 4  # 4: the key holds the watched directories; binaries are ELF programs only
+# The parts of the key NVML's facts depend on: the driver, its GPUs and MIG instances.
+NVML_KEY = ("format", "boot_id", "driver_version", "roots", "gpu_dirs", "capabilities", "devices")
 
 
 class MigEntry(record("MigEntry", "index uuid gpu_instance_id compute_instance_id name")):
@@ -86,17 +92,32 @@ def fingerprint(config, driver_version: str) -> dict:
         "capabilities": list(discover.capabilities(proc)),
         "devices": devices,
         "ld_cache": ld_cache,
+        "driver_dirs": [config.driver_bin_dirs, config.driver_lib_dirs],
+        "watched": [_dir_identity(path) for path in discover.watched_dirs(config, driver_version)],
     }
 
 
+def _dir_identity(path: str):
+    """What changes when an entry of directory `path` is added, removed or renamed over."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_mtime_ns]
+
+
 def _cached(config):
-    """(key, cached document or None) for the host as it is now."""
+    """(key, cached document or None, NVML facts document of the same driver and GPUs or
+    None) for the host as it is now."""
     version = discover.driver_version(config.proc_root)
     key = fingerprint(config, version)
     doc = cache.read(cache_path(config))
-    if isinstance(doc, dict) and doc.get("key") == key:
-        return key, doc
-    return key, None
+    if not isinstance(doc, dict) or not isinstance(doc.get("key"), dict):
+        return key, None, None
+    old_key = doc["key"]
+    same_gpus = all(old_key.get(part) == key[part] for part in NVML_KEY)
+    facts = doc.get("nvml") if same_gpus and isinstance(doc.get("nvml"), dict) else None
+    return key, (doc if old_key == key else None), facts
 
 
 def read(config, want_facts: bool = False) -> tuple:
@@ -105,7 +126,7 @@ def read(config, want_facts: bool = False) -> tuple:
     (only with `want_facts`) from the cache, else from NVML. `pending` is the cache document
     to write (`write_cache`), or None when the cache is current: the caller decides whether
     and where to write (the hook does it in one place; dry runs never)."""
-    key, doc = _cached(config)
+    key, doc, facts_doc = _cached(config)
     inventory = None
     if doc is not None:
         try:
@@ -116,13 +137,16 @@ def read(config, want_facts: bool = False) -> tuple:
     if inventory is None:
         inventory = discover.inventory(config)
         pending = {"key": key, "inventory": discover.inventory_to_dict(inventory)}
+        if facts_doc is not None:
+            pending["nvml"] = facts_doc  # the driver and GPUs are the same: NVML would say the same
     if not want_facts:
         return inventory, None, None, pending
-    if doc is not None and isinstance(doc.get("nvml"), dict):
+    if facts_doc is not None:
         try:
-            return inventory, NvmlFacts.from_dict(doc["nvml"]), CACHED, pending
+            return inventory, NvmlFacts.from_dict(facts_doc), CACHED, pending
         except (KeyError, TypeError, ValueError, AttributeError):
-            pass
+            if pending is not None:
+                pending.pop("nvml", None)
     facts, lost = _query_nvml(config)
     if lost:
         return inventory, facts, QUERIED, pending  # a lost GPU is a moment's state, not the host's: never cache it

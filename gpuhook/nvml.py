@@ -119,18 +119,19 @@ def brand_name(value: int) -> str:
 
 def library_path(config) -> str:
     """The NVML library to load for `config`: `nvml-library` if set; else the system's
-    libnvidia-ml.so.1 (the dynamic linker's when driver-root is /, else the one in the driver
-    root's ld cache, e.g. a driver container's)."""
+    libnvidia-ml.so.1 (the dynamic linker's when driver-root is / and no driver-lib-dirs are
+    named, else the driver's own: in the driver root's ld cache, e.g. a driver container's,
+    or in the driver's library dirs)."""
     if config.nvml_library:
         return config.nvml_library
-    if config.driver_root == "/":
+    if config.driver_root == "/" and not config.driver_lib_dirs:
         return SYSTEM_LIBRARY
     from gpuhook import discover
 
-    for lib in discover.libraries(config.driver_root):
+    for lib in discover.libraries(config.driver_root, lib_dirs=config.driver_lib_dirs):
         if lib.bits == 64 and SYSTEM_LIBRARY in lib.sonames:
             return lib.host_path
-    raise HostError(f"no {SYSTEM_LIBRARY} in the ld cache of driver root {config.driver_root}",
+    raise HostError(f"no {SYSTEM_LIBRARY} among the driver's libraries under driver root {config.driver_root}",
                     "set nvml-library to the NVML library's path")
 
 

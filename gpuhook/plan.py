@@ -175,7 +175,12 @@ def make_plan(state, spec, request, host, config) -> Plan:
                          tuple(name for name in cap_names if name in inventory.capabilities))
     ldcache = None
     if ld_dirs and container.glibc:
-        ldcache = LdCacheUpdate(config.ldconfig, tuple(ld_dirs))
+        ldconfig = host.ldconfig  # discover.find_ldconfig: a static one, or why there is none
+        if ldconfig.path is None:
+            raise HostError(ldconfig.problem, ldconfig.hint)
+        if ldconfig.note:
+            notes.append(ldconfig.note)
+        ldcache = LdCacheUpdate(ldconfig.path, tuple(ld_dirs))
     elif ld_dirs:
         notes.append("the image has no glibc (no ld cache, ld.so.conf or loader): ld cache not updated")
     if host.facts_source:

@@ -17,7 +17,7 @@ from gpuhook.record import record
 MAX_CAPS_NODES = 4096  # /dev/nvidia-caps entries looked at
 
 
-class Host(record("Host", "inventory facts facts_source container nodes cdi_nodes cache")):
+class Host(record("Host", "inventory facts facts_source container nodes cdi_nodes cache ldconfig")):
     """What one start needs to know.
 
     `inventory` (discover.Inventory) and `facts` (inventory.NvmlFacts, None when nothing
@@ -25,7 +25,8 @@ class Host(record("Host", "inventory facts facts_source container nodes cdi_node
     ContainerFacts) the image's library dirs and glibc; `nodes` maps a container device path
     (/dev/nvidia0) to the host node's (mode, uid, gid, host path); `cdi_nodes` the GPU nodes
     of CDI names only a spec resolves (gpuhook.cdi); `cache` the inventory cache document to
-    write, or None."""
+    write, or None; `ldconfig` the host's ldconfig (discover.HostLdconfig) for a glibc
+    image, None for others."""
 
     __slots__ = ()
 
@@ -38,14 +39,17 @@ def survey(request, spec, config) -> Host:
 
         cdi_nodes = req.gpu_nodes(cdi.resolve(request.cdi, config.cdi_spec_dirs))
     names_mig = request._replace(nodes=request.nodes + cdi_nodes).names_mig
-    # NVML only when something needs it: NVIDIA_REQUIRE_* constraints, MIG, or a host whose
-    # driver lists MIG capability files (the cheap check: the cached inventory first).
+    # NVML only when something needs it: NVIDIA_REQUIRE_* constraints, a request naming MIG
+    # devices, or a host with MIG instances (their capability files; the cached inventory
+    # first). The capability files every driver makes (mig/config, mig/monitor) say nothing
+    # about MIG mode: an H200 with MIG off has them too (discover.has_mig_instances).
     inventory, _, _, pending = inv.read(config)
     facts = source = None
-    if request.requirements or names_mig or inventory.capabilities:
+    if request.requirements or names_mig or discover.has_mig_instances(inventory.capabilities):
         inventory, facts, source, pending = inv.read(config, want_facts=True)
     container = discover.container_facts(spec.rootfs, config)
-    return Host(inventory, facts, source, container, host_nodes(config, inventory), cdi_nodes, pending)
+    ldconfig = discover.find_ldconfig(config.ldconfig, config.driver_root) if container.glibc else None
+    return Host(inventory, facts, source, container, host_nodes(config, inventory), cdi_nodes, pending, ldconfig)
 
 
 def write_caches(config, host: Host) -> None:

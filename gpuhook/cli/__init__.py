@@ -26,6 +26,7 @@ COMMANDS = {
     "simulate": ("simcmd", "simulate", "Build a simulated NVIDIA GPU host in a directory."),
     "list": ("hostcmd", "list_gpus", "List the host's GPUs as the hook sees them."),
     "config": ("hostcmd", "show_config", "Show the effective configuration and where it came from."),
+    "doctor": ("doctorcmd", "doctor", "Check this host's setup (driver, ldconfig, cgroups, NVML, runtimes) before a start fails."),
     "demo": ("democmd", "demo", "Start a real runc container with simulated GPUs injected by gpuhook."),
     "cgroup": ("cgroupcmd", "cgroup", "Show a container's device rules (cgroup v1 or v2) and whether systemd knows them."),
     "cdi": ("cdicmd", "cdi", "Generate a CDI spec for this host with gpuhook as its hook."),

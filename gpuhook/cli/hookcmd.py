@@ -32,7 +32,8 @@ def _start_command(stage: str):
     @click.command(name=stage, help=(
         f"Run the {stage} hook: read the OCI state (stdin or --state) and give the container "
         "the GPUs it requested, checked first. With --dry-run, print the plan and change "
-        "nothing (not even gpuhook's own caches)."
+        "nothing (not even gpuhook's own caches); its notes also name host problems that would "
+        "fail other starts (gpuhook doctor --quick)."
     ))
     @CONFIG_OPTION
     @STATE_OPTION
@@ -52,7 +53,12 @@ def _start_command(stage: str):
             deviations = ["state not checked against the OCI schema: jsonschema is not installed"]
         else:
             deviations = [f"state deviates from the OCI schema (accepted leniently): {d}" for d in found]
-        plan = plan._replace(notes=plan.notes + tuple(deviations))
+        from gpuhook import preflight
+
+        # What would fail other starts on this host (gpuhook doctor --quick), as notes.
+        host = [f"host: {c.name}: {c.summary}" + (f" ({c.hint})" if c.hint else "")
+                for c in preflight.problems(preflight.run(config, quick=True))]
+        plan = plan._replace(notes=plan.notes + tuple(deviations) + tuple(host))
         if as_json:
             click.echo(json.dumps(plan.as_dict(), indent=2))
         else:

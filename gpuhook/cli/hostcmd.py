@@ -1,4 +1,5 @@
-"""`gpuhook list` and `gpuhook config`: what the hook sees on this host."""
+"""`gpuhook list` and `gpuhook config`: what the hook sees on this host (and, as warnings,
+what `gpuhook doctor --quick` finds wrong with it)."""
 
 import json
 import os
@@ -13,7 +14,8 @@ from gpuhook.cli import CONFIG_OPTION
 @click.command(name="list", help=(
     "List the host's GPUs and MIG devices as the hook sees them: /proc/driver/nvidia for "
     "identity, NVML (through the inventory cache) for brand, compute capability, CUDA version "
-    "and MIG layout. Without NVML the list still shows what /proc says."
+    "and MIG layout. Without NVML the list still shows what /proc says. Host problems that would "
+    "fail GPU starts (`gpuhook doctor --quick`) are printed as warnings on stderr."
 ))
 @CONFIG_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -35,9 +37,13 @@ def list_gpus(config_path, as_json):
                          mig_devices=[dict(d._asdict(), id=f"{gpu.index}:{d.index}")
                                       for d in (known.mig_devices if known and known.mig_mode else ())]))
     if as_json:
+        from gpuhook import preflight
+
         click.echo(json.dumps({"driver_version": host.driver_version,
                                "cuda_version": facts.cuda_version if facts else None,
-                               "nvml": source, "nvml_error": problem, "gpus": rows}, indent=2))
+                               "nvml": source, "nvml_error": problem, "gpus": rows,
+                               "host_problems": [c.as_dict() for c in
+                                                 preflight.problems(preflight.run(config, quick=True))]}, indent=2))
         return
     cuda = f", CUDA {facts.cuda_version}" if facts else ""
     click.echo(f"driver {host.driver_version}{cuda}, {len(rows)} GPU(s)")
@@ -52,6 +58,17 @@ def list_gpus(config_path, as_json):
         click.echo(f"NVML: {problem}", err=True)
     elif source:
         click.echo(f"({source})")
+    warn_about_host(config)
+
+
+def warn_about_host(config) -> None:
+    """One stderr line per quick preflight check that is not ok (`gpuhook doctor` has them
+    all): a host problem that fails every start shows before a container meets it."""
+    from gpuhook import preflight
+
+    for check in preflight.problems(preflight.run(config, quick=True)):
+        hint = f" ({check.hint})" if check.hint else ""
+        click.echo(f"warning: {check.name}: {check.summary}{hint}", err=True)
 
 
 @click.command(name="config", help="Show the effective configuration: every key, its value, and the source file.")

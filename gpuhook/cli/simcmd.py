@@ -43,13 +43,18 @@ def _parse_mig(values) -> dict:
 @click.option("--numa-nodes", default=1, show_default=True, type=int,
               help="NUMA nodes the GPUs are spread over, in bus order (sysfs numa_node; the device plugin's "
                    "topology).")
+@click.option("--layout", type=click.Choice(host.LAYOUTS), default="distro", show_default=True,
+              help="Where the driver's files lie in the driver root: distro (ld cache, /usr/bin), gke "
+                   "(/usr/local/nvidia/{bin,lib64} with shell wrappers in /usr/bin, no ld cache entries) or "
+                   "driver-container (NVIDIA's driver container root, with Ubuntu's ldconfig wrapper as the "
+                   "configured ldconfig); docs/driver-layouts.md.")
 def simulate(directory, gpus, driver_version, cuda_version, model, brand, mig, nvml_latency_ms, nvml_init_latency_ms,
-             numa_nodes):
+             numa_nodes, layout):
     built = host.build(directory, gpus=gpus, driver_version=driver_version, model=model, cuda_version=cuda_version,
                        brand=brand, mig=_parse_mig(mig), nvml_latency_ms=nvml_latency_ms,
-                       nvml_init_latency_ms=nvml_init_latency_ms, numa_nodes=numa_nodes)
+                       nvml_init_latency_ms=nvml_init_latency_ms, numa_nodes=numa_nodes, layout=layout)
     click.echo(f"simulated host with {len(built['gpus'])} GPU(s), driver {built['driver_version']} "
-               f"(CUDA {built['cuda_version']}), in {built['directory']}")
+               f"(CUDA {built['cuda_version']}), {built['layout']} layout, in {built['directory']}")
     for gpu in built["gpus"]:
         click.echo(f"  GPU {gpu['index']}  {gpu['uuid']}  {gpu['bus_id']}  {gpu['model']}  brand {gpu['brand']}  "
                    f"NUMA node {gpu['numa_node']}")

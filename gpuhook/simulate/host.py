@@ -6,12 +6,15 @@ The GPU is the only fake in gpuhook's tests and demo; everything around it is re
                   compiler, NVIDIA's sonames and versioned file names), an ld cache made by
                   the host's ldconfig, static binaries (nvidia-smi, ...), GSP firmware, the
                   persistenced socket. libnvidia-ml is a working simulated NVML
-                  (csrc/nvml_sim.c) and nvidia-smi can reset a simulated GPU.
+                  (csrc/nvml_sim.c) and nvidia-smi can reset a simulated GPU. Where in it
+                  the files lie follows `layout` (LAYOUTS; docs/driver-layouts.md).
     DIR/dev/      device nodes with NVIDIA's numbers (major 195; nvidia-uvm and nvidia-caps
                   on free majors; nvidia-caps/nvidia-capN for MIG hosts)
     DIR/proc/     devices, driver/nvidia/{version,params,registry}, one
-                  driver/nvidia/gpus/<bus>/information per GPU; for MIG hosts
-                  driver/nvidia-caps/mig-minors and driver/nvidia/capabilities/
+                  driver/nvidia/gpus/<bus>/information per GPU, driver/nvidia-caps/mig-minors
+                  and driver/nvidia/capabilities/ as the driver makes them on every host
+                  (mig/config, mig/monitor, gpu<minor>/mig/), with the access files of the
+                  MIG instances of MIG hosts
     DIR/nvml.json     the simulated NVML's state: GPUs, MIG devices, faults, latencies
                       (gpuhook.simulate.nvml edits it; docs/simulated-host.md)
     DIR/config.toml   points gpuhook at all of the above
@@ -64,6 +67,9 @@ MIG_CONFIG_MINOR = 1
 MIG_MONITOR_MINOR = 2
 MIG_GPU_INSTANCES = 15
 MIG_COMPUTE_INSTANCES = 8
+# The sys-minors table's one entry (nv-caps.c numbers its tables in order: nvlink's one entry,
+# MIG's config and monitor, every GPU's 32 x 135 instance slots, then sys).
+IMEX_MINOR = MIG_MONITOR_MINOR + 1 + 32 * MIG_GPU_INSTANCES * (1 + MIG_COMPUTE_INSTANCES)
 
 # Sonames as NVIDIA ships them: "1"-style ABI versions, or the full driver version ("V").
 SONAME_SUFFIX = {
@@ -80,6 +86,33 @@ SONAME_SUFFIX = {
 }
 TOOLS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
          "nvidia-cuda-mps-server")
+# Where the driver's files lie in the driver root (docs/driver-layouts.md):
+# - distro: a distribution's packages or NVIDIA's installer: libraries in the multiarch dir,
+#   listed in the ld cache; programs in /usr/bin;
+# - gke: GKE's layout: everything under /usr/local/nvidia/{bin,lib64}, which no ld cache lists,
+#   and in /usr/bin a shell wrapper per program that sets LD_LIBRARY_PATH and execs the real
+#   one (what the H200 host of docs/driver-layouts.md had);
+# - driver-container: the root of NVIDIA's (Ubuntu-based) driver container, as mounted at
+#   /run/nvidia/driver: the distro layout plus its own ldconfig, /sbin/ldconfig being Ubuntu's
+#   shell wrapper in front of /sbin/ldconfig.real; config.toml names that wrapper as the
+#   ldconfig, as NVIDIA's GPU operator does ("@/run/nvidia/driver/sbin/ldconfig").
+LAYOUTS = ("distro", "gke", "driver-container")
+GKE_PREFIX = "/usr/local/nvidia"
+# The wrappers' text: the shape of the one in front of nvidia-smi on that host.
+WRAPPER = """#!/bin/sh
+# Not the driver's program: a wrapper that finds the driver's libraries and runs the real one.
+export LD_LIBRARY_PATH={prefix}/lib64${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}
+exec {prefix}/bin/{name} "$@"
+"""
+# Ubuntu's /sbin/ldconfig (libc-bin), in short: it defers to a dpkg trigger during package
+# installs and otherwise runs the real, static ldconfig.
+UBUNTU_LDCONFIG = """#!/bin/sh
+if test $# = 0 && test x"$LDCONFIG_NOTRIGGER" = x && test x"$DPKG_MAINTSCRIPT_PACKAGE" != x \\
+    && dpkg-trigger --check-supported 2>/dev/null; then
+    if dpkg-trigger --no-await ldconfig; then exit 0; fi
+fi
+exec /sbin/ldconfig.real "$@"
+"""
 BUILD_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
@@ -211,13 +244,15 @@ def _check_target(directory: str) -> None:
 def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VERSION,
           model: str = DEFAULT_MODEL, seed: str = "default", machine: str | None = None,
           cuda_version: str | None = None, brand: str = DEFAULT_BRAND, mig: dict | None = None,
-          nvml_latency_ms: int = 0, nvml_init_latency_ms: int = 0, numa_nodes: int = 1) -> dict:
+          nvml_latency_ms: int = 0, nvml_init_latency_ms: int = 0, numa_nodes: int = 1,
+          layout: str = "distro") -> dict:
     """Create the simulated host under `directory` (replacing an earlier one there).
 
     `cuda_version` defaults to the driver branch's; `mig` maps GPU indices to MIG layouts
     (lists of profiles; empty for DEFAULT_MIG_LAYOUT) for GPUs that start in MIG mode;
     `nvml_latency_ms` is slept in every simulated NVML call, `nvml_init_latency_ms` in nvmlInit;
-    the GPUs are spread over `numa_nodes` NUMA nodes in bus order (DIR/sys/bus/pci/devices).
+    the GPUs are spread over `numa_nodes` NUMA nodes in bus order (DIR/sys/bus/pci/devices);
+    `layout` (LAYOUTS) is where the driver's files lie in the driver root.
     """
     if os.geteuid() != 0:
         raise SimulationError("simulate needs root: it creates device nodes and runs ldconfig -r")
@@ -232,6 +267,8 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
     major, _, minor = cuda_version.partition(".")
     if not (major.isdigit() and minor.isdigit()):
         raise SimulationError(f"--cuda-version must look like 12.4, not {cuda_version!r}")
+    if layout not in LAYOUTS:
+        raise SimulationError(f"--layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if brand not in BRANDS:
         raise SimulationError(f"--brand must be one of {', '.join(BRANDS)}, not {brand!r}")
     layouts = {}
@@ -255,13 +292,8 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
         _check_target(directory)
 
     driver = f"{directory}/driver"
-    libdir = f"{driver}/usr/lib/{multiarch}"
     state_file = simnvml.state_path(directory)
-    os.makedirs(libdir)
-    _build_libraries(libdir, driver_version, state_file)
-    _write(f"{driver}/etc/ld.so.conf", f"/usr/lib/{multiarch}\n")
-    _run(["ldconfig", "-r", driver], "ldconfig for the simulated driver root")
-    _build_tools(f"{driver}/usr/bin", driver_version, state_file)
+    libdir, bindir, extra = _lay_out_driver(driver, layout, multiarch, driver_version, state_file)
     firmware = f"{driver}/lib/firmware/nvidia/{driver_version}"
     os.makedirs(firmware)
     for name in ("gsp_ga10x.bin", "gsp_tu10x.bin"):
@@ -302,6 +334,7 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
             os.mknod(f"{dev}/{name}", stat.S_IFCHR | 0o666, os.makedev(major, minor))
     finally:
         os.umask(old_umask)
+    _write_capabilities(directory, records)
     if layouts:
         _write_mig_caps(directory, records, caps_major)
 
@@ -312,7 +345,7 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
 
     values = {"driver-root": driver, "dev-root": dev, "proc-root": proc, "sys-root": f"{directory}/sys",
               "log-file": f"{directory}/gpuhook.log",
-              "state-dir": f"{directory}/run", "nvml-library": nvml_library}
+              "state-dir": f"{directory}/run", "nvml-library": nvml_library, **extra}
     # A JSON string is a valid TOML basic string: quotes and backslashes in paths survive.
     config_text = "# Written by `gpuhook simulate`: points gpuhook at the simulated host in this directory.\n" + \
         "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
@@ -327,9 +360,56 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
         "config": f"{directory}/config.toml",
         "nvml_state": state_file,
         "nvml_library": nvml_library,
+        "layout": layout,
+        "driver_root": driver,
+        "bin_dir": bindir,
+        "lib_dir": libdir,
     }
     _write(f"{directory}/{MARKER}", json.dumps(host, indent=2) + "\n")
     return host
+
+
+def _lay_out_driver(driver: str, layout: str, multiarch: str, version: str, state_file: str) -> tuple:
+    """Build the driver's libraries and programs where `layout` puts them; returns (library
+    dir, program dir, config keys the layout needs)."""
+    extra: dict = {}
+    if layout == "gke":
+        libdir, bindir = f"{driver}{GKE_PREFIX}/lib64", f"{driver}{GKE_PREFIX}/bin"
+        os.makedirs(libdir)
+        _build_libraries(libdir, version, state_file)
+        # The soname links NVIDIA's installer makes (no ld cache lists this directory).
+        _run(["ldconfig", "-n", libdir], "soname links for the simulated driver libraries")
+        _write(f"{driver}/etc/ld.so.conf", "")  # the host's ld cache knows nothing of the driver
+        _run(["ldconfig", "-r", driver], "ldconfig for the simulated driver root")
+        _build_tools(bindir, version, state_file)
+        for name in TOOLS:
+            _write(f"{driver}/usr/bin/{name}", WRAPPER.format(prefix=GKE_PREFIX, name=name), 0o755)
+        return libdir, bindir, extra
+    libdir, bindir = f"{driver}/usr/lib/{multiarch}", f"{driver}/usr/bin"
+    os.makedirs(libdir)
+    _build_libraries(libdir, version, state_file)
+    _write(f"{driver}/etc/ld.so.conf", f"/usr/lib/{multiarch}\n")
+    _run(["ldconfig", "-r", driver], "ldconfig for the simulated driver root")
+    _build_tools(bindir, version, state_file)
+    if layout == "driver-container":
+        os.makedirs(f"{driver}/sbin", exist_ok=True)
+        shutil.copy2(_static_ldconfig(), f"{driver}/sbin/ldconfig.real")
+        _write(f"{driver}/sbin/ldconfig", UBUNTU_LDCONFIG, 0o755)
+        extra["ldconfig"] = f"{driver}/sbin/ldconfig"
+    return libdir, bindir, extra
+
+
+def _static_ldconfig() -> str:
+    """This machine's statically linked ldconfig, to stand for a driver container's own."""
+    from gpuhook import elf
+
+    for path in ("/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig", "/usr/bin/ldconfig"):
+        try:
+            if elf.read(path).static:
+                return path
+        except (OSError, ValueError):
+            continue
+    raise SimulationError("the driver-container layout copies this machine's static ldconfig; found none")
 
 
 def _c_string(text: str) -> str:
@@ -394,9 +474,14 @@ def _gpu_state(gpu: dict, mig_mode: bool) -> dict:
     )
 
 
-def _write_mig_caps(directory: str, gpus: list, caps_major: int) -> None:
-    """The driver's MIG capability table and files, and nvidia-modprobe's device nodes for
-    the MIG devices that exist (docs/runtime-facts.md §4)."""
+def _capability_file(minor: int, mode: int) -> str:
+    return f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"
+
+
+def _write_capabilities(directory: str, gpus: list) -> None:
+    """What the driver makes on every host, MIG or not (docs/runtime-facts.md §4): the MIG
+    minor table, mig/config, mig/monitor and fabric-imex-mgmt, and an empty gpu<minor>/mig
+    directory per GPU. An H200 with MIG off lists exactly these."""
     lines = [f"config {MIG_CONFIG_MINOR}", f"monitor {MIG_MONITOR_MINOR}"]
     for gpu in gpus:
         for gi in range(MIG_GPU_INSTANCES):
@@ -404,7 +489,17 @@ def _write_mig_caps(directory: str, gpus: list, caps_major: int) -> None:
             lines += [f"gpu{gpu['minor']}/gi{gi}/ci{ci}/access {mig_minor(gpu['minor'], gi, ci)}"
                       for ci in range(MIG_COMPUTE_INSTANCES)]
     _write(f"{directory}/proc/driver/nvidia-caps/mig-minors", "\n".join(lines) + "\n", 0o444)
+    capabilities = f"{directory}/proc/driver/nvidia/capabilities"
+    _write(f"{capabilities}/mig/config", _capability_file(MIG_CONFIG_MINOR, 0o400), 0o444)
+    _write(f"{capabilities}/mig/monitor", _capability_file(MIG_MONITOR_MINOR, 0o444), 0o444)
+    _write(f"{capabilities}/fabric-imex-mgmt", _capability_file(IMEX_MINOR, 0o400), 0o444)
+    for gpu in gpus:
+        os.makedirs(f"{capabilities}/gpu{gpu['minor']}/mig", exist_ok=True)
 
+
+def _write_mig_caps(directory: str, gpus: list, caps_major: int) -> None:
+    """The capability files of the MIG instances that exist, and nvidia-modprobe's device
+    nodes for them (docs/runtime-facts.md §4)."""
     capabilities = f"{directory}/proc/driver/nvidia/capabilities"
     nodes = [("mig/config", MIG_CONFIG_MINOR, 0o400), ("mig/monitor", MIG_MONITOR_MINOR, 0o444)]
     for gpu in gpus:
@@ -417,8 +512,7 @@ def _write_mig_caps(directory: str, gpus: list, caps_major: int) -> None:
     old_umask = os.umask(0)
     try:
         for name, minor, mode in nodes:
-            _write(f"{capabilities}/{name}", f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n",
-                   0o444)
+            _write(f"{capabilities}/{name}", _capability_file(minor, mode), 0o444)
             node = f"{caps_dev}/nvidia-cap{minor}"
             if not os.path.exists(node):
                 os.mknod(node, stat.S_IFCHR | mode, os.makedev(caps_major, minor))

@@ -52,6 +52,73 @@ def test_a_changed_host_rebuilds_the_cache(host, change):
     assert stored == json.loads(json.dumps(discover.inventory_to_dict(second)))
 
 
+# Files discovery depends on besides the ld cache, installed after the first start: each must
+# reach the next start without a reboot (the cache key covers their directories).
+LATE_FILES = {
+    "vulkan icd": ("/usr/share/vulkan/icd.d/nvidia_icd.json", "graphics"),
+    "egl vendor": ("/usr/share/glvnd/egl_vendor.d/10_nvidia.json", "graphics"),
+    "xorg module": ("/usr/lib/xorg/modules/drivers/nvidia_drv.so", "display"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(LATE_FILES))
+def test_a_driver_data_file_installed_later_reaches_the_next_start(host, what):
+    tmp_path, config = host
+    path, capability = LATE_FILES[what]
+    first = inventory.load(config)
+    assert path not in {b.container_path for b in first.binaries}
+    target = tmp_path / ("driver" + path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text('{"file_format_version": "1.0.0"}\n')
+    found = {b.container_path: b.capability for b in inventory.load(config).binaries}
+    assert found.get(path) == capability
+
+
+def test_a_real_program_installed_later_replaces_a_wrapper(host):
+    """A layout whose only nvidia-smi was a wrapper script, until the driver's own dir got the
+    real one (an ELF program: here the simulated one)."""
+    tmp_path, config = host
+    smi = tmp_path / "driver/usr/bin/nvidia-smi"
+    real = smi.read_bytes()
+    smi.write_text("#!/bin/sh\nexec /usr/local/nvidia/bin/nvidia-smi \"$@\"\n")
+    first = inventory.load(config)
+    assert "/usr/bin/nvidia-smi" not in {b.container_path for b in first.binaries}
+    (tmp_path / "driver/usr/local/nvidia/bin").mkdir(parents=True)
+    (tmp_path / "driver/usr/local/nvidia/bin/nvidia-smi").write_bytes(real)
+    found = {b.container_path: b.host_path for b in inventory.load(config).binaries}
+    assert found["/usr/bin/nvidia-smi"] == str(tmp_path / "driver/usr/local/nvidia/bin/nvidia-smi")
+
+
+def test_nvml_facts_survive_a_driver_file_installed_later(host, sim_host, monkeypatch):
+    """Facts NVML gave depend on the driver and the GPUs only: a new data file rebuilds the
+    inventory but loads no NVML again."""
+    tmp_path, config = host
+    config = cfg.from_mapping({**{k.replace("_", "-"): v for k, v in config.as_dict().items()},
+                               "nvml-library": sim_host["nvml_library"]})
+    facts, source = inventory.nvml_facts(config)
+    assert source == inventory.QUERIED
+    target = tmp_path / "driver/usr/share/vulkan/icd.d/nvidia_icd.json"
+    target.parent.mkdir(parents=True)
+    target.write_text("{}\n")
+    monkeypatch.setattr(inventory, "_query_nvml", lambda c: pytest.fail("asked NVML again"))
+    again, source = inventory.nvml_facts(config)
+    assert (again, source) == (facts, inventory.CACHED)
+    assert "/usr/share/vulkan/icd.d/nvidia_icd.json" in {b.container_path for b in inventory.load(config).binaries}
+
+
+def test_a_cold_start_on_a_host_without_mig_instances_loads_no_nvml(gpus, sim_host):
+    """The driver makes mig/config, mig/monitor and a gpu<minor>/mig directory on every host:
+    an H200 with MIG off lists them (so does the simulated host). Only a GPU instance's
+    access file means MIG devices exist; without one, nothing in this start needs NVML."""
+    caps = discover.capabilities(f"{sim_host['directory']}/proc")
+    assert "mig/config" in caps and not any("/gi" in path for path in caps)
+    gpus.configure(health={"mode": "off"})
+    result = gpus.run("cold-no-mig", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode == 0, result.stderr
+    record = gpus.log_lines()[-1]
+    assert record["decision"] == "gpus injected" and record["nvml"] == "not loaded", record
+
+
 def test_damaged_cache_is_rebuilt(host):
     tmp_path, config = host
     first = inventory.load(config)

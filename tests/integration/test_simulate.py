@@ -53,8 +53,18 @@ def test_config_and_state_point_at_the_simulated_nvml(sim_host):
            ("nvidia", True, False, simhost.MEMORY_TOTAL)
 
 
-def test_a_host_without_mig_has_no_mig_capability_files(sim_host):
-    assert not os.path.exists(f"{sim_host['directory']}/proc/driver/nvidia-caps")
+def test_a_host_without_mig_has_the_capability_files_every_driver_makes_and_no_instance(sim_host):
+    """As an H200 with MIG off: the MIG minor table, mig/config, mig/monitor, fabric-imex-mgmt
+    and an empty gpu<minor>/mig per GPU (NVIDIA's open kernel modules: nv-caps.c, os.c), but
+    no GPU instance's files and no nvidia-caps nodes."""
+    proc = f"{sim_host['directory']}/proc/driver"
+    assert os.path.exists(f"{proc}/nvidia-caps/mig-minors")
+    found = sorted(os.path.relpath(os.path.join(d, f), f"{proc}/nvidia/capabilities")
+                   for d, dirs, files in os.walk(f"{proc}/nvidia/capabilities") for f in files + dirs)
+    assert found == ["fabric-imex-mgmt", "gpu0", "gpu0/mig", "gpu1", "gpu1/mig", "gpu2", "gpu2/mig", "gpu3", "gpu3/mig",
+                     "mig", "mig/config", "mig/monitor"]
+    with open(f"{proc}/nvidia/capabilities/mig/config") as f:
+        assert f.read() == "DeviceFileMinor: 1\nDeviceFileMode: 256\nDeviceFileModify: 1\n"
     assert not os.path.exists(f"{sim_host['directory']}/dev/nvidia-caps")
 
 

@@ -7,7 +7,8 @@ import pytest
 from gpuhook import config as cfg
 from gpuhook import oci
 from gpuhook import request as req
-from gpuhook.discover import ContainerFacts, Gpu, HostFile, Inventory, Library
+from gpuhook.discover import ContainerFacts, Gpu, HostFile, HostLdconfig, Inventory, Library
+from gpuhook.errors import HostError
 from gpuhook.plan import make_plan, render_text
 from gpuhook.survey import Host
 
@@ -41,7 +42,8 @@ NODE_PATHS = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/de
 def host(container=GLIBC_IMAGE, node_info=lambda p: None, inventory=INV) -> Host:
     """A literal survey.Host: what discovery would have found."""
     nodes = {p: node_info(p) for p in NODE_PATHS if node_info(p) is not None}
-    return Host(inventory, None, None, container, nodes, (), None)
+    ldconfig = HostLdconfig("/sbin/ldconfig", None, None, None) if container.glibc else None
+    return Host(inventory, None, None, container, nodes, (), None, ldconfig)
 
 
 def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None, namespaces=(), **config):
@@ -124,6 +126,22 @@ def test_image_without_glibc_gets_no_ld_cache_update():
     plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0"], container=ContainerFacts("/usr/lib64", "/usr/lib", False))
     assert plan.ldcache is None and any("no glibc" in n for n in plan.notes)
     assert "/usr/lib64/libcuda.so.550.54.15" in [m.target for m in plan.mounts]
+
+
+def test_a_glibc_image_on_a_host_without_a_static_ldconfig_is_refused_at_planning():
+    """Before anything changes (and so in --dry-run too), with discovery's reason and hint."""
+    doc = {"root": {"path": "rootfs"}, "process": {"env": ["NVIDIA_VISIBLE_DEVICES=0"]}}
+    spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
+    config = cfg.from_mapping({})
+    missing = HostLdconfig(None, None, "no static ldconfig on this host (looked for /sbin/ldconfig.real, ...)",
+                           "install glibc's ldconfig")
+    with pytest.raises(HostError) as err:
+        make_plan(STATE, spec, req.resolve(spec, {}, config), host()._replace(ldconfig=missing), config)
+    assert err.value.one_line() == ("no static ldconfig on this host (looked for /sbin/ldconfig.real, ...) "
+                                    "(install glibc's ldconfig)")
+    wrapper = HostLdconfig("/sbin/ldconfig.real", "host ldconfig: /sbin/ldconfig.real", None, None)
+    plan = make_plan(STATE, spec, req.resolve(spec, {}, config), host()._replace(ldconfig=wrapper), config)
+    assert plan.ldcache.ldconfig == "/sbin/ldconfig.real" and "host ldconfig: /sbin/ldconfig.real" in plan.notes
 
 
 def test_user_namespaced_container_gets_device_nodes_bound_from_where_discovery_found_them():
