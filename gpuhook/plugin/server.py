@@ -192,17 +192,17 @@ class Plugin:
     def Allocate(self, request, context):
         response = self.pb.AllocateResponse()
         for ask in request.container_requests:
-            unknown = [i for i in ask.devicesIDs if i not in self.devices.gpu_of]
+            unknown = [i for i in ask.devices_ids if i not in self.devices.gpu_of]
             if unknown:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device {unknown[0][:100]}")
-            response.container_responses.append(allocate_response(self.pb, list(ask.devicesIDs),
+            response.container_responses.append(allocate_response(self.pb, list(ask.devices_ids),
                                                                    self.config.plugin.strategy))
         return response
 
     def PreStartContainer(self, request, context):
         from gpuhook import health
 
-        ids = list(request.devicesIDs)
+        ids = list(request.devices_ids)
         uuids = list(dict.fromkeys(self.devices.gpu_of.get(i, i) for i in ids))
         try:
             health.prepare(uuids, self.config, self.config.plugin.prestart_deadline_seconds)
