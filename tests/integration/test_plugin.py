@@ -225,6 +225,32 @@ def test_allocate_is_honoured_by_a_real_runc_start_granting_exactly_that_gpu(clu
     assert probes["/dev/nvidia1"]["read"] == "ENXIO"
 
 
+def test_allocate_and_preferred_allocation_are_logged_one_json_line_each(cluster):
+    sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
+    uuids = [g["uuid"] for g in sim["gpus"]]
+    with channel:
+        stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=uuids, must_include_deviceIDs=[uuids[3]],
+                                                   allocation_size=2)]), timeout=10)
+        stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuids[3], uuids[2]]),
+                                                             pb.ContainerAllocateRequest(devices_ids=[uuids[0]])]),
+                      timeout=10)
+        with pytest.raises(grpc.RpcError):
+            stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["GPU-gone"])]),
+                          timeout=10)
+    log = os.path.join(os.path.dirname(cluster["config"]), "gpuhook.log")
+    lines = [json.loads(line) for line in open(log) if '"stage":"plugin"' in line.replace(" ", "")]
+    asked = [r for r in lines if r["decision"] in ("preferred allocation", "allocate")]
+    assert [r["decision"] for r in asked] == ["preferred allocation", "allocate", "allocate"]
+    preferred, allocated, refused = asked
+    assert preferred["containers"] == [{"available": uuids, "must_include": [uuids[3]], "size": 2,
+                                        "preferred": [uuids[3], uuids[2]]}]
+    assert allocated["containers"] == [{"devices": [uuids[3], uuids[2]]}, {"devices": [uuids[0]]}]
+    assert allocated["gpus"] == [uuids[3], uuids[2], uuids[0]] and allocated["strategy"] == "volume-mounts"
+    assert "error" not in allocated
+    assert refused["containers"] == [{"devices": ["GPU-gone"]}] and refused["error"] == "unknown device GPU-gone"
+
+
 def test_the_plugin_registers_again_when_kubelet_restarts(cluster):
     cluster["kubelet"].stop()  # kubelet removes every socket in the dir, the plugin's included
     cluster["kubelet"] = FakeKubelet(cluster["dir"])
