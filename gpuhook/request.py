@@ -57,15 +57,16 @@ CDI = "CDI annotations"
 RUNTIME_DEVICES = "runtime devices (linux.devices)"
 
 
-class Request(record("Request", "wants ids capabilities channel notes mig_config mig_monitor cdi nodes requirements",
-                         defaults=((), (), (), (), ()))):
+class Request(record("Request", "wants ids capabilities channel notes mig_config mig_monitor cdi nodes requirements "
+                                "features", defaults=((), (), (), (), (), ()))):
     """`ids` are the requested device ids as written (indices, UUIDs, GPU:MIG pairs, MIG
     UUIDs), deduplicated. `mig_config` / `mig_monitor` are the GPU ids (or ("all",)) of
     NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES, honoured for privileged
     containers only. `cdi` are CDI names only a CDI spec can resolve (gpuhook.cdi turns them
     into `nodes`); `nodes` are granted device nodes (oci.Device: GPU and MIG access nodes);
     `requirements` the image's NVIDIA_REQUIRE_* constraints (gpuhook.requirements), parsed once
-    here for discovery (they decide whether NVML is loaded) and planning (which checks them)."""
+    here for discovery (they decide whether NVML is loaded) and planning (which checks them);
+    `features` the optional devices the environment enabled (FEATURES: "nvswitch", "gdrcopy")."""
 
     __slots__ = ()
 
@@ -305,21 +306,43 @@ UNSUPPORTED = {
     "NVIDIA_GDS": "GPUDirect Storage (nvidia-fs)",
     "NVIDIA_MOFED": "the MOFED (RDMA) driver files",
 }
+OFF_VALUES = ("", "void", "none", "disabled", "false")
+# Optional devices a GPU container turns on with VARIABLE=enabled, as NVIDIA's toolkit does
+# (internal/modifier/gated.go: only the exact value "enabled"; internal/discover/nvswitch.go
+# and gdrcopy.go: the nodes). gpuhook.survey finds the host's nodes, gpuhook.plan adds them.
+FEATURES = {
+    "NVIDIA_NVSWITCH": "nvswitch",  # /dev/nvidia-nvswitchctl and every /dev/nvidia-nvswitch<N>
+    "NVIDIA_GDRCOPY": "gdrcopy",  # /dev/gdrdrv (GDRCopy's gdrdrv module)
+}
+FEATURE_ON = "enabled"
 
 
 def resolve(spec, state_annotations: dict, config) -> Request:
     """Decide what the container asks for. Pure: no host access."""
     request = _resolve(spec, state_annotations, config)
     if not request.empty:
-        for name, what in UNSUPPORTED.items():
-            value = spec.env.get(name, "").strip().lower()
-            if value not in ("", "void", "none", "disabled", "false"):
-                raise RequestError(f"{name} asks for {what}, which gpuhook does not provide",
-                                   f"unset {name}, or use NVIDIA's toolkit for this container")
+        refused = [name for name in UNSUPPORTED if spec.env.get(name, "").strip().lower() not in OFF_VALUES]
+        if refused:
+            what = "; ".join(f"{name} asks for {UNSUPPORTED[name]}" for name in refused)
+            raise RequestError(f"{what}, which gpuhook does not provide",
+                               f"unset {', '.join(refused)}, or use NVIDIA's toolkit for this container")
         from gpuhook import requirements as reqs
 
-        request = request._replace(requirements=reqs.collect(spec.env))
+        request = request._replace(requirements=reqs.collect(spec.env), **_features(spec.env, request.notes))
     return request
+
+
+def _features(env: dict, notes: tuple) -> dict:
+    """The `features` (and notes) of FEATURES variables: only the exact value "enabled" turns
+    one on, as in NVIDIA's toolkit; any other value that is not off is named in a note."""
+    features, notes = [], list(notes)
+    for name, feature in FEATURES.items():
+        value = env.get(name, "")
+        if value == FEATURE_ON:
+            features.append(feature)
+        elif value.strip().lower() not in OFF_VALUES:
+            notes.append(f"{name}={value[:40]!r} ignored: only {name}={FEATURE_ON} turns it on (as NVIDIA's toolkit)")
+    return {"features": tuple(features), "notes": tuple(notes)}
 
 
 def _resolve(spec, state_annotations: dict, config) -> Request:

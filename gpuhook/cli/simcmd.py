@@ -43,11 +43,17 @@ def _parse_mig(values) -> dict:
 @click.option("--numa-nodes", default=1, show_default=True, type=int,
               help="NUMA nodes the GPUs are spread over, in bus order (sysfs numa_node; the device plugin's "
                    "topology).")
+@click.option("--nvswitches", default=0, show_default=True, type=int,
+              help="NVSwitches: the nvidia-nvswitch driver's major and /dev/nvidia-nvswitchctl, "
+                   "/dev/nvidia-nvswitch<N> (what NVIDIA_NVSWITCH=enabled injects).")
+@click.option("--gdrcopy", is_flag=True,
+              help="GDRCopy's gdrdrv module: its major and /dev/gdrdrv (what NVIDIA_GDRCOPY=enabled injects).")
 def simulate(directory, gpus, driver_version, cuda_version, model, brand, mig, nvml_latency_ms, nvml_init_latency_ms,
-             numa_nodes):
+             numa_nodes, nvswitches, gdrcopy):
     built = host.build(directory, gpus=gpus, driver_version=driver_version, model=model, cuda_version=cuda_version,
                        brand=brand, mig=_parse_mig(mig), nvml_latency_ms=nvml_latency_ms,
-                       nvml_init_latency_ms=nvml_init_latency_ms, numa_nodes=numa_nodes)
+                       nvml_init_latency_ms=nvml_init_latency_ms, numa_nodes=numa_nodes, nvswitches=nvswitches,
+                       gdrcopy=gdrcopy)
     click.echo(f"simulated host with {len(built['gpus'])} GPU(s), driver {built['driver_version']} "
                f"(CUDA {built['cuda_version']}), in {built['directory']}")
     for gpu in built["gpus"]:

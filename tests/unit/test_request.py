@@ -180,3 +180,38 @@ def test_missing_gpu_lists_the_real_ones(ident):
 def test_cdi_annotations_ignored_by_policy():
     r = resolve(spec(annotations={"cdi.k8s.io/a": "nvidia.com/gpu=0"}), **{"accept-cdi-annotations": False})
     assert r.empty and "accept-cdi-annotations" in r.notes[-1]
+
+
+# --- optional devices: NVIDIA_NVSWITCH, NVIDIA_GDRCOPY (NVIDIA's internal/modifier/gated.go) ---
+
+@pytest.mark.parametrize("env,features", [
+    (["NVIDIA_NVSWITCH=enabled"], ("nvswitch",)),
+    (["NVIDIA_GDRCOPY=enabled"], ("gdrcopy",)),
+    (["NVIDIA_GDRCOPY=enabled", "NVIDIA_NVSWITCH=enabled"], ("nvswitch", "gdrcopy")),
+    (["NVIDIA_GDRCOPY=disabled", "NVIDIA_NVSWITCH="], ()),
+])
+def test_nvswitch_and_gdrcopy_are_enabled_by_the_exact_value_enabled(env, features):
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"] + env))
+    assert r.features == features and not [n for n in r.notes if "NVSWITCH" in n or "GDRCOPY" in n]
+
+
+@pytest.mark.parametrize("value", ["1", "true", "Enabled", "yes"])
+def test_another_value_of_an_optional_device_variable_is_named_in_a_note_not_enabled(value):
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", f"NVIDIA_GDRCOPY={value}"]))
+    assert r.features == ()
+    assert f"NVIDIA_GDRCOPY={value!r} ignored: only NVIDIA_GDRCOPY=enabled turns it on (as NVIDIA's toolkit)" in r.notes
+
+
+def test_optional_devices_without_a_gpu_request_are_not_gpuhooks_business():
+    r = resolve(spec(["NVIDIA_GDRCOPY=enabled", "NVIDIA_NVSWITCH=enabled"]))
+    assert r.empty and r.features == ()
+
+
+def test_every_refused_variable_is_named_in_one_line():
+    with pytest.raises(RequestError) as caught:
+        resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_GDS=enabled", "NVIDIA_IMEX_CHANNELS=0",
+                      "NVIDIA_GDRCOPY=enabled"]))
+    line = caught.value.one_line()
+    assert "\n" not in line
+    assert "NVIDIA_IMEX_CHANNELS asks for IMEX channels" in line and "NVIDIA_GDS asks for GPUDirect Storage" in line
+    assert "GDRCOPY" not in line.partition("which gpuhook does not provide")[0]
