@@ -53,7 +53,7 @@ def _load(path: str):
     return doc, None
 
 
-def _specs(directories) -> list:
+def specs(directories) -> list:
     """(directory index, path, spec) of every loadable spec; unloadable ones are skipped."""
     found = []
     for index, directory in enumerate(directories):
@@ -74,7 +74,7 @@ def _specs(directories) -> list:
 def devices(directories) -> dict:
     """Every CDI device defined in `directories`: qualified name -> (spec path, device, spec)."""
     table: dict = {}
-    for index, path, spec in _specs(directories):
+    for index, path, spec in specs(directories):
         kind = spec["kind"]
         for device in spec["devices"]:
             if not isinstance(device, dict) or not isinstance(device.get("name"), str):

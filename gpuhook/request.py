@@ -7,8 +7,8 @@ Channels, in order of trust (docs/requests.md has the whole table):
    Kubernetes device plugin can add mounts (policy ``accept-volume-mounts``);
 2. CDI annotations ``cdi.k8s.io/<anything>`` naming devices of any NVIDIA kind
    (``nvidia.com/gpu``, ``k8s.device-plugin.nvidia.com/gpu``, ``management.nvidia.com/gpu``,
-   a DRA claim ``k8s.gpu.nvidia.com/claim``, ...) — set by the runtime or kubelet, never by
-   the image (policy ``accept-cdi-annotations``);
+   a DRA claim ``k8s.gpu.nvidia.com/claim``, ...) or of gpuhook's own ``gpuhook.example/gpu``
+   — set by the runtime or kubelet, never by the image (policy ``accept-cdi-annotations``);
 3. NVIDIA device nodes the runtime already put in ``linux.devices`` (containerd and CRI-O
    after resolving CDI; policy ``accept-runtime-devices``): they are the grant, and the
    environment only says that the container wants the driver;
@@ -29,7 +29,10 @@ from gpuhook.record import record
 
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
-CDI_KIND = "nvidia.com/gpu"
+# gpuhook's own CDI kind: `gpuhook cdi generate` writes it and the device plugin's CDI
+# strategies name it. NVIDIA's toolkit writes nvidia.com/gpu with the same device names, and
+# two specs defining one device make a runtime refuse both (docs/cdi.md, "Next to NVIDIA's").
+CDI_KIND = "gpuhook.example/gpu"
 NVIDIA_VENDOR = "nvidia.com"
 CDI_MOUNT_PREFIX = "cdi/"  # the device plugin's volume mount for a CDI name: cdi/<vendor>/<class>/<name>
 GPU_NODE_PREFIX = "/dev/nvidia"
@@ -184,10 +187,12 @@ def _named_capabilities(value: str | None, legacy: bool) -> frozenset:
     return frozenset(caps) if caps else DEFAULT_CAPABILITIES
 
 
-def is_nvidia_kind(kind: str) -> bool:
-    """A CDI kind ("vendor/class") of NVIDIA's: vendor nvidia.com or a subdomain of it."""
+def is_gpu_kind(kind: str) -> bool:
+    """A CDI kind ("vendor/class") that names NVIDIA devices: NVIDIA's (vendor nvidia.com or a
+    subdomain of it) or gpuhook's own (CDI_KIND)."""
     vendor, sep, device_class = kind.partition("/")
-    return bool(sep and device_class) and (vendor == NVIDIA_VENDOR or vendor.endswith("." + NVIDIA_VENDOR))
+    return kind == CDI_KIND or (bool(sep and device_class)
+                                and (vendor == NVIDIA_VENDOR or vendor.endswith("." + NVIDIA_VENDOR)))
 
 
 def _is_direct_name(kind: str, name: str) -> bool:
@@ -216,7 +221,7 @@ class _Grant:
     def add_cdi(self, entry: str, notes: list) -> None:
         kind, sep, name = entry.partition("=")
         kind, name = kind.strip(), name.strip()
-        if not sep or not is_nvidia_kind(kind):
+        if not sep or not is_gpu_kind(kind):
             if len(notes) < 16:
                 notes.append(f"CDI device {entry[:80]!r} in {self.where} is not an NVIDIA device; left to other tools")
             return
@@ -335,14 +340,14 @@ def resolve(spec, state_annotations: dict, config) -> Request:
 def _features(env: dict, notes: tuple) -> dict:
     """The `features` (and notes) of FEATURES variables: only the exact value "enabled" turns
     one on, as in NVIDIA's toolkit; any other value that is not off is named in a note."""
-    features, notes = [], list(notes)
+    features, more = [], []
     for name, feature in FEATURES.items():
         value = env.get(name, "")
         if value == FEATURE_ON:
             features.append(feature)
         elif value.strip().lower() not in OFF_VALUES:
-            notes.append(f"{name}={value[:40]!r} ignored: only {name}={FEATURE_ON} turns it on (as NVIDIA's toolkit)")
-    return {"features": tuple(features), "notes": tuple(notes)}
+            more.append(f"{name}={value[:40]!r} ignored: only {name}={FEATURE_ON} turns it on (as NVIDIA's toolkit)")
+    return {"features": tuple(features), "notes": tuple(notes) + tuple(more)}
 
 
 def _resolve(spec, state_annotations: dict, config) -> Request:

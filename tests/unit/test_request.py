@@ -215,3 +215,23 @@ def test_every_refused_variable_is_named_in_one_line():
     assert "\n" not in line
     assert "NVIDIA_IMEX_CHANNELS asks for IMEX channels" in line and "NVIDIA_GDS asks for GPUDirect Storage" in line
     assert "GDRCOPY" not in line.partition("which gpuhook does not provide")[0]
+
+
+# --- gpuhook's own CDI kind (docs/cdi.md, "Next to NVIDIA's") -------------------------------
+
+@pytest.mark.parametrize("value,ids", [("gpuhook.example/gpu=1", ("1",)), ("gpuhook.example/gpu=GPU-x", ("GPU-x",)),
+                                       ("gpuhook.example/gpu=all", ())])
+def test_the_cdi_annotation_channel_accepts_gpuhooks_own_kind(value, ids):
+    r = resolve(spec(annotations={"cdi.k8s.io/gpuhook": value}))
+    assert (r.ids, r.channel) == (ids, req.CDI) and r.wants == (req.ALL if not ids else req.GPUS)
+
+
+def test_the_device_plugins_cdi_mount_of_gpuhooks_kind_is_a_grant():
+    r = resolve(spec(mounts=[vm("cdi/gpuhook.example/gpu/GPU-x")]))
+    assert (r.ids, r.channel) == (("GPU-x",), req.MOUNTS)
+
+
+@pytest.mark.parametrize("value", ["gpuhook.example/nic=1", "example.com/gpu=1", "gpuhook.example.com/gpu=1"])
+def test_other_kinds_are_left_to_other_tools(value):
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"], annotations={"cdi.k8s.io/x": value}))
+    assert r.channel == req.ENV and any("not an NVIDIA device" in note for note in r.notes)
