@@ -43,9 +43,11 @@ def _load(path: str):
 
             doc = json.loads(data)
         else:
-            import yaml  # PyYAML: only here, only for a YAML spec
+            import yaml  # PyYAML: only here, only for a YAML spec (optional in the RPM)
 
             doc = yaml.safe_load(data)
+    except ImportError:
+        return None, "a YAML spec, and PyYAML is not installed"
     except Exception as err:  # any parser failure: the spec is skipped, the reason logged
         return None, f"not valid {'JSON' if path.endswith('.json') else 'YAML'}: {type(err).__name__}"
     if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str) or not isinstance(doc.get("devices"), list):

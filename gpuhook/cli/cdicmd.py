@@ -43,6 +43,11 @@ def generate(config_path, output, fmt, capabilities, python):
     hook = install.this_installation(python, config_path, os.environ)
     if fmt is None:
         fmt = "yaml" if output and output.endswith((".yaml", ".yml")) else "json"
+    if fmt == "yaml":
+        try:
+            import yaml  # noqa: F401  (PyYAML is only recommended by the RPM)
+        except ImportError:
+            raise InputError("YAML output needs PyYAML, which is not installed", "write JSON (--format json)") from None
     text = cdigen.render(cdigen.generate(config, hook, caps), fmt)
     if output is None:
         click.echo(text, nl=False)
