@@ -43,9 +43,11 @@ def _load(path: str):
 
             doc = json.loads(data)
         else:
-            import yaml  # PyYAML: only here, only for a YAML spec
+            import yaml  # PyYAML: only here, only for a YAML spec (optional in the RPM)
 
             doc = yaml.safe_load(data)
+    except ImportError:
+        return None, "a YAML spec, and PyYAML is not installed"
     except Exception as err:  # any parser failure: the spec is skipped, the reason logged
         return None, f"not valid {'JSON' if path.endswith('.json') else 'YAML'}: {type(err).__name__}"
     if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str) or not isinstance(doc.get("devices"), list):
@@ -53,7 +55,7 @@ def _load(path: str):
     return doc, None
 
 
-def _specs(directories) -> list:
+def specs(directories) -> list:
     """(directory index, path, spec) of every loadable spec; unloadable ones are skipped."""
     found = []
     for index, directory in enumerate(directories):
@@ -74,7 +76,7 @@ def _specs(directories) -> list:
 def devices(directories) -> dict:
     """Every CDI device defined in `directories`: qualified name -> (spec path, device, spec)."""
     table: dict = {}
-    for index, path, spec in _specs(directories):
+    for index, path, spec in specs(directories):
         kind = spec["kind"]
         for device in spec["devices"]:
             if not isinstance(device, dict) or not isinstance(device.get("name"), str):

@@ -1,6 +1,6 @@
 """`gpuhook cdi generate`: a CDI spec for this host, with gpuhook as its hook.
 
-The spec (docs/cdi.md) names every GPU by index and UUID, every MIG device by `GPU:MIG` and
+The spec (docs/cdi.md), of gpuhook's own kind `gpuhook.example/gpu`, names every GPU by index and UUID, every MIG device by `GPU:MIG` and
 MIG UUID, and `all`. Each device injects its device nodes and one marker: a read-only bind
 of /dev/null at /var/run/nvidia-container-devices/<UUID> (or `all`), the device plugin's
 volume-mount channel (gpuhook.request), which only a runtime or a spec can create. The
@@ -21,7 +21,10 @@ from gpuhook.plan import CONTROL_MINOR, LIBRARY_CAPABILITIES
 # 0.5.0: what podman 4.3 (Debian 12) and containerd 1.7 read. Spec-level annotations (0.6.0)
 # make their CDI library reject the whole spec, so the spec has none.
 CDI_VERSION = "0.5.0"
-KIND = "nvidia.com/gpu"
+# gpuhook's own kind, not NVIDIA's nvidia.com/gpu: NVIDIA's toolkit (nvidia-cdi-refresh,
+# nvidia-ctk cdi generate) names its devices the same ("0", "GPU-<uuid>", "all"), and a device
+# defined by two specs is refused by the runtime for both (docs/cdi.md, "Next to NVIDIA's").
+KIND = req.CDI_KIND
 DEFAULT_CAPABILITIES = ("compute", "utility")
 HOOK_STAGES = ("createRuntime", "poststop")
 RO_OPTIONS = ["ro", "nosuid", "nodev", "bind"]
@@ -51,7 +54,7 @@ def _hook(stage: str, hook) -> dict:
 def generate(config, hook, capabilities=DEFAULT_CAPABILITIES) -> dict:
     """The CDI spec document for this host. `hook` is gpuhook.install.Hook (how a runtime
     starts this gpuhook); `capabilities` pick the driver files mounted spec-wide."""
-    inv, facts, _, _ = inventory.read(config, want_facts=bool(discover.capabilities(config.proc_root)))
+    inv, facts, _, _ = inventory.read(config, want_facts=discover.has_mig_instances(discover.capabilities(config.proc_root)))
     nvidia = inv.majors["nvidia"]
     devices = []
     every_node = []
@@ -115,6 +118,45 @@ def _mig_nodes(config, inv, gpu, mig) -> list:
         if minor is not None:
             nodes.append(_node(config, f"/dev/nvidia-caps/nvidia-cap{minor}", caps_major, minor))
     return nodes
+
+
+# NVIDIA's own kind, which specs of gpuhook before its own kind used (docs/cdi.md).
+NVIDIA_KIND = "nvidia.com/gpu"
+
+
+def neighbours(output: str, directories) -> tuple:
+    """(conflicting, stale) spec files next to `output`, the file about to be written.
+
+    `conflicting`: other specs of gpuhook's kind in `output`'s directory. CDI refuses a device
+    that two specs of one directory define, for both, so writing would break every gpuhook
+    device. `stale`: specs in `directories` (cdi-spec-dirs) or `output`'s directory, other
+    than `output`, of NVIDIA's kind whose hooks run gpuhook: written by a gpuhook before it had
+    a kind of its own, they collide with NVIDIA's spec the same way."""
+    import os
+
+    from gpuhook import cdi
+
+    output = os.path.abspath(output)
+    here = os.path.dirname(output)
+    conflicting, stale = [], []
+    for directory in dict.fromkeys([here, *directories]):
+        for _, path, doc in cdi.specs([directory]):
+            if os.path.abspath(path) == output:
+                continue
+            if directory == here and doc.get("kind") == KIND:
+                conflicting.append(path)
+            elif doc.get("kind") == NVIDIA_KIND and _runs_gpuhook(doc):
+                stale.append(path)
+    return conflicting, stale
+
+
+def _runs_gpuhook(doc: dict) -> bool:
+    edits = doc.get("containerEdits")
+    hooks = edits.get("hooks") if isinstance(edits, dict) else None
+    return isinstance(hooks, list) and any(
+        isinstance(hook, dict) and isinstance(hook.get("args"), list)
+        and any(isinstance(arg, str) and arg.endswith("gpuhook/launch.py") for arg in hook["args"])
+        for hook in hooks)
 
 
 def render(spec: dict, fmt: str = "json") -> str:

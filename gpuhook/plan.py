@@ -24,6 +24,9 @@ MPS_OPTIONS = ("nosuid", "nodev", "noexec")
 LIBRARY_CAPABILITIES = frozenset(LIBRARIES)
 DEFAULT_NODE_MODE = 0o666
 CONTROL_MINOR = 255
+# What each optional device (gpuhook.request.FEATURES) needs of the host, for the note when it is missing.
+FEATURE_NODES = {"nvswitch": "/dev/nvidia-nvswitch* node (nvidia-nvswitch driver)",
+                 "gdrcopy": "/dev/gdrdrv node (gdrdrv module)"}
 MODESET_MINOR = 254
 
 
@@ -119,6 +122,16 @@ def make_plan(state, spec, request, host, config) -> Plan:
     if "display" in caps:
         wanted_nodes.append(("/dev/nvidia-modeset", nvidia, MODESET_MINOR))
     wanted_nodes += [(gpu.node, nvidia, gpu.minor) for gpu in gpus]
+    # NVIDIA_NVSWITCH / NVIDIA_GDRCOPY=enabled: the host's nodes, or, as NVIDIA's toolkit
+    # does when they are missing, none (with a note): the container can run without them.
+    for variable, feature in req.FEATURES.items():
+        if feature not in request.features:
+            continue
+        found = [(path, major, minor) for name, path, major, minor in host.feature_nodes
+                 if name == feature and path in host.nodes]
+        if not found:
+            notes.append(f"{variable}={req.FEATURE_ON}, but the host has no {FEATURE_NODES[feature]}: not injected")
+        wanted_nodes += found
 
     cap_names = _mig_capabilities(selection, inventory)
     if cap_names:

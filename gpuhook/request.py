@@ -7,8 +7,8 @@ Channels, in order of trust (docs/requests.md has the whole table):
    Kubernetes device plugin can add mounts (policy ``accept-volume-mounts``);
 2. CDI annotations ``cdi.k8s.io/<anything>`` naming devices of any NVIDIA kind
    (``nvidia.com/gpu``, ``k8s.device-plugin.nvidia.com/gpu``, ``management.nvidia.com/gpu``,
-   a DRA claim ``k8s.gpu.nvidia.com/claim``, ...) — set by the runtime or kubelet, never by
-   the image (policy ``accept-cdi-annotations``);
+   a DRA claim ``k8s.gpu.nvidia.com/claim``, ...) or of gpuhook's own ``gpuhook.example/gpu``
+   — set by the runtime or kubelet, never by the image (policy ``accept-cdi-annotations``);
 3. NVIDIA device nodes the runtime already put in ``linux.devices`` (containerd and CRI-O
    after resolving CDI; policy ``accept-runtime-devices``): they are the grant, and the
    environment only says that the container wants the driver;
@@ -29,7 +29,10 @@ from gpuhook.record import record
 
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
-CDI_KIND = "nvidia.com/gpu"
+# gpuhook's own CDI kind: `gpuhook cdi generate` writes it and the device plugin's CDI
+# strategies name it. NVIDIA's toolkit writes nvidia.com/gpu with the same device names, and
+# two specs defining one device make a runtime refuse both (docs/cdi.md, "Next to NVIDIA's").
+CDI_KIND = "gpuhook.example/gpu"
 NVIDIA_VENDOR = "nvidia.com"
 CDI_MOUNT_PREFIX = "cdi/"  # the device plugin's volume mount for a CDI name: cdi/<vendor>/<class>/<name>
 GPU_NODE_PREFIX = "/dev/nvidia"
@@ -57,15 +60,16 @@ CDI = "CDI annotations"
 RUNTIME_DEVICES = "runtime devices (linux.devices)"
 
 
-class Request(record("Request", "wants ids capabilities channel notes mig_config mig_monitor cdi nodes requirements",
-                         defaults=((), (), (), (), ()))):
+class Request(record("Request", "wants ids capabilities channel notes mig_config mig_monitor cdi nodes requirements "
+                                "features", defaults=((), (), (), (), (), ()))):
     """`ids` are the requested device ids as written (indices, UUIDs, GPU:MIG pairs, MIG
     UUIDs), deduplicated. `mig_config` / `mig_monitor` are the GPU ids (or ("all",)) of
     NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES, honoured for privileged
     containers only. `cdi` are CDI names only a CDI spec can resolve (gpuhook.cdi turns them
     into `nodes`); `nodes` are granted device nodes (oci.Device: GPU and MIG access nodes);
     `requirements` the image's NVIDIA_REQUIRE_* constraints (gpuhook.requirements), parsed once
-    here for discovery (they decide whether NVML is loaded) and planning (which checks them)."""
+    here for discovery (they decide whether NVML is loaded) and planning (which checks them);
+    `features` the optional devices the environment enabled (FEATURES: "nvswitch", "gdrcopy")."""
 
     __slots__ = ()
 
@@ -183,10 +187,12 @@ def _named_capabilities(value: str | None, legacy: bool) -> frozenset:
     return frozenset(caps) if caps else DEFAULT_CAPABILITIES
 
 
-def is_nvidia_kind(kind: str) -> bool:
-    """A CDI kind ("vendor/class") of NVIDIA's: vendor nvidia.com or a subdomain of it."""
+def is_gpu_kind(kind: str) -> bool:
+    """A CDI kind ("vendor/class") that names NVIDIA devices: NVIDIA's (vendor nvidia.com or a
+    subdomain of it) or gpuhook's own (CDI_KIND)."""
     vendor, sep, device_class = kind.partition("/")
-    return bool(sep and device_class) and (vendor == NVIDIA_VENDOR or vendor.endswith("." + NVIDIA_VENDOR))
+    return kind == CDI_KIND or (bool(sep and device_class)
+                                and (vendor == NVIDIA_VENDOR or vendor.endswith("." + NVIDIA_VENDOR)))
 
 
 def _is_direct_name(kind: str, name: str) -> bool:
@@ -215,7 +221,7 @@ class _Grant:
     def add_cdi(self, entry: str, notes: list) -> None:
         kind, sep, name = entry.partition("=")
         kind, name = kind.strip(), name.strip()
-        if not sep or not is_nvidia_kind(kind):
+        if not sep or not is_gpu_kind(kind):
             if len(notes) < 16:
                 notes.append(f"CDI device {entry[:80]!r} in {self.where} is not an NVIDIA device; left to other tools")
             return
@@ -305,21 +311,43 @@ UNSUPPORTED = {
     "NVIDIA_GDS": "GPUDirect Storage (nvidia-fs)",
     "NVIDIA_MOFED": "the MOFED (RDMA) driver files",
 }
+OFF_VALUES = ("", "void", "none", "disabled", "false")
+# Optional devices a GPU container turns on with VARIABLE=enabled, as NVIDIA's toolkit does
+# (internal/modifier/gated.go: only the exact value "enabled"; internal/discover/nvswitch.go
+# and gdrcopy.go: the nodes). gpuhook.survey finds the host's nodes, gpuhook.plan adds them.
+FEATURES = {
+    "NVIDIA_NVSWITCH": "nvswitch",  # /dev/nvidia-nvswitchctl and every /dev/nvidia-nvswitch<N>
+    "NVIDIA_GDRCOPY": "gdrcopy",  # /dev/gdrdrv (GDRCopy's gdrdrv module)
+}
+FEATURE_ON = "enabled"
 
 
 def resolve(spec, state_annotations: dict, config) -> Request:
     """Decide what the container asks for. Pure: no host access."""
     request = _resolve(spec, state_annotations, config)
     if not request.empty:
-        for name, what in UNSUPPORTED.items():
-            value = spec.env.get(name, "").strip().lower()
-            if value not in ("", "void", "none", "disabled", "false"):
-                raise RequestError(f"{name} asks for {what}, which gpuhook does not provide",
-                                   f"unset {name}, or use NVIDIA's toolkit for this container")
+        refused = [name for name in UNSUPPORTED if spec.env.get(name, "").strip().lower() not in OFF_VALUES]
+        if refused:
+            what = "; ".join(f"{name} asks for {UNSUPPORTED[name]}" for name in refused)
+            raise RequestError(f"{what}, which gpuhook does not provide",
+                               f"unset {', '.join(refused)}, or use NVIDIA's toolkit for this container")
         from gpuhook import requirements as reqs
 
-        request = request._replace(requirements=reqs.collect(spec.env))
+        request = request._replace(requirements=reqs.collect(spec.env), **_features(spec.env, request.notes))
     return request
+
+
+def _features(env: dict, notes: tuple) -> dict:
+    """The `features` (and notes) of FEATURES variables: only the exact value "enabled" turns
+    one on, as in NVIDIA's toolkit; any other value that is not off is named in a note."""
+    features, more = [], []
+    for name, feature in FEATURES.items():
+        value = env.get(name, "")
+        if value == FEATURE_ON:
+            features.append(feature)
+        elif value.strip().lower() not in OFF_VALUES:
+            more.append(f"{name}={value[:40]!r} ignored: only {name}={FEATURE_ON} turns it on (as NVIDIA's toolkit)")
+    return {"features": tuple(features), "notes": tuple(notes) + tuple(more)}
 
 
 def _resolve(spec, state_annotations: dict, config) -> Request:

@@ -17,7 +17,8 @@ from gpuhook.record import record
 MAX_CAPS_NODES = 4096  # /dev/nvidia-caps entries looked at
 
 
-class Host(record("Host", "inventory facts facts_source container nodes cdi_nodes cache ldconfig")):
+class Host(record("Host", "inventory facts facts_source container nodes cdi_nodes cache ldconfig feature_nodes",
+                  defaults=((),))):
     """What one start needs to know.
 
     `inventory` (discover.Inventory) and `facts` (inventory.NvmlFacts, None when nothing
@@ -26,7 +27,8 @@ class Host(record("Host", "inventory facts facts_source container nodes cdi_node
     (/dev/nvidia0) to the host node's (mode, uid, gid, host path); `cdi_nodes` the GPU nodes
     of CDI names only a spec resolves (gpuhook.cdi); `cache` the inventory cache document to
     write, or None; `ldconfig` the host's ldconfig (discover.HostLdconfig) for a glibc
-    image, None for others."""
+    image, None for others; `feature_nodes` the (feature, path, major, minor) of the host's
+    nodes for the request's `features` (NVIDIA_NVSWITCH, NVIDIA_GDRCOPY)."""
 
     __slots__ = ()
 
@@ -49,7 +51,9 @@ def survey(request, spec, config) -> Host:
         inventory, facts, source, pending = inv.read(config, want_facts=True)
     container = discover.container_facts(spec.rootfs, config)
     ldconfig = discover.find_ldconfig(config.ldconfig, config.driver_root) if container.glibc else None
-    return Host(inventory, facts, source, container, host_nodes(config, inventory), cdi_nodes, pending, ldconfig)
+    features = feature_nodes(config, request.features)
+    nodes = host_nodes(config, inventory, [path for _, path, _, _ in features])
+    return Host(inventory, facts, source, container, nodes, cdi_nodes, pending, ldconfig, features)
 
 
 def write_caches(config, host: Host) -> None:
@@ -57,9 +61,61 @@ def write_caches(config, host: Host) -> None:
     inv.write_cache(config, host.cache)
 
 
-def host_nodes(config, inventory) -> dict:
+MAX_DEV_NAMES = 8192  # /dev entries looked at for the optional devices' nodes
+
+
+def _dev_names(config) -> set:
+    """Names in the host's /dev where discover.host_node looks: dev-root, else
+    <driver-root>/dev falling back to /dev."""
+    names = set()
+    for directory in dict.fromkeys([config.device_root] + ([] if config.dev_root else ["/dev"])):
+        try:
+            with os.scandir(directory) as entries:
+                for count, entry in enumerate(entries):
+                    if count >= MAX_DEV_NAMES:
+                        break
+                    names.add(entry.name)
+        except OSError:
+            pass
+    return names
+
+
+# The optional devices' nodes, as NVIDIA's kernel modules make them: the nvswitch driver's
+# control node is minor 255 (NVSWITCH_CTL_MINOR in open-gpu-kernel-modules' linux_nvswitch.c),
+# switch N is minor N; gdrdrv registers one node, minor 0.
+NVSWITCH_PREFIX, NVSWITCH_CTL_MINOR = "nvidia-nvswitch", 255
+GDRDRV_MINOR = 0
+
+
+def feature_nodes(config, features) -> tuple:
+    """(feature, path, major, minor) of the device nodes the host has for `features`
+    (gpuhook.request.FEATURES): /dev/gdrdrv; /dev/nvidia-nvswitchctl and each
+    /dev/nvidia-nvswitch<N>. A node counts only while its driver's major is in /proc/devices,
+    read now: the inventory cache keys only the nvidia lines, and gdrdrv may load later."""
+    if not features:
+        return ()
+    majors = discover.majors(config.proc_root)
+    found = []
+    names = _dev_names(config)
+    if "gdrcopy" in features and "gdrdrv" in majors and "gdrdrv" in names:
+        found.append(("gdrcopy", "/dev/gdrdrv", majors["gdrdrv"], GDRDRV_MINOR))
+    if "nvswitch" in features and NVSWITCH_PREFIX in majors:
+        for name in sorted(names):
+            tail = name[len(NVSWITCH_PREFIX):] if name.startswith(NVSWITCH_PREFIX) else ""
+            if tail == "ctl":
+                minor = NVSWITCH_CTL_MINOR
+            elif tail.isdigit() and tail.isascii() and int(tail) < NVSWITCH_CTL_MINOR:
+                minor = int(tail)
+            else:
+                continue
+            found.append(("nvswitch", f"/dev/{name}", majors[NVSWITCH_PREFIX], minor))
+    return tuple(found)
+
+
+def host_nodes(config, inventory, extra=()) -> dict:
     """(mode, uid, gid, host path) of every NVIDIA device node the host has that a plan can
-    ask for: control, uvm, modeset, one per GPU, and the nvidia-caps nodes that exist."""
+    ask for: control, uvm, modeset, one per GPU, the nvidia-caps nodes that exist, and the
+    `extra` paths (the optional devices' nodes)."""
     paths = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
     paths += [f"/dev/nvidia{gpu.minor}" for gpu in inventory.gpus]
     if inventory.mig_minors:
@@ -72,6 +128,7 @@ def host_nodes(config, inventory) -> dict:
             except OSError:
                 pass
         paths += [f"/dev/nvidia-caps/{name}" for name in sorted(names)]
+    paths += list(extra)
     found = {}
     for path in paths:
         node = discover.host_node(config, path)

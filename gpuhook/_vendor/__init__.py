@@ -3,7 +3,7 @@
 Empty in the source tree. packaging/build-deb and packaging/build-rpm install
 packaging/vendor/nvidia-ml-py/pynvml.py here, because Debian, Fedora and RHEL have no
 nvidia-ml-py package; gpuhook imports this copy only when no ``pynvml`` is importable. The
-RPM built for RHEL 9 also unpacks click into ``site/`` (packaging/vendor/click/README.md),
+RPM (for python3.11) also unpacks click into ``site/`` (packaging/vendor/click/README.md),
 which `add_bundled_site` puts at the end of sys.path when no system click exists. pip
 installs get both from PyPI instead.
 """

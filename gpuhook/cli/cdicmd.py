@@ -18,11 +18,13 @@ def cdi():
 
 
 @cdi.command(name="generate", help=(
-    "Write a CDI spec (kind nvidia.com/gpu) for this host: one device per GPU (by index and "
-    "UUID), per MIG device (GPU:MIG and MIG UUID) and `all`, with their device nodes, the "
-    "driver files for --capabilities mounted read-only, and gpuhook as the createRuntime and "
-    "poststop hook, which updates the ld cache, masks /proc/driver/nvidia and checks and "
-    "cleans the GPUs. Put it in /etc/cdi or /var/run/cdi (docs/cdi.md)."))
+    f"Write a CDI spec of gpuhook's own kind {cdigen.KIND} for this host (podman run --device "
+    f"{cdigen.KIND}=1): one device per GPU (by index and UUID), per MIG device (GPU:MIG and MIG "
+    "UUID) and `all`, with their device nodes, the driver files for --capabilities mounted "
+    "read-only, and gpuhook as the createRuntime and poststop hook, which updates the ld cache, "
+    "masks /proc/driver/nvidia and checks and cleans the GPUs. Put it in /etc/cdi or "
+    "/var/run/cdi (docs/cdi.md); it coexists with NVIDIA's nvidia.com/gpu spec. With --output, "
+    "another spec of the same kind in that directory is refused (a runtime would refuse both)."))
 @CONFIG_OPTION
 @click.option("--output", metavar="FILE", help="Write the spec here (atomically, 0644) instead of stdout.")
 @click.option("--format", "fmt", type=click.Choice(["json", "yaml"]), default=None,
@@ -41,9 +43,22 @@ def generate(config_path, output, fmt, capabilities, python):
     hook = install.this_installation(python, config_path, os.environ)
     if fmt is None:
         fmt = "yaml" if output and output.endswith((".yaml", ".yml")) else "json"
+    if fmt == "yaml":
+        try:
+            import yaml  # noqa: F401  (PyYAML is only recommended by the RPM)
+        except ImportError:
+            raise InputError("YAML output needs PyYAML, which is not installed", "write JSON (--format json)") from None
     text = cdigen.render(cdigen.generate(config, hook, caps), fmt)
     if output is None:
         click.echo(text, nl=False)
         return
+    conflicting, stale = cdigen.neighbours(output, config.cdi_spec_dirs)
+    if conflicting:
+        raise InputError(f"{conflicting[0]} already defines CDI kind {cdigen.KIND} in the same directory: "
+                         f"a runtime would refuse the devices of both",
+                         f"remove it, or write --output {conflicting[0]}")
     install.common._replace(os.path.abspath(output), text.encode())
     click.echo(f"wrote {output}")
+    for path in stale:
+        click.echo(f"gpuhook: {path} is a spec of an earlier gpuhook under NVIDIA's kind {cdigen.NVIDIA_KIND}: "
+                   f"remove it, it makes NVIDIA's devices of that kind unresolvable", err=True)

@@ -48,11 +48,17 @@ def _parse_mig(values) -> dict:
                    "(/usr/local/nvidia/{bin,lib64} with shell wrappers in /usr/bin, no ld cache entries) or "
                    "driver-container (NVIDIA's driver container root, with Ubuntu's ldconfig wrapper as the "
                    "configured ldconfig); docs/driver-layouts.md.")
+@click.option("--nvswitches", default=0, show_default=True, type=int,
+              help="NVSwitches: the nvidia-nvswitch driver's major and /dev/nvidia-nvswitchctl, "
+                   "/dev/nvidia-nvswitch<N> (what NVIDIA_NVSWITCH=enabled injects).")
+@click.option("--gdrcopy", is_flag=True,
+              help="GDRCopy's gdrdrv module: its major and /dev/gdrdrv (what NVIDIA_GDRCOPY=enabled injects).")
 def simulate(directory, gpus, driver_version, cuda_version, model, brand, mig, nvml_latency_ms, nvml_init_latency_ms,
-             numa_nodes, layout):
+             numa_nodes, layout, nvswitches, gdrcopy):
     built = host.build(directory, gpus=gpus, driver_version=driver_version, model=model, cuda_version=cuda_version,
                        brand=brand, mig=_parse_mig(mig), nvml_latency_ms=nvml_latency_ms,
-                       nvml_init_latency_ms=nvml_init_latency_ms, numa_nodes=numa_nodes, layout=layout)
+                       nvml_init_latency_ms=nvml_init_latency_ms, numa_nodes=numa_nodes, layout=layout,
+                       nvswitches=nvswitches, gdrcopy=gdrcopy)
     click.echo(f"simulated host with {len(built['gpus'])} GPU(s), driver {built['driver_version']} "
                f"(CUDA {built['cuda_version']}), {built['layout']} layout, in {built['directory']}")
     for gpu in built["gpus"]:

@@ -70,7 +70,7 @@ def offered_devices(config) -> Devices:
     gpus = discover.gpus(config.proc_root)
     ids, gpu_of, numa = [], {}, {}
     migs = {}
-    if config.plugin.mig_strategy == "single" and discover.capabilities(config.proc_root):
+    if config.plugin.mig_strategy == "single" and discover.has_mig_instances(discover.capabilities(config.proc_root)):
         from gpuhook.inventory import nvml_facts
 
         facts, _ = nvml_facts(config, write=False)
@@ -183,26 +183,37 @@ class Plugin:
 
     def GetPreferredAllocation(self, request, context):
         response = self.pb.PreferredAllocationResponse()
+        asked = []
         for ask in request.container_requests:
             ids = preferred(self.devices, list(ask.available_deviceIDs), list(ask.must_include_deviceIDs),
                             ask.allocation_size, self.config.state_dir)
             response.container_responses.add(deviceIDs=ids)
+            asked.append({"available": list(ask.available_deviceIDs), "must_include": list(ask.must_include_deviceIDs),
+                          "size": ask.allocation_size, "preferred": ids})
+        # kubelet's v1beta1 requests name no pod (api.proto): the hook's line at the
+        # container's start names it, with the same GPUs (docs/device-plugin.md, "Logging").
+        self._log("preferred allocation", containers=asked)
         return response
 
     def Allocate(self, request, context):
         response = self.pb.AllocateResponse()
-        for ask in request.container_requests:
-            unknown = [i for i in ask.devicesIDs if i not in self.devices.gpu_of]
-            if unknown:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device {unknown[0][:100]}")
-            response.container_responses.append(allocate_response(self.pb, list(ask.devicesIDs),
-                                                                   self.config.plugin.strategy))
+        asked = [list(ask.devices_ids) for ask in request.container_requests]
+        strategy = self.config.plugin.strategy
+        unknown = [i for ids in asked for i in ids if i not in self.devices.gpu_of]
+        self._log("allocate", strategy=strategy, gpus=list(dict.fromkeys(
+                      self.devices.gpu_of[i] for ids in asked for i in ids if i in self.devices.gpu_of)),
+                  containers=[{"devices": ids} for ids in asked],
+                  **({"error": f"unknown device {unknown[0][:100]}"} if unknown else {}))
+        if unknown:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device {unknown[0][:100]}")
+        for ids in asked:
+            response.container_responses.append(allocate_response(self.pb, ids, strategy))
         return response
 
     def PreStartContainer(self, request, context):
         from gpuhook import health
 
-        ids = list(request.devicesIDs)
+        ids = list(request.devices_ids)
         uuids = list(dict.fromkeys(self.devices.gpu_of.get(i, i) for i in ids))
         try:
             health.prepare(uuids, self.config, self.config.plugin.prestart_deadline_seconds)

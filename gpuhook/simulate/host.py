@@ -245,7 +245,7 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
           model: str = DEFAULT_MODEL, seed: str = "default", machine: str | None = None,
           cuda_version: str | None = None, brand: str = DEFAULT_BRAND, mig: dict | None = None,
           nvml_latency_ms: int = 0, nvml_init_latency_ms: int = 0, numa_nodes: int = 1,
-          layout: str = "distro") -> dict:
+          layout: str = "distro", nvswitches: int = 0, gdrcopy: bool = False) -> dict:
     """Create the simulated host under `directory` (replacing an earlier one there).
 
     `cuda_version` defaults to the driver branch's; `mig` maps GPU indices to MIG layouts
@@ -253,11 +253,15 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
     `nvml_latency_ms` is slept in every simulated NVML call, `nvml_init_latency_ms` in nvmlInit;
     the GPUs are spread over `numa_nodes` NUMA nodes in bus order (DIR/sys/bus/pci/devices);
     `layout` (LAYOUTS) is where the driver's files lie in the driver root.
+    `nvswitches` NVSwitches get the nvidia-nvswitch driver's major and nodes
+    (nvidia-nvswitchctl, nvidia-nvswitch<N>), `gdrcopy` GDRCopy's gdrdrv major and node.
     """
     if os.geteuid() != 0:
         raise SimulationError("simulate needs root: it creates device nodes and runs ldconfig -r")
     if not 1 <= gpus <= 64:
         raise SimulationError(f"--gpus must be between 1 and 64, not {gpus}")
+    if not 0 <= nvswitches <= 64:
+        raise SimulationError(f"--nvswitches must be between 0 and 64, not {nvswitches}")
     if not 1 <= numa_nodes <= gpus:
         raise SimulationError(f"--numa-nodes must be between 1 and the number of GPUs ({gpus}), not {numa_nodes}")
     parts = driver_version.split(".")
@@ -305,12 +309,18 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
         real_devices = f.read()
     uvm_major = free_major(real_devices, avoid=(NVIDIA_MAJOR,))
     caps_major = free_major(real_devices, avoid=(NVIDIA_MAJOR, uvm_major))
+    majors = {"nvidia": NVIDIA_MAJOR, "nvidia-uvm": uvm_major, "nvidia-caps": caps_major}
+    # The optional devices' drivers (docs/simulated-host.md): their own dynamic majors.
+    for name, wanted in (("nvidia-nvswitch", nvswitches > 0), ("gdrdrv", gdrcopy)):
+        if wanted:
+            majors[name] = free_major(real_devices, avoid=tuple(majors.values()))
     records = gpu_records(gpus, seed, model)
     proc = f"{directory}/proc"
     _write(f"{proc}/devices",
            "Character devices:\n  1 mem\n  5 /dev/tty\n136 pts\n"
            f"{NVIDIA_MAJOR} nvidia-frontend\n{uvm_major} nvidia-uvm\n{caps_major} nvidia-caps\n"
-           "\nBlock devices:\n  7 loop\n")
+           + "".join(f"{majors[name]} {name}\n" for name in ("nvidia-nvswitch", "gdrdrv") if name in majors)
+           + "\nBlock devices:\n  7 loop\n")
     _write(f"{proc}/driver/nvidia/version",
            f"NVRM version: NVIDIA UNIX {machine} Kernel Module  {driver_version}  "
            f"(simulated by gpuhook)\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
@@ -328,6 +338,11 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
     nodes = [("nvidiactl", NVIDIA_MAJOR, 255), ("nvidia-modeset", NVIDIA_MAJOR, 254),
              ("nvidia-uvm", uvm_major, 0), ("nvidia-uvm-tools", uvm_major, 1)]
     nodes += [(f"nvidia{g['minor']}", NVIDIA_MAJOR, g["minor"]) for g in records]
+    if nvswitches:
+        nodes += [("nvidia-nvswitchctl", majors["nvidia-nvswitch"], 255)]
+        nodes += [(f"nvidia-nvswitch{n}", majors["nvidia-nvswitch"], n) for n in range(nvswitches)]
+    if gdrcopy:
+        nodes.append(("gdrdrv", majors["gdrdrv"], 0))
     old_umask = os.umask(0)
     try:
         for name, major, minor in nodes:
@@ -355,7 +370,7 @@ def build(directory: str, gpus: int = 2, driver_version: str = DEFAULT_DRIVER_VE
         "driver_version": driver_version,
         "machine": machine,
         "cuda_version": cuda_version,
-        "majors": {"nvidia": NVIDIA_MAJOR, "nvidia-uvm": uvm_major, "nvidia-caps": caps_major},
+        "majors": majors,
         "gpus": records,
         "config": f"{directory}/config.toml",
         "nvml_state": state_file,

@@ -1,7 +1,7 @@
 """`gpuhook cdi generate` (docs/cdi.md): a CDI spec for the simulated host, valid against
 schemas/cdi-spec.json, and the bar from the issue: a real `podman run --device
-nvidia.com/gpu=1` with the spec in a CDI dir gives GPU 1 (ENXIO), no GPU 0, libcuda mounted
-and in the container's ld cache, and a health check in gpuhook's log."""
+gpuhook.example/gpu=1` with the spec in a CDI dir gives GPU 1 (ENXIO), no GPU 0, libcuda
+mounted and in the container's ld cache, and a health check in gpuhook's log."""
 
 import json
 import os
@@ -43,7 +43,7 @@ def test_the_spec_names_every_gpu_mig_device_and_all_and_is_valid(mig_host):
     assert done.returncode == 0, done.stderr
     spec = json.loads(done.stdout)
     jsonschema.Draft7Validator(schema()).validate(spec)
-    assert spec["kind"] == "nvidia.com/gpu" and spec["cdiVersion"] == "0.5.0"
+    assert spec["kind"] == "gpuhook.example/gpu" and spec["cdiVersion"] == "0.5.0"
     names = [d["name"] for d in spec["devices"]]
     gpu0, gpu1 = mig_host["gpus"][0], mig_host["gpus"][1]
     assert names[:2] == ["0", gpu0["uuid"]] and names[-1] == "all"
@@ -107,7 +107,7 @@ def test_podman_with_the_generated_spec_gives_exactly_the_device_checked_and_in_
         argv = podman.argv(str(rootfs), ["/bin/busybox", "sh", "-c",
                                          f"/bin/probe /dev/nvidia0 /dev/nvidia1 {libcuda}; "
                                          "/bin/busybox grep -c libcuda.so.1 /etc/ld.so.cache"])
-        argv[argv.index("run") + 1:argv.index("run") + 1] = ["--device", "nvidia.com/gpu=1"]
+        argv[argv.index("run") + 1:argv.index("run") + 1] = ["--device", "gpuhook.example/gpu=1"]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, cwd="/")
     finally:
         os.unlink(spec_file)

@@ -205,10 +205,11 @@ def test_uninstall_leaves_hooks_files_alone_when_one_does_not_run_gpuhook(tmp_pa
 def test_annotated_variant_gates_both_stages_on_nvidia_cdi_annotations(tmp_path):
     config = sim_config(tmp_path)
     apply_install("crio", hooks_dir=str(tmp_path / "hooks.d"), annotated=True, config_path=config)
-    when = {"annotations": {r"^cdi\.k8s\.io/.*$": r"nvidia\.com/[a-zA-Z0-9_.-]+="}}
+    when = {"annotations": {r"^cdi\.k8s\.io/.*$": r"(nvidia\.com/[a-zA-Z0-9_.-]+|gpuhook\.example/gpu)="}}
     import re
 
-    for value in ("nvidia.com/gpu=1", "k8s.device-plugin.nvidia.com/gpu=GPU-1", "k8s.gpu.nvidia.com/claim=u-gpu-0"):
+    for value in ("nvidia.com/gpu=1", "k8s.device-plugin.nvidia.com/gpu=GPU-1", "k8s.gpu.nvidia.com/claim=u-gpu-0",
+                  "gpuhook.example/gpu=1"):  # every kind the hook's CDI-annotation channel accepts
         assert re.search(when["annotations"][r"^cdi\.k8s\.io/.*$"], value), value
     assert not re.search(when["annotations"][r"^cdi\.k8s\.io/.*$"], "vendor.com/nic=eth0")
     for stage, name in HOOK_FILES.items():

@@ -165,11 +165,11 @@ def test_prestart_cleans_and_stamps_and_refuses_a_gpu_a_reset_cannot_fix(cluster
     sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
     good, bad = sim["gpus"][0]["uuid"], sim["gpus"][3]["uuid"]
     with channel:
-        stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[good]), timeout=30)
+        stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[good]), timeout=30)
         assert os.path.exists(store.stamp_path(cluster["state_dir"], good))
         simnvml.set_gpu(sim["nvml_state"], 3, ecc_volatile_uncorrected=1, reset_fails=True)
         with pytest.raises(grpc.RpcError) as caught:
-            stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[bad]), timeout=30)
+            stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[bad]), timeout=30)
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"{bad} failed its ecc check" in caught.value.details()
         assert first_devices(pb, stub)[bad] == "Unhealthy"
@@ -180,7 +180,7 @@ def test_prestart_checks_gpus_in_parallel(cluster):
     for index in range(4):
         simnvml.set_gpu(sim["nvml_state"], index, handle_latency_ms=1000)
     with channel:
-        stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[g["uuid"] for g in sim["gpus"]]), timeout=30)
+        stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[g["uuid"] for g in sim["gpus"]]), timeout=30)
     # No wall-clock bound (a loaded CI machine could break one): the run's own report shows
     # the overlap. One after another, the whole run would last the sum of the GPUs' times.
     log = os.path.join(os.path.dirname(cluster["config"]), "gpuhook.log")
@@ -195,7 +195,7 @@ def test_allocate_is_honoured_by_a_real_runc_start_granting_exactly_that_gpu(clu
     granted = sim["gpus"][1]["uuid"]
     with channel:
         response = stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(
-            devicesIDs=[granted])]), timeout=10)
+            devices_ids=[granted])]), timeout=10)
         preferred = stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
             pb.ContainerPreferredAllocationRequest(available_deviceIDs=[g["uuid"] for g in sim["gpus"]],
                                                    must_include_deviceIDs=[sim["gpus"][3]["uuid"]],
@@ -223,6 +223,32 @@ def test_allocate_is_honoured_by_a_real_runc_start_granting_exactly_that_gpu(clu
     probes = result.probes()
     assert {p for p, item in probes.items() if item["exists"]} == {"/dev/nvidia1"}
     assert probes["/dev/nvidia1"]["read"] == "ENXIO"
+
+
+def test_allocate_and_preferred_allocation_are_logged_one_json_line_each(cluster):
+    sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
+    uuids = [g["uuid"] for g in sim["gpus"]]
+    with channel:
+        stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=uuids, must_include_deviceIDs=[uuids[3]],
+                                                   allocation_size=2)]), timeout=10)
+        stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuids[3], uuids[2]]),
+                                                             pb.ContainerAllocateRequest(devices_ids=[uuids[0]])]),
+                      timeout=10)
+        with pytest.raises(grpc.RpcError):
+            stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["GPU-gone"])]),
+                          timeout=10)
+    log = os.path.join(os.path.dirname(cluster["config"]), "gpuhook.log")
+    lines = [json.loads(line) for line in open(log) if '"stage":"plugin"' in line.replace(" ", "")]
+    asked = [r for r in lines if r["decision"] in ("preferred allocation", "allocate")]
+    assert [r["decision"] for r in asked] == ["preferred allocation", "allocate", "allocate"]
+    preferred, allocated, refused = asked
+    assert preferred["containers"] == [{"available": uuids, "must_include": [uuids[3]], "size": 2,
+                                        "preferred": [uuids[3], uuids[2]]}]
+    assert allocated["containers"] == [{"devices": [uuids[3], uuids[2]]}, {"devices": [uuids[0]]}]
+    assert allocated["gpus"] == [uuids[3], uuids[2], uuids[0]] and allocated["strategy"] == "volume-mounts"
+    assert "error" not in allocated
+    assert refused["containers"] == [{"devices": ["GPU-gone"]}] and refused["error"] == "unknown device GPU-gone"
 
 
 def test_the_plugin_registers_again_when_kubelet_restarts(cluster):

@@ -180,3 +180,58 @@ def test_missing_gpu_lists_the_real_ones(ident):
 def test_cdi_annotations_ignored_by_policy():
     r = resolve(spec(annotations={"cdi.k8s.io/a": "nvidia.com/gpu=0"}), **{"accept-cdi-annotations": False})
     assert r.empty and "accept-cdi-annotations" in r.notes[-1]
+
+
+# --- optional devices: NVIDIA_NVSWITCH, NVIDIA_GDRCOPY (NVIDIA's internal/modifier/gated.go) ---
+
+@pytest.mark.parametrize("env,features", [
+    (["NVIDIA_NVSWITCH=enabled"], ("nvswitch",)),
+    (["NVIDIA_GDRCOPY=enabled"], ("gdrcopy",)),
+    (["NVIDIA_GDRCOPY=enabled", "NVIDIA_NVSWITCH=enabled"], ("nvswitch", "gdrcopy")),
+    (["NVIDIA_GDRCOPY=disabled", "NVIDIA_NVSWITCH="], ()),
+])
+def test_nvswitch_and_gdrcopy_are_enabled_by_the_exact_value_enabled(env, features):
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"] + env))
+    assert r.features == features and not [n for n in r.notes if "NVSWITCH" in n or "GDRCOPY" in n]
+
+
+@pytest.mark.parametrize("value", ["1", "true", "Enabled", "yes"])
+def test_another_value_of_an_optional_device_variable_is_named_in_a_note_not_enabled(value):
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", f"NVIDIA_GDRCOPY={value}"]))
+    assert r.features == ()
+    assert f"NVIDIA_GDRCOPY={value!r} ignored: only NVIDIA_GDRCOPY=enabled turns it on (as NVIDIA's toolkit)" in r.notes
+
+
+def test_optional_devices_without_a_gpu_request_are_not_gpuhooks_business():
+    r = resolve(spec(["NVIDIA_GDRCOPY=enabled", "NVIDIA_NVSWITCH=enabled"]))
+    assert r.empty and r.features == ()
+
+
+def test_every_refused_variable_is_named_in_one_line():
+    with pytest.raises(RequestError) as caught:
+        resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_GDS=enabled", "NVIDIA_IMEX_CHANNELS=0",
+                      "NVIDIA_GDRCOPY=enabled"]))
+    line = caught.value.one_line()
+    assert "\n" not in line
+    assert "NVIDIA_IMEX_CHANNELS asks for IMEX channels" in line and "NVIDIA_GDS asks for GPUDirect Storage" in line
+    assert "GDRCOPY" not in line.partition("which gpuhook does not provide")[0]
+
+
+# --- gpuhook's own CDI kind (docs/cdi.md, "Next to NVIDIA's") -------------------------------
+
+@pytest.mark.parametrize("value,ids", [("gpuhook.example/gpu=1", ("1",)), ("gpuhook.example/gpu=GPU-x", ("GPU-x",)),
+                                       ("gpuhook.example/gpu=all", ())])
+def test_the_cdi_annotation_channel_accepts_gpuhooks_own_kind(value, ids):
+    r = resolve(spec(annotations={"cdi.k8s.io/gpuhook": value}))
+    assert (r.ids, r.channel) == (ids, req.CDI) and r.wants == (req.ALL if not ids else req.GPUS)
+
+
+def test_the_device_plugins_cdi_mount_of_gpuhooks_kind_is_a_grant():
+    r = resolve(spec(mounts=[vm("cdi/gpuhook.example/gpu/GPU-x")]))
+    assert (r.ids, r.channel) == (("GPU-x",), req.MOUNTS)
+
+
+@pytest.mark.parametrize("value", ["gpuhook.example/nic=1", "example.com/gpu=1", "gpuhook.example.com/gpu=1"])
+def test_other_kinds_are_left_to_other_tools(value):
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"], annotations={"cdi.k8s.io/x": value}))
+    assert r.channel == req.ENV and any("not an NVIDIA device" in note for note in r.notes)
