@@ -13,9 +13,11 @@ hook never imports this package (tests/integration/test_plugin.py checks it).
 """
 
 import os
+import secrets
 import signal
 import stat
 import threading
+from collections import OrderedDict
 
 import grpc
 
@@ -31,6 +33,7 @@ HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 CDI_ANNOTATION = "cdi.k8s.io/gpuhook"
 MAX_DETAILS = 1000  # characters of an error's details: gRPC sends them as a header (8 KiB at most)
 MAX_WATCHERS = 4  # ListAndWatch streams at once; each holds one of the server's threads
+MAX_ALLOCATIONS = 256  # allocations whose token PreStartContainer can still stamp for
 
 
 def _api():
@@ -91,6 +94,33 @@ def offered_devices(config) -> Devices:
     return Devices(ids, gpu_of, numa)
 
 
+class Allocations:
+    """The token of each allocation, by its exact device set: PreStartContainer names only
+    devices, and stamps for the allocation holding exactly those (docs/device-plugin.md,
+    "Stamps bound to the allocation"). kubelet gives a device to one container at a time, so
+    the newest allocation of a device set is the one being started. Bounded: the oldest
+    entries go first (their containers then do their own checks)."""
+
+    def __init__(self, limit: int = MAX_ALLOCATIONS):
+        self.limit = limit
+        self.tokens: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def new(self, ids) -> str:
+        token = secrets.token_hex(16)
+        with self.lock:
+            key = frozenset(ids)
+            self.tokens.pop(key, None)
+            self.tokens[key] = token
+            while len(self.tokens) > self.limit:
+                self.tokens.popitem(last=False)
+        return token
+
+    def token(self, ids) -> str | None:
+        with self.lock:
+            return self.tokens.get(frozenset(ids))
+
+
 def details(text: str) -> str:
     """An RPC error's details: printable and short enough for gRPC's header limit (a longer
     one makes kubelet see a transport error instead of ours)."""
@@ -98,9 +128,14 @@ def details(text: str) -> str:
     return text if len(text) <= MAX_DETAILS else text[:MAX_DETAILS - 1] + "…"
 
 
-def allocate_response(pb, ids: list, strategy: str):
-    """What makes the hook grant exactly `ids`, by strategy (docs/device-plugin.md)."""
+def allocate_response(pb, ids: list, strategy: str, token: str | None = None):
+    """What makes the hook grant exactly `ids`, by strategy (docs/device-plugin.md), and, with
+    `token`, the allocation's token: a read-only /dev/null bind at
+    <store.ALLOCATION_ROOT>/<token>, which an image cannot add, so only this allocation's
+    container claims the stamps PreStartContainer leaves for it."""
     response = pb.ContainerAllocateResponse()
+    if token is not None:
+        response.mounts.add(container_path=f"{store.ALLOCATION_ROOT}/{token}", host_path="/dev/null", read_only=True)
     if strategy == "volume-mounts":
         for ident in ids:
             response.mounts.add(container_path=f"{req.VOLUME_MOUNT_ROOT}/{ident}", host_path="/dev/null",
@@ -125,11 +160,10 @@ def preferred(devices: Devices, available: list, must: list, size: int, state_di
     the node whose best devices hold the fewest unhealthy ones and rank best. When no node
     has enough devices, the best-ranked ones are taken, whatever their node. NVLink is not
     considered: seeing it needs NVML, which the plugin's allocation path does not load."""
+    last = store.last_stamped(state_dir)
+
     def stamped(ident):
-        try:
-            return os.stat(store.stamp_path(state_dir, devices.gpu_of.get(ident, ident))).st_mtime
-        except (OSError, ValueError, GpuhookError):
-            return 0.0
+        return last.get(devices.gpu_of.get(ident, ident), 0.0)
 
     chosen = [ident for ident in must if ident in available]
     order = {ident: i for i, ident in enumerate(devices.ids)}
@@ -165,6 +199,7 @@ class Plugin:
         self.dir = os.path.abspath(plugin_dir)
         self.socket = os.path.join(self.dir, ENDPOINT)
         self.devices = offered_devices(config)
+        self.allocations = Allocations()
         self.watchers: list = []  # one stop event per ListAndWatch stream, oldest first
         self.watchers_lock = threading.Lock()
         self.stop = threading.Event()
@@ -231,7 +266,8 @@ class Plugin:
             if unknown:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device {unknown[0][:100]}")
             response.container_responses.append(allocate_response(self.pb, list(ask.devicesIDs),
-                                                                   self.config.plugin.strategy))
+                                                                   self.config.plugin.strategy,
+                                                                   self.allocations.new(ask.devicesIDs)))
         return response
 
     def PreStartContainer(self, request, context):
@@ -240,7 +276,8 @@ class Plugin:
         ids = self._advertised(request.devicesIDs, context)
         uuids = list(dict.fromkeys(self.devices.gpu_of[i] for i in ids))
         try:
-            health.prepare(uuids, self.config, self.config.plugin.prestart_deadline_seconds)
+            health.prepare(uuids, self.config, self.config.plugin.prestart_deadline_seconds,
+                           self.allocations.token(ids))
         except GpuhookError as err:
             report = getattr(err, "report", None)
             if report is not None and report.gpus:

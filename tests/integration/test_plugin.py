@@ -174,6 +174,9 @@ def test_a_gpu_goes_unhealthy_on_the_stream_and_healthy_again(cluster):
         stream.cancel()
 
 
+ALLOCATION_ROOT = "/var/run/gpuhook-allocation/"
+
+
 def allocate(pb, stub, ids):
     """kubelet's Allocate of `ids` for one container: its ContainerAllocateResponse."""
     response = stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devicesIDs=ids)]),
@@ -182,12 +185,20 @@ def allocate(pb, stub, ids):
     return container
 
 
+def allocation_token(container) -> str:
+    (token,) = [m.container_path[len(ALLOCATION_ROOT):] for m in container.mounts
+                if m.container_path.startswith(ALLOCATION_ROOT) and m.host_path == "/dev/null" and m.read_only]
+    return token
+
+
 def test_prestart_cleans_and_stamps_and_refuses_a_gpu_a_reset_cannot_fix(cluster):
     sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
     good, bad = sim["gpus"][0]["uuid"], sim["gpus"][3]["uuid"]
     with channel:
+        token = allocation_token(allocate(pb, stub, [good]))
         stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[good]), timeout=30)
-        assert os.path.exists(f"{cluster['state_dir']}/health/stamps/{good}.json")
+        # The stamp is for that allocation only (docs/device-plugin.md).
+        assert os.listdir(f"{cluster['state_dir']}/health/stamps") == [f"{good}@{token}.json"]
         simnvml.set_gpu(sim["nvml_state"], 3, ecc_volatile_uncorrected=1, reset_fails=True)
         with pytest.raises(grpc.RpcError) as caught:
             stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[bad]), timeout=30)
@@ -227,6 +238,45 @@ def test_prestart_refuses_ids_it_never_advertised_before_any_work(quiet_cluster,
         with open(quiet_cluster["log"]) as log:
             assert [r for r in map(json.loads, log) if r.get("stage") == "prepare"] == []
         assert set(first_devices(pb, stub).values()) == {"Healthy"}
+
+
+def test_a_prestart_stamp_serves_only_the_allocation_it_was_made_for(quiet_cluster, bed, probe, tmp_path):
+    """kubelet's PreStartContainer names devices, not the container; a container that then
+    never starts must not lend its stamp to another start on that GPU."""
+    from gpuhook.simulate import runner
+
+    sim, (pb, stub, channel) = quiet_cluster["sim"], quiet_cluster["kubelet"].plugin()
+    gpu = sim["gpus"][1]["uuid"]
+    hook_config = write_config(str(tmp_path / "hook.toml"), sim_config_values(sim, str(tmp_path / "hook.log")))
+    rootfs = bed.rootfs(str(tmp_path / "rootfs"), files={"/bin/probe": probe})
+
+    def start(name, env, mounts=()):
+        bundle = bed.bundle(name, ["/bin/probe", "/dev/nvidia1"], env=env, mounts=list(mounts), rootfs=rootfs,
+                            hooks={"prestart": [runner.hook_entry(hook_config)]})
+        result = bed.run(bundle, name)
+        assert result.returncode == 0, result.stderr
+        with open(tmp_path / "hook.log") as log:
+            return [r for r in map(json.loads, log) if r.get("stage") == "prestart"][-1]
+
+    with channel:
+        allocated = allocate(pb, stub, [gpu])
+        stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[gpu]), timeout=30)
+        # That container never starts. GPU 1 breaks; another container asks for it.
+        simnvml.set_gpu(sim["nvml_state"], 1, ecc_volatile_uncorrected=1)
+        record = start("unrelated", ["NVIDIA_VISIBLE_DEVICES=1"])
+        assert not any(why.startswith("fresh stamp") for why in record["health"].get("skipped", {}).values())
+        assert simnvml.load(sim["nvml_state"])["gpus"][1]["reset_count"] == 1  # checked and repaired
+
+        # The allocation's own start, after its PreStartContainer, takes its stamp: broken
+        # after the stamp, the GPU is not checked again (only a check would see it).
+        stub.PreStartContainer(pb.PreStartContainerRequest(devicesIDs=[gpu]), timeout=30)
+        simnvml.set_gpu(sim["nvml_state"], 1, ecc_volatile_uncorrected=1)
+        mounts = [{"destination": m.container_path, "source": m.host_path, "type": "bind", "options": ["rbind", "ro"]}
+                  for m in allocated.mounts]
+        record = start("allocated", [f"{k}={v}" for k, v in allocated.envs.items()], mounts)
+        assert record["health"]["skipped"][gpu].startswith("fresh stamp from prepare")
+        assert simnvml.load(sim["nvml_state"])["gpus"][1]["reset_count"] == 1
+        assert os.listdir(f"{quiet_cluster['state_dir']}/health/stamps") == []  # consumed
 
 
 def test_many_watchers_never_starve_allocate_or_prestart(quiet_cluster):
@@ -287,6 +337,7 @@ def test_allocate_is_honoured_by_a_real_runc_start_granting_exactly_that_gpu(clu
                                                    allocation_size=2)]), timeout=10)
     (container,) = response.container_responses
     assert [(m.container_path, m.host_path, m.read_only) for m in container.mounts] == [
+        (f"{ALLOCATION_ROOT}{allocation_token(container)}", "/dev/null", True),
         (f"/var/run/nvidia-container-devices/{granted}", "/dev/null", True)]
     (choice,) = preferred.container_responses
     # GPU 3's partner is GPU 2, on its NUMA node, not GPU 0 (first in index order).
