@@ -295,6 +295,19 @@ def test_many_watchers_never_starve_allocate_or_prestart(quiet_cluster):
             stream.cancel()
 
 
+def test_preferred_allocation_ranks_only_advertised_devices(quiet_cluster):
+    pb, stub, channel = quiet_cluster["kubelet"].plugin()
+    gpus = [g["uuid"] for g in quiet_cluster["sim"]["gpus"]]
+    made_up = [f"GPU-{i:08d}-dead-beef-0000-000000000000" for i in range(5000)]
+    with channel:
+        answer = stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=made_up + [gpus[2]],
+                                                   must_include_deviceIDs=made_up[:3], allocation_size=1 << 30)]),
+            timeout=30)
+    (choice,) = answer.container_responses
+    assert list(choice.deviceIDs) == [gpus[2]]  # never a device kubelet could not allocate
+
+
 def test_a_plugin_directory_others_can_write_is_refused(sim, tmp_path):
     directory = tempfile.mkdtemp(prefix="gpuhook-dp-", dir="/tmp")
     try:
