@@ -201,3 +201,18 @@ def test_gpus_this_host_does_not_have_are_refused_without_any_work(bed, pristine
     answer = json.loads(answer)
     assert answer["ok"] is False and answer["prepared"] == []
     assert answer["error"] in ("not a GPU of this host", "not one request line of at most 8192 bytes")
+
+
+def test_a_socket_directory_others_can_write_is_refused_in_one_line(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)  # anyone could put their own socket there and answer "clean"
+    config = tmp_path / "config.toml"
+    config.write_text(f'state-dir = "{tmp_path}/run"\nlog-file = "{tmp_path}/log"\n'
+                      f'[health]\ndaemon-socket = "{shared}/health.sock"\n')
+    done = subprocess.run([sys.executable, "-m", "gpuhook", "plugin", "--standalone", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 4
+    assert done.stderr == (f"gpuhook: the health daemon's socket directory {shared} is not usable: not a directory "
+                           "owned by root and writable only by it\n")
+    assert os.listdir(shared) == []
