@@ -379,7 +379,7 @@ class Plugin:
 
         health_daemon = daemon.Daemon(self.config)
         health_daemon.stop = self.stop
-        threading.Thread(target=health_daemon.run, daemon=True).start()
+        threading.Thread(target=self._run_daemon, args=(health_daemon,), daemon=True).start()
         kubelet = os.path.join(self.dir, KUBELET_SOCKET)
         registered_with = None
         while not self.stop.is_set():
@@ -402,6 +402,14 @@ class Plugin:
             pass
         self._log("stopped")
         return 0
+
+    def _run_daemon(self, health_daemon) -> None:
+        """The health daemon, for as long as the plugin runs; one it cannot start (a socket
+        directory others can write) is logged, and the hooks then do their own checks."""
+        try:
+            health_daemon.run()
+        except GpuhookError as err:
+            self._log("health daemon not started", error=err.one_line())
 
     def _log(self, decision: str, **fields) -> None:
         journal.write(self.config.log_file, {"stage": "plugin", "decision": decision, **fields},

@@ -85,12 +85,12 @@ def sim(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_plugin(sim, tmp_path, recheck_seconds):
-    """A fake kubelet and `gpuhook plugin` running against it."""
+def running_plugin(sim, tmp_path, recheck_seconds, **overrides):
+    """A fake kubelet and `gpuhook plugin` running against it (config `overrides` by table)."""
     pristine = simnvml.load(sim["nvml_state"])
     directory = tempfile.mkdtemp(prefix="gpuhook-dp-", dir="/tmp")  # unix socket paths stay short
     config = write_config(str(tmp_path / "config.toml"), sim_config_values(sim, str(tmp_path / "gpuhook.log")),
-                          plugin={"recheck-seconds": recheck_seconds})
+                          plugin={"recheck-seconds": recheck_seconds}, **overrides)
     kubelet = FakeKubelet(directory)
     process = subprocess.Popen([sys.executable, "-m", "gpuhook", "plugin", "--config", config,
                                 "--device-plugin-dir", directory], cwd="/", stdout=subprocess.PIPE,
@@ -321,6 +321,23 @@ def test_a_plugin_directory_others_can_write_is_refused(sim, tmp_path):
         assert os.listdir(directory) == []
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_health_daemon_that_cannot_start_is_logged_and_the_plugin_serves_on(sim, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # anyone could put their own socket there
+    with running_plugin(sim, tmp_path, 3600, health={"daemon-socket": f"{shared}/health.sock"}) as state:
+        def logged():
+            with open(state["log"]) as log:
+                return [r for r in map(json.loads, log) if r.get("decision") == "health daemon not started"]
+        assert wait(logged)
+        assert logged()[0]["error"] == (f"the health daemon's socket directory {shared} is not usable: not a "
+                                        "directory owned by root and writable only by it")
+        pb, stub, channel = state["kubelet"].plugin()
+        with channel:
+            assert set(first_devices(pb, stub).values()) == {"Healthy"}
+        assert os.listdir(shared) == [] and state["process"].poll() is None
 
 
 def test_prestart_checks_gpus_in_parallel(cluster):
