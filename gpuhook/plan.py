@@ -30,10 +30,12 @@ FEATURE_NODES = {"nvswitch": "/dev/nvidia-nvswitch* node (nvidia-nvswitch driver
 MODESET_MINOR = 254
 
 
-class HealthStep(record("HealthStep", "mode gpus on_failure kill_orphans deadline_seconds")):
+class HealthStep(record("HealthStep", "mode gpus on_failure kill_orphans deadline_seconds allocations",
+                        defaults=((),))):
     """Check (and repair) `gpus` (UUIDs: whole GPUs and MIG parents) while the rest is
     applied, before it is committed (gpuhook.health.hooks.before_start); in fallback mode
-    a GPU with a fresh `gpuhook prepare` stamp is skipped."""
+    a GPU with a fresh stamp made for one of `allocations` (the device plugin's tokens the
+    container carries, gpuhook.health.store.allocation_tokens) is skipped."""
 
     __slots__ = ()
 
@@ -83,7 +85,8 @@ class Plan(record("Plan", (
                 "ldconfig": self.ldcache.ldconfig,
                 "directories": list(self.ldcache.directories),
             },
-            "health": None if self.health is None else dict(self.health._asdict(), gpus=list(self.health.gpus)),
+            "health": None if self.health is None else dict(self.health._asdict(), gpus=list(self.health.gpus),
+                                                                allocations=list(self.health.allocations)),
             "notes": list(self.notes),
         }
 
@@ -200,9 +203,11 @@ def make_plan(state, spec, request, host, config) -> Plan:
         notes.append(host.facts_source)
     health = None
     if config.health.mode != "off" and gpus:
+        from gpuhook.health import store
+
         h = config.health
         health = HealthStep(h.mode, tuple(dict.fromkeys(g.uuid for g in gpus)), h.on_failure, h.kill_orphans,
-                            h.deadline_seconds)
+                            h.deadline_seconds, store.allocation_tokens(spec.mounts))
     return Plan(
         container_id=state.id, pid=state.pid, rootfs=spec.rootfs, wants=request.wants, channel=request.channel,
         capabilities=caps, gpus=tuple(gpus), nodes=tuple(nodes), mounts=tuple(mounts), symlinks=tuple(symlinks),
@@ -278,7 +283,8 @@ def render_text(plan: Plan) -> str:
     if plan.ldcache:
         lines.append(f"ld cache: host ldconfig for {', '.join(plan.ldcache.directories)}")
     if plan.health:
-        skip = ", skipping a GPU with a fresh `gpuhook prepare` stamp" if plan.health.mode == "fallback" else ""
+        skip = ", skipping a GPU with a fresh stamp made for this container's allocation" \
+            if plan.health.mode == "fallback" and plan.health.allocations else ""
         lines.append(f"health ({plan.health.mode}, on failure: {plan.health.on_failure}): while the rest is "
                      f"applied, check and repair {', '.join(plan.health.gpus)} within "
                      f"{plan.health.deadline_seconds:g} s{skip}")

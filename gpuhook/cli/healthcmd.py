@@ -81,23 +81,28 @@ def _show(report, as_json: bool) -> None:
 @click.command(name="prepare", help=(
     "Check and clean GPUs before a container gets them, exactly as the hook does: kill processes "
     "left behind by gone containers, reset a GPU that needs it and that nobody uses, check again. "
-    "Leaves a stamp per GPU that is fine, so the hook (health.mode = fallback) skips it at the "
-    "next start. For a device plugin's PreStartContainer. Exits non-zero with one line naming the "
-    "GPU, the check and the evidence when a GPU stays unhealthy."
+    "With --allocation, leaves a stamp per GPU that is fine for the container carrying that "
+    "allocation token, so its start (health.mode = fallback) skips the GPU; no other start can "
+    "use the stamp. For a device plugin's PreStartContainer. Exits non-zero with one line naming "
+    "the GPU, the check and the evidence when a GPU stays unhealthy."
 ))
 @CONFIG_OPTION
 @click.option("--devices", required=True, metavar="UUID[,UUID...]",
               help="The GPUs: UUIDs (GPU-..., or MIG-... for a MIG device's parent GPU) or NVML indices.")
+@click.option("--allocation", metavar="TOKEN", help=(
+    "The token the device plugin's Allocate gave the container, as a read-only bind of /dev/null "
+    "at /var/run/gpuhook-allocation/TOKEN (16 to 128 letters, digits, - or _). Without it, no stamp "
+    "is left."))
 @DEADLINE_OPTION
 @JSON_OPTION
-def prepare(config_path, devices, deadline_seconds, as_json):
+def prepare(config_path, devices, allocation, deadline_seconds, as_json):
     from gpuhook import health
     from gpuhook.errors import GpuUnhealthyError, HealthDeadlineError
 
     config = cfg.load(config_path, os.environ)
     uuids = resolve_devices(devices, config)
     try:
-        report = health.prepare(uuids, config, deadline_seconds)
+        report = health.prepare(uuids, config, deadline_seconds, allocation)
     except (GpuUnhealthyError, HealthDeadlineError) as err:
         _show(err.report, as_json)
         raise

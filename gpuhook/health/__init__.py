@@ -5,7 +5,8 @@ is opt-in, has a 30 s budget, does not say which container, and no vendor plugin
 gpuhook does the work in its prestart hook whenever the plugin did not, and offers the same
 code to plugins, so both run one implementation (docs/health.md).
 
-    prepare(uuids, config) -> engine.Report    check and repair; stamp each GPU that is fine;
+    prepare(uuids, config, allocation=TOKEN) -> engine.Report   check and repair; stamp each
+                                               GPU that is fine for the start carrying TOKEN;
                                                raise GpuUnhealthyError / HealthDeadlineError
     check(uuids, config, repair=False) -> engine.Report   the checks, no actions unless repair
 
@@ -18,11 +19,11 @@ threads) when called, so `gpuhook.health.registry` stays cheap to import on its 
 """
 
 
-def prepare(uuids, config, deadline_seconds: float | None = None):
+def prepare(uuids, config, deadline_seconds: float | None = None, allocation: str | None = None):
     """See gpuhook.health.engine.prepare."""
     from gpuhook.health import engine
 
-    return engine.prepare(uuids, config, deadline_seconds)
+    return engine.prepare(uuids, config, deadline_seconds, allocation)
 
 
 def check(uuids, config, repair: bool = False, deadline_seconds: float | None = None):

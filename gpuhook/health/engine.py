@@ -539,18 +539,23 @@ def check(uuids, config, repair: bool = False, deadline_seconds: float | None = 
     return report
 
 
-def prepare(uuids, config, deadline_seconds: float | None = None) -> Report:
+def prepare(uuids, config, deadline_seconds: float | None = None, allocation: str | None = None) -> Report:
     """The device plugin's hand-off (PreStartContainer): check and repair GPUs `uuids` exactly
-    as the hook would, and leave a stamp for each GPU that is fine, so the hook (fallback
-    mode) skips it. Raises GpuUnhealthyError or HealthDeadlineError (with `.report`) when a
-    GPU is not fine; the healthy ones are stamped all the same."""
+    as the hook would. With `allocation` (the token the plugin's Allocate gave the
+    container), leave a stamp for each GPU that is fine, so the start carrying that token
+    (fallback mode) skips it; without, leave none: a stamp serves only the start it was made
+    for (docs/health.md). Raises GpuUnhealthyError or HealthDeadlineError (with `.report`)
+    when a GPU is not fine; the healthy ones are stamped all the same."""
+    if allocation is not None:
+        store.checked_token(allocation)
     policy = Policy(True, config.health.kill_orphans, None, "needed")
     report = run(uuids, config, "prepare", policy, _deadline(config, deadline_seconds))
     stamped = []
     for result in report.gpus:
-        if result.ok:
+        if result.ok and allocation is not None:
             try:
-                store.write_stamp(config.state_dir, result.uuid, result.status.value)
+                store.write_stamp(config.state_dir, result.uuid, result.status.value, allocation,
+                                  ttl=config.health.stamp_ttl_seconds)
                 stamped.append(result.uuid)
             except OSError:
                 pass

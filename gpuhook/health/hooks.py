@@ -28,8 +28,10 @@ def plan_gpus(plan) -> list:
 def before_start(plan, state, config, hook_deadline: float, record: dict) -> None:
     """Carry out the plan's health step (plan.HealthStep): check and repair its GPUs (whole
     GPUs and the parents of its MIG devices) before the container gets them. In fallback
-    mode a GPU with a fresh stamp from `gpuhook prepare` is skipped and its stamp consumed.
-    Raises the report's error unless on-failure = warn."""
+    mode a GPU is skipped when a fresh stamp made for this container's allocation (a token
+    the device plugin's Allocate gave it) is claimed, or when the health daemon, asked on
+    this start's own connection, answers that it prepared the GPU just now. Raises the
+    report's error unless on-failure = warn."""
     health = plan.health
     uuids = list(health.gpus)
     info = {"mode": health.mode}
@@ -39,26 +41,28 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
     todo = list(uuids)
     if health.mode == FALLBACK:
         skipped = {}
-        for uuid in uuids:
-            claim = store.claim_stamp(config.state_dir, uuid, config.health.stamp_ttl_seconds)
+        # A stamp serves only the start it was made for: without a token this start can
+        # have none, and other starts' stamps are never looked at (docs/health.md, "Stamps").
+        for uuid in uuids if health.allocations else ():
+            claim = store.claim_stamp(config.state_dir, uuid, config.health.stamp_ttl_seconds, health.allocations)
             if claim.fresh:
                 skipped[uuid] = claim.why
                 todo.remove(uuid)
             elif claim.why != "no stamp":
                 info.setdefault("stamps", {})[uuid] = claim.why
         if todo:
-            # The health daemon (gpuhook plugin) keeps NVML loaded: let it prepare and stamp
-            # them, so this process loads no NVML. Anything short of fresh stamps: our own checks.
+            # The health daemon (gpuhook plugin) keeps NVML loaded: let it prepare them, so
+            # this process loads no NVML. Its answer comes on this start's own connection and
+            # leaves no stamp another start could claim. Anything short of "prepared": our
+            # own checks.
             from gpuhook.health import daemon
 
             left = min(time.monotonic() + health.deadline_seconds, hook_deadline) - time.monotonic()
-            stamped, why = daemon.ask(config, todo, state.id, min(daemon.DAEMON_TIMEOUT, left / 2))
+            prepared, why = daemon.ask(config, todo, state.id, min(daemon.DAEMON_TIMEOUT, left / 2))
             info["daemon"] = why
-            for uuid in stamped:
-                claim = store.claim_stamp(config.state_dir, uuid, config.health.stamp_ttl_seconds)
-                if claim.fresh:
-                    skipped[uuid] = why
-                    todo.remove(uuid)
+            for uuid in prepared:
+                skipped[uuid] = why
+                todo.remove(uuid)
         if skipped:
             info["skipped"] = skipped
     if not todo:

@@ -1,7 +1,8 @@
 """What the health checks keep under <state-dir>/health: reports, stamps and per-GPU locks.
 
     <state-dir>/health/<uuid>.json          the latest report on a GPU (a device plugin reads it)
-    <state-dir>/health/stamps/<uuid>.json   "prepared by gpuhook prepare": the hook may skip the GPU
+    <state-dir>/health/stamps/<uuid>@<allocation>.json   "prepared for that allocation": the
+                                            start that carries the allocation may skip the GPU
     <state-dir>/health/locks/<uuid>.lock    flock(2) target: one check or reset of a GPU at a time
     <state-dir>/health/containers/          the registry of started containers (registry.py)
 
@@ -9,7 +10,10 @@ Files are written to a temporary name in the same directory and renamed into pla
 reader sees the old document or the new one, never half of one. Names come from GPU UUIDs,
 which are checked to be plain tokens before they become part of a path. Stamps carry the
 boot id and CLOCK_BOOTTIME, so a stamp survives no reboot and no change of the wall clock.
-The formats are in docs/health.md.
+A stamp is made for one allocation (a device plugin's Allocate hands the container a token
+as a /dev/null bind mount, which an image cannot add) and only a start carrying that token
+can claim it: a stamp nobody claims never lets another start skip its checks. The formats
+are in docs/health.md.
 """
 
 import fcntl
@@ -21,7 +25,14 @@ from gpuhook.cache import boot_id  # noqa: F401  (re-exported: reports, stamps a
 from gpuhook.discover import is_uuid
 from gpuhook.errors import InputError
 
-FORMAT = 1
+FORMAT = 2  # 2: stamps carry the allocation they were made for
+
+# In the container: a read-only bind of /dev/null at ALLOCATION_ROOT/<token> is the token of
+# the device plugin's allocation (docs/device-plugin.md, "Stamps bound to the allocation").
+ALLOCATION_ROOT = "/var/run/gpuhook-allocation"
+TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+MIN_TOKEN, MAX_TOKEN = 16, 128
+MAX_TOKENS = 8  # tokens one start may carry (one per allocation; more is not a kubelet's doing)
 
 
 def health_dir(state_dir: str) -> str:
@@ -39,8 +50,46 @@ def report_path(state_dir: str, uuid: str) -> str:
     return f"{health_dir(state_dir)}/{checked_uuid(uuid)}.json"
 
 
-def stamp_path(state_dir: str, uuid: str) -> str:
-    return f"{health_dir(state_dir)}/stamps/{checked_uuid(uuid)}.json"
+def is_token(text) -> bool:
+    """Whether `text` has the form of an allocation token: 16 to 128 letters, digits, `-`, `_`."""
+    return isinstance(text, str) and MIN_TOKEN <= len(text) <= MAX_TOKEN and set(text) <= TOKEN_CHARS
+
+
+def checked_token(token: str) -> str:
+    """`token` if it is an allocation token safe to use in a file name; InputError otherwise."""
+    if not is_token(token):
+        raise InputError(f"{str(token)[:40]!r} is not an allocation token ({MIN_TOKEN} to {MAX_TOKEN} letters, "
+                         "digits, - or _)")
+    return token
+
+
+def stamps_dir(state_dir: str) -> str:
+    return f"{health_dir(state_dir)}/stamps"
+
+
+def stamp_path(state_dir: str, uuid: str, allocation: str) -> str:
+    return f"{stamps_dir(state_dir)}/{checked_uuid(uuid)}@{checked_token(allocation)}.json"
+
+
+def allocation_tokens(mounts) -> tuple:
+    """The allocation tokens a container carries: the names under ALLOCATION_ROOT of its
+    spec's bind mounts of /dev/null (oci.Mount records). Only the runtime adds mounts, and
+    the device plugin's tokens are random, so an image cannot claim a stamp made for another
+    allocation; a tmpfs, a volume or any other source at that path is no token. At most
+    MAX_TOKENS, in the spec's order."""
+    prefix = ALLOCATION_ROOT + "/"
+    tokens = []
+    for mount in mounts:
+        dest = "/" + "/".join(p for p in mount.destination.split("/") if p and p != ".")
+        if dest.startswith("/run/"):
+            dest = "/var" + dest  # /var/run is a link to /run in most images
+        name = dest[len(prefix):] if dest.startswith(prefix) else ""
+        is_bind = mount.type == "bind" or "bind" in mount.options or "rbind" in mount.options
+        if is_token(name) and mount.source == "/dev/null" and is_bind and name not in tokens:
+            tokens.append(name)
+            if len(tokens) == MAX_TOKENS:
+                break
+    return tuple(tokens)
 
 
 def lock_path(state_dir: str, uuid: str) -> str:
@@ -78,13 +127,54 @@ def read_report(state_dir: str, uuid: str):
 
 # --- stamps ---------------------------------------------------------------------------------
 
-def write_stamp(state_dir: str, uuid: str, status: str, by: str = "prepare") -> dict:
-    """Leave a stamp saying GPU `uuid` was checked (and repaired if needed) just now."""
-    stamp = {"format": FORMAT, "uuid": uuid, "status": status, "by": by, "pid": os.getpid(),
-             "boot_id": boot_id(), "boottime": round(boottime(), 3),
+def write_stamp(state_dir: str, uuid: str, status: str, allocation: str, by: str = "prepare",
+                ttl: float | None = None) -> dict:
+    """Leave a stamp saying GPU `uuid` was checked (and repaired if needed) just now for the
+    start that carries `allocation`. With `ttl`, the GPU's other stamps that can no longer be
+    claimed (older than `ttl`, damaged, from another boot) are removed: stamps of starts
+    that never came do not pile up."""
+    path = stamp_path(state_dir, uuid, allocation)
+    stamp = {"format": FORMAT, "uuid": uuid, "allocation": allocation, "status": status, "by": by,
+             "pid": os.getpid(), "boot_id": boot_id(), "boottime": round(boottime(), 3),
              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    write_json(stamp_path(state_dir, uuid), stamp, mode=0o600)
+    write_json(path, stamp, mode=0o600)
+    if ttl is not None:
+        _prune_stamps(state_dir, uuid, ttl, keep=os.path.basename(path))
     return stamp
+
+
+def _prune_stamps(state_dir: str, uuid: str, ttl: float, keep: str) -> None:
+    directory = stamps_dir(state_dir)
+    try:
+        names = [e.name for e in os.scandir(directory) if e.name.startswith(f"{uuid}@") and e.name != keep]
+    except OSError:
+        return
+    for name in names:
+        path = f"{directory}/{name}"
+        if _judge(read_json(path), uuid, None, ttl).fresh:
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def last_stamped(state_dir: str) -> dict:
+    """{GPU UUID: modification time of its newest stamp}: which GPUs were prepared lately."""
+    times: dict = {}
+    try:
+        entries = list(os.scandir(stamps_dir(state_dir)))
+    except OSError:
+        return times
+    for entry in entries:
+        uuid, sep, _ = entry.name.partition("@")
+        if not sep or not is_uuid(uuid):
+            continue
+        try:
+            times[uuid] = max(times.get(uuid, 0.0), entry.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            pass
+    return times
 
 
 class StampClaim:
@@ -97,28 +187,45 @@ class StampClaim:
         self.age = age
 
 
-def claim_stamp(state_dir: str, uuid: str, ttl: float) -> StampClaim:
-    """Take GPU `uuid`'s stamp away (so it serves one start) and say whether it was fresh.
+def claim_stamp(state_dir: str, uuid: str, ttl: float, allocations) -> StampClaim:
+    """Take GPU `uuid`'s stamp made for one of `allocations` (the tokens this start carries)
+    away, so it serves one start, and say whether it was fresh. A stamp made for another
+    allocation is never looked at: it can serve only its own start.
 
     The stamp is renamed to a name of our own before it is read: of two hooks racing for
     one stamp exactly one gets it, and the other does the checks itself.
     """
-    path = stamp_path(state_dir, uuid)
-    taken = f"{path}.claimed.{os.getpid()}.{time.monotonic_ns()}"
-    try:
-        os.rename(path, taken)
-    except FileNotFoundError:
-        return StampClaim(False, "no stamp")
-    except OSError as err:
-        return StampClaim(False, f"stamp not usable: {err.strerror}")
-    try:
-        stamp = read_json(taken)
-    finally:
+    if not allocations:
+        return StampClaim(False, "no stamp for this start (it carries no allocation token)")
+    claim = StampClaim(False, "no stamp")
+    for allocation in allocations:
+        path = stamp_path(state_dir, uuid, allocation)
+        taken = f"{path}.claimed.{os.getpid()}.{time.monotonic_ns()}"
         try:
-            os.unlink(taken)
-        except OSError:
-            pass
-    if not isinstance(stamp, dict) or stamp.get("uuid") != uuid or stamp.get("format") != FORMAT:
+            os.rename(path, taken)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            claim = StampClaim(False, f"stamp not usable: {err.strerror}")
+            continue
+        try:
+            stamp = read_json(taken)
+        finally:
+            try:
+                os.unlink(taken)
+            except OSError:
+                pass
+        claim = _judge(stamp, uuid, allocation, ttl)
+        if claim.fresh:
+            break
+    return claim
+
+
+def _judge(stamp, uuid: str, allocation: str | None, ttl: float) -> StampClaim:
+    """Whether `stamp` (a parsed stamp file) is GPU `uuid`'s, made for `allocation` (any when
+    None), in this boot and less than `ttl` seconds ago."""
+    if (not isinstance(stamp, dict) or stamp.get("uuid") != uuid or stamp.get("format") != FORMAT
+            or (allocation is not None and stamp.get("allocation") != allocation)):
         return StampClaim(False, "stamp damaged")
     if stamp.get("boot_id") != boot_id():
         return StampClaim(False, "stamp from another boot")

@@ -13,14 +13,17 @@ hook never imports this package (tests/integration/test_plugin.py checks it).
 """
 
 import os
+import secrets
 import signal
+import stat
 import threading
+from collections import OrderedDict
 
 import grpc
 
-from gpuhook import discover, journal
+from gpuhook import cache, discover, journal
 from gpuhook import request as req
-from gpuhook.errors import GpuhookError, InputError
+from gpuhook.errors import GpuhookError, HostError, InputError, printable
 from gpuhook.health import store
 
 API_VERSION = "v1beta1"
@@ -28,6 +31,9 @@ KUBELET_SOCKET = "kubelet.sock"
 ENDPOINT = "gpuhook.sock"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 CDI_ANNOTATION = "cdi.k8s.io/gpuhook"
+MAX_DETAILS = 1000  # characters of an error's details: gRPC sends them as a header (8 KiB at most)
+MAX_WATCHERS = 4  # ListAndWatch streams at once; each holds one of the server's threads
+MAX_ALLOCATIONS = 256  # allocations whose token PreStartContainer can still stamp for
 
 
 def _api():
@@ -53,6 +59,9 @@ class Devices:
         self.changed = threading.Condition()
 
     def set(self, ident: str, healthy: bool, reason: str = "") -> None:
+        """Set the health of advertised device `ident`; any other id changes nothing."""
+        if ident not in self.gpu_of:
+            return
         with self.changed:
             state = HEALTHY if healthy else UNHEALTHY
             if self.health.get(ident) != state:
@@ -85,9 +94,48 @@ def offered_devices(config) -> Devices:
     return Devices(ids, gpu_of, numa)
 
 
-def allocate_response(pb, ids: list, strategy: str):
-    """What makes the hook grant exactly `ids`, by strategy (docs/device-plugin.md)."""
+class Allocations:
+    """The token of each allocation, by its exact device set: PreStartContainer names only
+    devices, and stamps for the allocation holding exactly those (docs/device-plugin.md,
+    "Stamps bound to the allocation"). kubelet gives a device to one container at a time, so
+    the newest allocation of a device set is the one being started. Bounded: the oldest
+    entries go first (their containers then do their own checks)."""
+
+    def __init__(self, limit: int = MAX_ALLOCATIONS):
+        self.limit = limit
+        self.tokens: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def new(self, ids) -> str:
+        token = secrets.token_hex(16)
+        with self.lock:
+            key = frozenset(ids)
+            self.tokens.pop(key, None)
+            self.tokens[key] = token
+            while len(self.tokens) > self.limit:
+                self.tokens.popitem(last=False)
+        return token
+
+    def token(self, ids) -> str | None:
+        with self.lock:
+            return self.tokens.get(frozenset(ids))
+
+
+def details(text: str) -> str:
+    """An RPC error's details: printable and short enough for gRPC's header limit (a longer
+    one makes kubelet see a transport error instead of ours)."""
+    text = printable(text)
+    return text if len(text) <= MAX_DETAILS else text[:MAX_DETAILS - 1] + "…"
+
+
+def allocate_response(pb, ids: list, strategy: str, token: str | None = None):
+    """What makes the hook grant exactly `ids`, by strategy (docs/device-plugin.md), and, with
+    `token`, the allocation's token: a read-only /dev/null bind at
+    <store.ALLOCATION_ROOT>/<token>, which an image cannot add, so only this allocation's
+    container claims the stamps PreStartContainer leaves for it."""
     response = pb.ContainerAllocateResponse()
+    if token is not None:
+        response.mounts.add(container_path=f"{store.ALLOCATION_ROOT}/{token}", host_path="/dev/null", read_only=True)
     if strategy == "volume-mounts":
         for ident in ids:
             response.mounts.add(container_path=f"{req.VOLUME_MOUNT_ROOT}/{ident}", host_path="/dev/null",
@@ -112,11 +160,10 @@ def preferred(devices: Devices, available: list, must: list, size: int, state_di
     the node whose best devices hold the fewest unhealthy ones and rank best. When no node
     has enough devices, the best-ranked ones are taken, whatever their node. NVLink is not
     considered: seeing it needs NVML, which the plugin's allocation path does not load."""
+    last = store.last_stamped(state_dir)
+
     def stamped(ident):
-        try:
-            return os.stat(store.stamp_path(state_dir, devices.gpu_of.get(ident, ident))).st_mtime
-        except (OSError, ValueError, GpuhookError):
-            return 0.0
+        return last.get(devices.gpu_of.get(ident, ident), 0.0)
 
     chosen = [ident for ident in must if ident in available]
     order = {ident: i for i, ident in enumerate(devices.ids)}
@@ -152,6 +199,9 @@ class Plugin:
         self.dir = os.path.abspath(plugin_dir)
         self.socket = os.path.join(self.dir, ENDPOINT)
         self.devices = offered_devices(config)
+        self.allocations = Allocations()
+        self.watchers: list = []  # one stop event per ListAndWatch stream, oldest first
+        self.watchers_lock = threading.Lock()
         self.stop = threading.Event()
         self.server = None
         self.pb, self.rpc = _api()
@@ -162,8 +212,24 @@ class Plugin:
         return self.pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
     def ListAndWatch(self, request, context):
+        # kubelet keeps one stream; each holds a server thread for its lifetime. Beyond
+        # MAX_WATCHERS the oldest stream ends, so streams can never take every thread from
+        # Allocate and PreStartContainer.
+        ended = threading.Event()
+        with self.watchers_lock:
+            self.watchers.append(ended)
+            while len(self.watchers) > MAX_WATCHERS:
+                self.watchers.pop(0).set()
+        try:
+            yield from self._watch(context, ended)
+        finally:
+            with self.watchers_lock:
+                if ended in self.watchers:
+                    self.watchers.remove(ended)
+
+    def _watch(self, context, ended):
         seen = -1
-        while not self.stop.is_set() and context.is_active():
+        while not self.stop.is_set() and not ended.is_set() and context.is_active():
             with self.devices.changed:
                 if self.devices.version == seen:
                     self.devices.changed.wait(timeout=1.0)
@@ -185,8 +251,12 @@ class Plugin:
         response = self.pb.PreferredAllocationResponse()
         asked = []
         for ask in request.container_requests:
-            ids = preferred(self.devices, list(ask.available_deviceIDs), list(ask.must_include_deviceIDs),
-                            ask.allocation_size, self.config.state_dir)
+            # Only advertised devices are ranked (an unknown id costs nothing and is never
+            # preferred); a size beyond them means all of them.
+            available = [i for i in dict.fromkeys(ask.available_deviceIDs) if i in self.devices.gpu_of]
+            must = [i for i in dict.fromkeys(ask.must_include_deviceIDs) if i in self.devices.gpu_of]
+            size = min(max(ask.allocation_size, 0), len(available))
+            ids = preferred(self.devices, available, must, size, self.config.state_dir)
             response.container_responses.add(deviceIDs=ids)
             asked.append({"available": list(ask.available_deviceIDs), "must_include": list(ask.must_include_deviceIDs),
                           "size": ask.allocation_size, "preferred": ids})
@@ -202,30 +272,51 @@ class Plugin:
         unknown = [i for ids in asked for i in ids if i not in self.devices.gpu_of]
         self._log("allocate", strategy=strategy, gpus=list(dict.fromkeys(
                       self.devices.gpu_of[i] for ids in asked for i in ids if i in self.devices.gpu_of)),
-                  containers=[{"devices": ids} for ids in asked],
+                  containers=[{"devices": ids[:64]} for ids in asked[:16]],
                   **({"error": f"unknown device {unknown[0][:100]}"} if unknown else {}))
         if unknown:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device {unknown[0][:100]}")
         for ids in asked:
-            response.container_responses.append(allocate_response(self.pb, ids, strategy))
+            response.container_responses.append(allocate_response(self.pb, ids, strategy,
+                                                                   self.allocations.new(ids)))
         return response
 
     def PreStartContainer(self, request, context):
         from gpuhook import health
 
-        ids = list(request.devices_ids)
-        uuids = list(dict.fromkeys(self.devices.gpu_of.get(i, i) for i in ids))
+        ids = self._advertised(request.devices_ids, context)
+        uuids = list(dict.fromkeys(self.devices.gpu_of[i] for i in ids))
         try:
-            health.prepare(uuids, self.config, self.config.plugin.prestart_deadline_seconds)
+            health.prepare(uuids, self.config, self.config.plugin.prestart_deadline_seconds,
+                           self.allocations.token(ids))
         except GpuhookError as err:
-            failed = getattr(err, "gpu", None)
+            report = getattr(err, "report", None)
+            if report is not None and report.gpus:
+                failed = {g.uuid for g in report.gpus if not g.ok}
+            else:
+                failed = {getattr(err, "gpu", None)} if getattr(err, "gpu", None) else set(uuids)
             for ident in ids:
-                if failed is None or self.devices.gpu_of.get(ident, ident) == failed:
+                if self.devices.gpu_of[ident] in failed:
                     self.devices.set(ident, False, err.one_line())
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, err.one_line())
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, details(err.one_line()))
         for ident in ids:
             self.devices.set(ident, True)
         return self.pb.PreStartContainerResponse()
+
+    def _advertised(self, ids, context) -> list:
+        """`ids` when each is a device this plugin advertises, named once; otherwise the call
+        ends with INVALID_ARGUMENT before any work, lock, report or stamp (kubelet only ever
+        names devices it got from ListAndWatch)."""
+        ids = list(ids)
+        if len(ids) > len(self.devices.ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{len(ids)} device ids: more than the {len(self.devices.ids)} this plugin offers")
+        unknown = [i for i in ids if i not in self.devices.gpu_of]
+        if unknown:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, details(f"unknown device {unknown[0][:100]!r}"))
+        if len(set(ids)) != len(ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a device named twice")
+        return ids
 
     # --- the loops ---------------------------------------------------------------------
 
@@ -261,9 +352,14 @@ class Plugin:
             os.unlink(self.socket)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         self.rpc.add_DevicePluginServicer_to_server(self, self.server)
-        self.server.add_insecure_port(f"unix://{self.socket}")
-        self.server.start()
-        os.chmod(self.socket, 0o600)
+        # 0600 from the moment it exists: a chmod after the bind leaves a moment in which,
+        # under a umask of 0, anyone could connect and call Allocate or PreStartContainer.
+        mask = os.umask(0o177)
+        try:
+            self.server.add_insecure_port(f"unix://{self.socket}")
+            self.server.start()
+        finally:
+            os.umask(mask)
 
     def register(self) -> None:
         kubelet = os.path.join(self.dir, KUBELET_SOCKET)
@@ -294,7 +390,7 @@ class Plugin:
 
         health_daemon = daemon.Daemon(self.config)
         health_daemon.stop = self.stop
-        threading.Thread(target=health_daemon.run, daemon=True).start()
+        threading.Thread(target=self._run_daemon, args=(health_daemon,), daemon=True).start()
         kubelet = os.path.join(self.dir, KUBELET_SOCKET)
         registered_with = None
         while not self.stop.is_set():
@@ -318,12 +414,26 @@ class Plugin:
         self._log("stopped")
         return 0
 
+    def _run_daemon(self, health_daemon) -> None:
+        """The health daemon, for as long as the plugin runs; one it cannot start (a socket
+        directory others can write) is logged, and the hooks then do their own checks."""
+        try:
+            health_daemon.run()
+        except GpuhookError as err:
+            self._log("health daemon not started", error=err.one_line())
+
     def _log(self, decision: str, **fields) -> None:
         journal.write(self.config.log_file, {"stage": "plugin", "decision": decision, **fields},
                       self.config.log_target, self.config.syslog_socket)
 
 
 def main(config, plugin_dir: str) -> int:
-    os.makedirs(plugin_dir, exist_ok=True)
+    os.makedirs(plugin_dir, mode=0o750, exist_ok=True)
+    st = os.lstat(plugin_dir)
+    # Whoever can write the directory can swap our socket for theirs (kubelet would then
+    # Allocate through them) or remove it at will.
+    if not stat.S_ISDIR(st.st_mode) or not cache.trusted(st):
+        raise HostError(f"the device plugin directory {printable(plugin_dir)[:200]} is not a directory owned by root "
+                         "and writable only by it", "kubelet's own is /var/lib/kubelet/device-plugins (0750 or 0755)")
     return Plugin(config, plugin_dir).run()
 

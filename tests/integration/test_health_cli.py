@@ -73,24 +73,48 @@ def test_check_reports_a_fault_and_changes_nothing(host):
     assert resets(host, 1) == 0
 
 
+TOKEN = "0123456789abcdef0123456789abcdef"  # an allocation's token (docs/device-plugin.md)
+
+
+def stamps(host) -> list:
+    directory = f"{host['state_dir']}/health/stamps"
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
 def test_check_with_repair_repairs_but_leaves_no_stamp(host):
     simnvml.set_gpu(host["sim"]["nvml_state"], 1, ecc_volatile_uncorrected=3)
     done = gpuhook(host, "check", "--devices", host["uuids"][1], "--repair")
     assert done.returncode == 0, done.stderr
     assert "repaired" in done.stdout and "reset " in done.stdout and resets(host, 1) == 1
-    assert not os.path.exists(store.stamp_path(host["state_dir"], host["uuids"][1]))
+    assert stamps(host) == []
 
 
-def test_prepare_stamps_every_gpu_it_names(host):
-    done = gpuhook(host, "prepare", "--devices", f"{host['uuids'][2]},0")
+def test_prepare_stamps_every_gpu_it_names_for_the_allocation(host):
+    done = gpuhook(host, "prepare", "--devices", f"{host['uuids'][2]},0", "--allocation", TOKEN)
     assert done.returncode == 0, done.stderr
     assert [line.split()[:2] for line in done.stdout.splitlines()] == \
            [[host["uuids"][2], "healthy"], [host["uuids"][0], "healthy"]]
+    assert stamps(host) == sorted(f"{uuid}@{TOKEN}.json" for uuid in (host["uuids"][2], host["uuids"][0]))
     for uuid in (host["uuids"][2], host["uuids"][0]):
-        assert store.claim_stamp(host["state_dir"], uuid, 60).fresh
+        assert not store.claim_stamp(host["state_dir"], uuid, 60, ["another-allocation-0000"]).fresh
+        assert store.claim_stamp(host["state_dir"], uuid, 60, [TOKEN]).fresh
     with open(host["log"]) as f:
         (record,) = [json.loads(line) for line in f]
     assert record["stage"] == "prepare" and record["stamped"] == [host["uuids"][2], host["uuids"][0]]
+
+
+def test_prepare_without_an_allocation_cleans_but_leaves_no_stamp(host):
+    simnvml.set_gpu(host["sim"]["nvml_state"], 1, ecc_volatile_uncorrected=3)
+    done = gpuhook(host, "prepare", "--devices", "1")
+    assert done.returncode == 0, done.stderr
+    assert resets(host, 1) == 1 and stamps(host) == []  # a stamp for no start would serve any start
+
+
+def test_prepare_refuses_an_allocation_token_that_could_name_a_path(host):
+    done = gpuhook(host, "prepare", "--devices", "0", "--allocation", "../../../etc/x-0123456789")
+    assert done.returncode == 2
+    assert one_line(done).startswith("'../../../etc/x-0123456789' is not an allocation token")
+    assert stamps(host) == [] and not os.path.exists(host["log"])  # refused before any check
 
 
 def test_prepare_of_an_unhealthy_gpu_exits_6_with_the_report_on_stdout(host):
@@ -101,7 +125,7 @@ def test_prepare_of_an_unhealthy_gpu_exits_6_with_the_report_on_stdout(host):
                                      "error(s) since the last reset; reset failed: nvidia-smi exited 255")
     report = json.loads(done.stdout)
     assert report["ok"] is False and report["gpus"][0]["actions"][0]["action"] == "reset"
-    assert not os.path.exists(store.stamp_path(host["state_dir"], host["uuids"][0]))
+    assert stamps(host) == []
 
 
 def test_prepare_cut_off_by_its_deadline_exits_7(host):

@@ -2,6 +2,8 @@
 takes 1.5 s to load, a GPU start asks the daemon, which keeps NVML loaded, and loads no NVML
 itself; without the daemon it does its own checks. Only a root-only socket is asked."""
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -15,6 +17,7 @@ from conftest import GpuContainers, require_root_tools
 from gpuhook import config as cfg
 from gpuhook.health import daemon
 from gpuhook.simulate import host as simhost
+from gpuhook.simulate import nvml as simnvml
 
 pytestmark = pytest.mark.root
 
@@ -24,6 +27,34 @@ def slow_sim(tmp_path_factory):
     require_root_tools("gcc", "runc")
     return simhost.build(str(tmp_path_factory.mktemp("daemon") / "host"), gpus=2, seed="daemon",
                          nvml_init_latency_ms=1500)
+
+
+@pytest.fixture
+def pristine(slow_sim):
+    """The module's host, put back as it was after the test (these tests slow and break GPUs)."""
+    saved = simnvml.load(slow_sim["nvml_state"])
+    yield slow_sim
+    simnvml.save(slow_sim["nvml_state"], saved)
+
+
+@contextlib.contextmanager
+def standalone_daemon(gpus):
+    """`gpuhook plugin --standalone` for `gpus` (GpuContainers), until SIGTERM; yields its socket."""
+    sock = f"{gpus.workdir}/run/health.sock"
+    served = subprocess.Popen([sys.executable, "-m", "gpuhook", "plugin", "--standalone", "--config", gpus.config],
+                              cwd="/", stderr=subprocess.PIPE)
+    try:
+        assert wait(lambda: os.path.exists(sock)), served.stderr.read1(2000) if served.poll() is not None else ""
+        yield sock
+    finally:
+        served.send_signal(signal.SIGTERM)
+        assert served.wait(timeout=15) == 0
+
+
+def connect(path) -> socket.socket:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(path)
+    return client
 
 
 def wait(predicate, timeout=20.0):
@@ -80,3 +111,108 @@ def test_only_a_root_only_socket_is_asked(tmp_path):
         assert stamped == [] and why.startswith("health daemon did not answer")
     finally:
         listener.close()
+
+
+def test_an_answer_the_hook_stopped_waiting_for_lets_no_later_start_skip_its_checks(bed, pristine, probe, tmp_path):
+    gpus = GpuContainers(bed, pristine, probe, tmp_path)
+    state, uuid = pristine["nvml_state"], gpus.uuid(1)
+    with standalone_daemon(gpus):
+        # A start asks for GPU 1 and gives up before the daemon is done (checking it takes 0.8 s).
+        simnvml.set_gpu(state, 1, handle_latency_ms=800)
+        config = cfg.load(gpus.config, {})
+        prepared, why = daemon.ask(config, [uuid], "gave-up", 0.2)
+        assert prepared == [], why
+        time.sleep(1.5)  # the daemon's work, whatever it is, is over
+        # GPU 1 breaks; the next start on it must not ride on the answer nobody took.
+        simnvml.set_gpu(state, 1, handle_latency_ms=0, ecc_volatile_uncorrected=1)
+        result = gpus.run("later", env=["NVIDIA_VISIBLE_DEVICES=1"])
+        assert result.returncode == 0, result.stderr
+        record = gpus.log_lines()[-1]
+        assert record["container"] == "later"
+        assert record["health"].get("skipped", {}).get(uuid) in (None, "prepared by the health daemon")
+        assert simnvml.load(state)["gpus"][1]["reset_count"] == 1  # checked and repaired for this start
+        assert not os.path.exists(f"{gpus.workdir}/run/health/stamps")  # the daemon leaves none
+
+
+def test_a_request_that_trickles_in_is_cut_off_at_its_deadline(bed, pristine, probe, tmp_path):
+    gpus = GpuContainers(bed, pristine, probe, tmp_path)
+    with standalone_daemon(gpus) as path:
+        client = connect(path)
+        client.setblocking(False)
+        started, closed_after = time.monotonic(), None
+        request = b'{"op": "prepare", "gpus": ["' + pristine["gpus"][0]["uuid"].encode() + b'"]}'
+        for byte in request:  # one byte every half second: each recv alone is quick
+            try:
+                client.send(bytes([byte]))
+                if client.recv(4096) == b"":
+                    closed_after = time.monotonic() - started
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed_after = time.monotonic() - started
+                break
+            if time.monotonic() - started > 10:
+                break
+            time.sleep(0.5)
+        client.close()
+    # The daemon gives a whole request 2 s; a client dribbling a byte at a time gets no more.
+    assert closed_after is not None and closed_after < 8, closed_after
+
+
+def test_one_client_cannot_hold_every_connection_and_a_start_still_gets_its_answer(bed, pristine, probe, tmp_path):
+    gpus = GpuContainers(bed, pristine, probe, tmp_path)
+    with standalone_daemon(gpus) as path:
+        held = [connect(path) for _ in range(12)]  # one process, saying nothing
+        try:
+            time.sleep(0.5)
+            refused = []
+            for client in held:
+                client.settimeout(0.2)
+                try:
+                    answer = client.recv(4096)
+                except TimeoutError:
+                    continue
+                refused.append(json.loads(answer))
+            # Four are served (and wait for their request), the others are told at once.
+            assert refused == [{"ok": False, "prepared": [], "error": "health daemon busy"}] * 8
+            result = gpus.run("served", env=["NVIDIA_VISIBLE_DEVICES=0"])
+            assert result.returncode == 0, result.stderr
+            assert gpus.log_lines()[-1]["health"]["daemon"] == "prepared by the health daemon"
+        finally:
+            for client in held:
+                client.close()
+
+
+@pytest.mark.parametrize("gpus_asked", [["GPU-00000000-dead-beef-0000-000000000000"], "all of them, 2000 times"])
+def test_gpus_this_host_does_not_have_are_refused_without_any_work(bed, pristine, probe, tmp_path, gpus_asked):
+    gpus = GpuContainers(bed, pristine, probe, tmp_path)
+    if gpus_asked == "all of them, 2000 times":
+        gpus_asked = [g["uuid"] for g in pristine["gpus"]] * 1000
+    with standalone_daemon(gpus) as path:
+        client = connect(path)
+        client.settimeout(10)
+        client.sendall((json.dumps({"op": "prepare", "gpus": gpus_asked, "seconds": 2}) + "\n").encode())
+        answer = client.recv(65536)
+        client.close()
+    # No check ran: no lock, report or stamp for any GPU, real or made up.
+    health = f"{gpus.workdir}/run/health"
+    assert not os.path.exists(health) or [name for _, _, files in os.walk(health) for name in files] == []
+    answer = json.loads(answer)
+    assert answer["ok"] is False and answer["prepared"] == []
+    assert answer["error"] in ("not a GPU of this host", "not one request line of at most 8192 bytes")
+
+
+def test_a_socket_directory_others_can_write_is_refused_in_one_line(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)  # anyone could put their own socket there and answer "clean"
+    config = tmp_path / "config.toml"
+    config.write_text(f'state-dir = "{tmp_path}/run"\nlog-file = "{tmp_path}/log"\n'
+                      f'[health]\ndaemon-socket = "{shared}/health.sock"\n')
+    done = subprocess.run([sys.executable, "-m", "gpuhook", "plugin", "--standalone", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 4
+    assert done.stderr == (f"gpuhook: the health daemon's socket directory {shared} is not usable: not a directory "
+                           "owned by root and writable only by it\n")
+    assert os.listdir(shared) == []

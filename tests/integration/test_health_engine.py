@@ -31,6 +31,7 @@ pytestmark = pytest.mark.root
 
 MIG_GPU = 3
 GIB = 1 << 30
+TOKEN = "0123456789abcdef0123456789abcdef"  # a device plugin allocation's token: stamps are made for one
 
 # A subreaper that starts one command in a cgroup and reaps everything below it until killed.
 SHIM = r"""
@@ -194,7 +195,7 @@ def containers():
 # --- healthy ------------------------------------------------------------------------------
 
 def test_a_healthy_gpu_passes_untouched_and_is_stamped(config, sim, nvml_state):
-    report = engine.prepare([gpu(sim, 0), gpu(sim, 1)], config)
+    report = engine.prepare([gpu(sim, 0), gpu(sim, 1)], config, allocation=TOKEN)
     assert [(g.uuid, g.status, g.actions) for g in report.gpus] == \
            [(gpu(sim, 0), engine.Status.HEALTHY, ()), (gpu(sim, 1), engine.Status.HEALTHY, ())]
     assert all(gpu_state(nvml_state, i)["reset_count"] == 0 for i in range(4))
@@ -203,7 +204,7 @@ def test_a_healthy_gpu_passes_untouched_and_is_stamped(config, sim, nvml_state):
            ("healthy", True, "prepare", None)
     assert written["checks"] == {"reachable": "ok", "processes": "ok", "memory": "ok", "ecc": "ok",
                                  "retired-pages": "not supported", "remapped-rows": "ok"}
-    assert store.claim_stamp(config.state_dir, gpu(sim, 1), 60).fresh
+    assert store.claim_stamp(config.state_dir, gpu(sim, 1), 60, [TOKEN]).fresh
     assert set(report.gpus[0].steps) >= {"lock", "query", "attribute", "report"}
 
 
@@ -250,7 +251,7 @@ def test_a_fault_a_reset_clears_is_repaired_by_one_reset(config, sim, nvml_state
 
 def fails(config, uuids, **kwargs) -> GpuUnhealthyError:
     with pytest.raises(GpuUnhealthyError) as caught:
-        engine.prepare(uuids, config, **kwargs)
+        engine.prepare(uuids, config, allocation=TOKEN, **kwargs)
     assert "\n" not in str(caught.value)
     return caught.value
 
@@ -263,7 +264,7 @@ def test_a_reset_that_fails_fails_the_gpu_with_the_reset_output(config, sim, nvm
                               f"{sim['gpus'][2]['bus_id'].upper().replace('0000:', '00000000:')}: Unknown Error")
     assert (err.gpu, err.check, err.evidence) == (gpu(sim, 2), "ecc",
                                                   "1 volatile uncorrectable ECC error(s) since the last reset")
-    assert not store.claim_stamp(config.state_dir, gpu(sim, 2), 60).fresh
+    assert not store.claim_stamp(config.state_dir, gpu(sim, 2), 60, [TOKEN]).fresh
     written = store.read_report(config.state_dir, gpu(sim, 2))
     assert written["healthy"] is False and written["failure"] == err.report.gpus[0].failure()
 
@@ -299,7 +300,7 @@ def test_a_fault_no_reset_can_fix_fails_without_a_reset(config, sim, nvml_state,
     assert err.one_line() == f"{gpu(sim, 1)} failed its {message}"
     assert gpu_state(nvml_state, 1)["reset_count"] == 0
     assert [g.status for g in err.report.gpus] == [engine.Status.HEALTHY, engine.Status.UNHEALTHY]
-    assert store.claim_stamp(config.state_dir, gpu(sim, 0), 60).fresh  # the healthy one is stamped all the same
+    assert store.claim_stamp(config.state_dir, gpu(sim, 0), 60, [TOKEN]).fresh  # the healthy one is stamped all the same
 
 
 def test_check_without_repair_changes_nothing(config, sim, nvml_state, containers):
@@ -502,7 +503,7 @@ def test_a_deadline_shorter_than_the_work_cuts_off_on_time_naming_gpu_and_step(s
     simnvml.set_gpu(nvml_state, 2, handle_latency_ms=3000)
     started = time.monotonic()
     with pytest.raises(HealthDeadlineError) as caught:
-        engine.prepare([gpu(sim, 0), gpu(sim, 2)], config)
+        engine.prepare([gpu(sim, 0), gpu(sim, 2)], config, allocation=TOKEN)
     assert time.monotonic() - started < 2.5  # the slow GPU alone would take 3 s
     err = caught.value
     assert err.exit_code == 7 and (err.gpu, err.step) == (gpu(sim, 2), "query")
@@ -511,8 +512,8 @@ def test_a_deadline_shorter_than_the_work_cuts_off_on_time_naming_gpu_and_step(s
     assert [g.status for g in err.report.gpus] == [engine.Status.HEALTHY, engine.Status.UNCHECKED]
     written = store.read_report(config.state_dir, gpu(sim, 2))
     assert written["status"] == "unchecked" and written["failure"].startswith("cut off at step query")
-    assert store.claim_stamp(config.state_dir, gpu(sim, 0), 60).fresh
-    assert not store.claim_stamp(config.state_dir, gpu(sim, 2), 60).fresh
+    assert store.claim_stamp(config.state_dir, gpu(sim, 0), 60, [TOKEN]).fresh
+    assert not store.claim_stamp(config.state_dir, gpu(sim, 2), 60, [TOKEN]).fresh
 
 
 def test_a_reset_still_running_at_the_deadline_is_cut_off_and_killed(sim, tmp_path, nvml_state):

@@ -242,9 +242,14 @@ def test_a_mig_device_request_checks_and_repairs_its_parent_gpu(bed, mig_sim, pr
 
 # --- stamps from `gpuhook prepare` ---------------------------------------------------------
 
-def prepare(hgpus, index):
+TOKEN = "0123456789abcdef0123456789abcdef"  # the device plugin's allocation token (docs/device-plugin.md)
+ALLOCATED = [{"destination": f"/var/run/gpuhook-allocation/{TOKEN}", "source": "/dev/null", "type": "bind",
+              "options": ["rbind", "ro"]}]
+
+
+def prepare(hgpus, index, allocation=TOKEN):
     done = subprocess.run([sys.executable, "-m", "gpuhook", "prepare", "--config", hgpus.config, "--devices",
-                           str(index)], capture_output=True, text=True, timeout=60, cwd="/")
+                           str(index), "--allocation", allocation], capture_output=True, text=True, timeout=60, cwd="/")
     assert done.returncode == 0, done.stderr
 
 
@@ -252,15 +257,37 @@ def test_a_fresh_stamp_makes_the_hook_skip_the_gpu_once(hgpus, nvml_state):
     prepare(hgpus, 0)
     # Broken after prepare: only a check that runs would notice.
     simnvml.set_gpu(nvml_state, 0, ecc_volatile_uncorrected=1)
-    result = hgpus.run("stamped", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    result = hgpus.run("stamped", env=["NVIDIA_VISIBLE_DEVICES=0"], mounts=ALLOCATED)
     assert result.returncode == 0, result.stderr
     health = hgpus.records("prestart")[0]["health"]
     assert health["skipped"][hgpus.uuid(0)].startswith("fresh stamp from prepare") and "gpus" not in health
     assert gpu_record(nvml_state, 0)["reset_count"] == 0
-    assert not os.path.exists(store.stamp_path(hgpus.state_dir, hgpus.uuid(0)))  # consumed
-    result = hgpus.run("stamped-again", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert os.listdir(f"{hgpus.state_dir}/health/stamps") == []  # consumed
+    result = hgpus.run("stamped-again", env=["NVIDIA_VISIBLE_DEVICES=0"], mounts=ALLOCATED)
     assert result.returncode == 0, result.stderr
     assert gpu_record(nvml_state, 0)["reset_count"] == 1  # no stamp left: the hook did the work
+
+
+@pytest.mark.parametrize("case", ["no token", "another token", "a token in a tmpfs", "a token from the image"])
+def test_a_stamp_serves_only_the_start_carrying_its_allocation(hgpus, nvml_state, case):
+    prepare(hgpus, 2)
+    simnvml.set_gpu(nvml_state, 2, ecc_volatile_uncorrected=1)
+    mounts, setup = {
+        "no token": ([], None),
+        "another token": ([{**ALLOCATED[0], "destination": "/var/run/gpuhook-allocation/" + "f" * 32}], None),
+        # Only a bind of /dev/null is a token: an image or a pod cannot make the runtime add one.
+        "a token in a tmpfs": ([{"destination": ALLOCATED[0]["destination"], "source": "tmpfs", "type": "tmpfs",
+                                 "options": ["ro"]}], None),
+        "a token from the image": ([], lambda rootfs: (os.makedirs(f"{rootfs}/var/run/gpuhook-allocation"),
+                                                       open(f"{rootfs}/var/run/gpuhook-allocation/{TOKEN}", "w").close())),
+    }[case]
+    result = hgpus.run(f"token-{case.replace(' ', '-')}", env=["NVIDIA_VISIBLE_DEVICES=2"], mounts=mounts,
+                       rootfs_setup=setup)
+    assert result.returncode == 0, result.stderr
+    health = hgpus.records("prestart")[0]["health"]
+    assert "skipped" not in health and health["gpus"][0]["status"] == "repaired"
+    assert gpu_record(nvml_state, 2)["reset_count"] == 1
+    assert os.listdir(f"{hgpus.state_dir}/health/stamps") == [f"{hgpus.uuid(2)}@{TOKEN}.json"]  # still its own
 
 
 @pytest.mark.parametrize("case", ["stale", "missing", "always"])
@@ -271,7 +298,7 @@ def test_a_stale_or_missing_stamp_or_mode_always_does_the_work(hgpus, nvml_state
     if case == "stale":
         time.sleep(0.6)
     simnvml.set_gpu(nvml_state, 1, ecc_volatile_uncorrected=1)
-    result = hgpus.run(f"stamp-{case}", env=["NVIDIA_VISIBLE_DEVICES=1"])
+    result = hgpus.run(f"stamp-{case}", env=["NVIDIA_VISIBLE_DEVICES=1"], mounts=ALLOCATED)
     assert result.returncode == 0, result.stderr
     assert gpu_record(nvml_state, 1)["reset_count"] == 1
     health = hgpus.records("prestart")[0]["health"]

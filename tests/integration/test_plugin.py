@@ -2,6 +2,7 @@
 Registration service on kubelet.sock, and a DevicePlugin client), on a simulated host of
 its own (these tests break its GPUs). docs/device-plugin.md."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -83,19 +84,19 @@ def sim(tmp_path_factory):
     return simhost.build(str(tmp_path_factory.mktemp("plugin") / "host"), gpus=4, seed="plugin", numa_nodes=2)
 
 
-@pytest.fixture
-def cluster(sim, tmp_path):
-    """A fake kubelet and `gpuhook plugin` running against it."""
+@contextlib.contextmanager
+def running_plugin(sim, tmp_path, recheck_seconds, **overrides):
+    """A fake kubelet and `gpuhook plugin` running against it (config `overrides` by table)."""
     pristine = simnvml.load(sim["nvml_state"])
     directory = tempfile.mkdtemp(prefix="gpuhook-dp-", dir="/tmp")  # unix socket paths stay short
     config = write_config(str(tmp_path / "config.toml"), sim_config_values(sim, str(tmp_path / "gpuhook.log")),
-                          plugin={"recheck-seconds": 0.5})
+                          plugin={"recheck-seconds": recheck_seconds}, **overrides)
     kubelet = FakeKubelet(directory)
     process = subprocess.Popen([sys.executable, "-m", "gpuhook", "plugin", "--config", config,
                                 "--device-plugin-dir", directory], cwd="/", stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
     state = {"kubelet": kubelet, "process": process, "dir": directory, "config": config, "sim": sim,
-             "state_dir": str(tmp_path / "run")}
+             "state_dir": str(tmp_path / "run"), "log": str(tmp_path / "gpuhook.log")}
     try:
         assert wait(lambda: kubelet.registrations and os.path.exists(f"{directory}/gpuhook.sock")), \
             process.stderr.read1(4096) if process.poll() is not None else "no registration"
@@ -107,6 +108,20 @@ def cluster(sim, tmp_path):
         state["kubelet"].stop()
         shutil.rmtree(directory, ignore_errors=True)
         simnvml.save(sim["nvml_state"], pristine)
+
+
+@pytest.fixture
+def cluster(sim, tmp_path):
+    with running_plugin(sim, tmp_path, 0.5) as state:
+        yield state
+
+
+@pytest.fixture
+def quiet_cluster(sim, tmp_path):
+    """A cluster whose plugin re-checks its GPUs only once, at its start: a device's health
+    then changes only through the call under test."""
+    with running_plugin(sim, tmp_path, 3600) as state:
+        yield state
 
 
 def first_devices(pb, stub) -> dict:
@@ -159,20 +174,170 @@ def test_a_gpu_goes_unhealthy_on_the_stream_and_healthy_again(cluster):
         stream.cancel()
 
 
-def test_prestart_cleans_and_stamps_and_refuses_a_gpu_a_reset_cannot_fix(cluster):
-    from gpuhook.health import store
+ALLOCATION_ROOT = "/var/run/gpuhook-allocation/"
 
+
+def allocate(pb, stub, ids):
+    """kubelet's Allocate of `ids` for one container: its ContainerAllocateResponse."""
+    response = stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
+                             timeout=10)
+    (container,) = response.container_responses
+    return container
+
+
+def allocation_token(container) -> str:
+    (token,) = [m.container_path[len(ALLOCATION_ROOT):] for m in container.mounts
+                if m.container_path.startswith(ALLOCATION_ROOT) and m.host_path == "/dev/null" and m.read_only]
+    return token
+
+
+def test_prestart_cleans_and_stamps_and_refuses_a_gpu_a_reset_cannot_fix(cluster):
     sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
     good, bad = sim["gpus"][0]["uuid"], sim["gpus"][3]["uuid"]
     with channel:
+        token = allocation_token(allocate(pb, stub, [good]))
         stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[good]), timeout=30)
-        assert os.path.exists(store.stamp_path(cluster["state_dir"], good))
+        # The stamp is for that allocation only (docs/device-plugin.md).
+        assert os.listdir(f"{cluster['state_dir']}/health/stamps") == [f"{good}@{token}.json"]
         simnvml.set_gpu(sim["nvml_state"], 3, ecc_volatile_uncorrected=1, reset_fails=True)
         with pytest.raises(grpc.RpcError) as caught:
             stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[bad]), timeout=30)
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"{bad} failed its ecc check" in caught.value.details()
         assert first_devices(pb, stub)[bad] == "Unhealthy"
+
+
+def health_files(state_dir) -> list:
+    found = []
+    for top, _, files in os.walk(f"{state_dir}/health"):
+        found += [os.path.relpath(os.path.join(top, name), state_dir) for name in files]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("case", ["2000 made-up ids", "one made-up id", "a good id and garbage"])
+def test_prestart_refuses_ids_it_never_advertised_before_any_work(quiet_cluster, case):
+    pb, stub, channel = quiet_cluster["kubelet"].plugin()
+    good = quiet_cluster["sim"]["gpus"][0]["uuid"]
+    made_up = [f"GPU-{i:08d}-dead-beef-0000-000000000000" for i in range(2000)]
+    ids = {"2000 made-up ids": made_up, "one made-up id": made_up[:1], "a good id and garbage": [good, "x"]}[case]
+    before = health_files(quiet_cluster["state_dir"])
+    with channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids), timeout=30)
+        # What kubelet sees is the plugin's own refusal, in few words (gRPC carries the
+        # details in a header of 8 KiB at most).
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+        assert len(caught.value.details()) <= 1000
+        assert caught.value.details() == {
+            "2000 made-up ids": "2000 device ids: more than the 4 this plugin offers",
+            "one made-up id": f"unknown device '{made_up[0]}'",
+            "a good id and garbage": "unknown device 'x'"}[case]
+        # No check ran: no lock, report or stamp was made, nothing was logged as prepared,
+        # and the good GPU named beside garbage stays Healthy.
+        assert health_files(quiet_cluster["state_dir"]) == before
+        with open(quiet_cluster["log"]) as log:
+            assert [r for r in map(json.loads, log) if r.get("stage") == "prepare"] == []
+        assert set(first_devices(pb, stub).values()) == {"Healthy"}
+
+
+def test_a_prestart_stamp_serves_only_the_allocation_it_was_made_for(quiet_cluster, bed, probe, tmp_path):
+    """kubelet's PreStartContainer names devices, not the container; a container that then
+    never starts must not lend its stamp to another start on that GPU."""
+    from gpuhook.simulate import runner
+
+    sim, (pb, stub, channel) = quiet_cluster["sim"], quiet_cluster["kubelet"].plugin()
+    gpu = sim["gpus"][1]["uuid"]
+    hook_config = write_config(str(tmp_path / "hook.toml"), sim_config_values(sim, str(tmp_path / "hook.log")))
+    rootfs = bed.rootfs(str(tmp_path / "rootfs"), files={"/bin/probe": probe})
+
+    def start(name, env, mounts=()):
+        bundle = bed.bundle(name, ["/bin/probe", "/dev/nvidia1"], env=env, mounts=list(mounts), rootfs=rootfs,
+                            hooks={"prestart": [runner.hook_entry(hook_config)]})
+        result = bed.run(bundle, name)
+        assert result.returncode == 0, result.stderr
+        with open(tmp_path / "hook.log") as log:
+            return [r for r in map(json.loads, log) if r.get("stage") == "prestart"][-1]
+
+    with channel:
+        allocated = allocate(pb, stub, [gpu])
+        stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[gpu]), timeout=30)
+        # That container never starts. GPU 1 breaks; another container asks for it.
+        simnvml.set_gpu(sim["nvml_state"], 1, ecc_volatile_uncorrected=1)
+        record = start("unrelated", ["NVIDIA_VISIBLE_DEVICES=1"])
+        assert not any(why.startswith("fresh stamp") for why in record["health"].get("skipped", {}).values())
+        assert simnvml.load(sim["nvml_state"])["gpus"][1]["reset_count"] == 1  # checked and repaired
+
+        # The allocation's own start, after its PreStartContainer, takes its stamp: broken
+        # after the stamp, the GPU is not checked again (only a check would see it).
+        stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[gpu]), timeout=30)
+        simnvml.set_gpu(sim["nvml_state"], 1, ecc_volatile_uncorrected=1)
+        mounts = [{"destination": m.container_path, "source": m.host_path, "type": "bind", "options": ["rbind", "ro"]}
+                  for m in allocated.mounts]
+        record = start("allocated", [f"{k}={v}" for k, v in allocated.envs.items()], mounts)
+        assert record["health"]["skipped"][gpu].startswith("fresh stamp from prepare")
+        assert simnvml.load(sim["nvml_state"])["gpus"][1]["reset_count"] == 1
+        assert os.listdir(f"{quiet_cluster['state_dir']}/health/stamps") == []  # consumed
+
+
+def test_many_watchers_never_starve_allocate_or_prestart(quiet_cluster):
+    pb, stub, channel = quiet_cluster["kubelet"].plugin()
+    gpu = quiet_cluster["sim"]["gpus"][2]["uuid"]
+    with channel:
+        streams = [stub.ListAndWatch(pb.Empty(), timeout=60) for _ in range(20)]
+        for stream in streams:
+            next(stream)  # each holds a server thread from now on
+        # The plugin has 16 threads: without a bound on streams these calls would wait forever.
+        allocate(pb, stub, [gpu])
+        stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[gpu]), timeout=10)
+        # The newest streams are the ones kept (kubelet's is always its latest).
+        assert first_devices(pb, stub)[gpu] == "Healthy"
+        for stream in streams:
+            stream.cancel()
+
+
+def test_preferred_allocation_ranks_only_advertised_devices(quiet_cluster):
+    pb, stub, channel = quiet_cluster["kubelet"].plugin()
+    gpus = [g["uuid"] for g in quiet_cluster["sim"]["gpus"]]
+    made_up = [f"GPU-{i:08d}-dead-beef-0000-000000000000" for i in range(5000)]
+    with channel:
+        answer = stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=made_up + [gpus[2]],
+                                                   must_include_deviceIDs=made_up[:3], allocation_size=1 << 30)]),
+            timeout=30)
+    (choice,) = answer.container_responses
+    assert list(choice.deviceIDs) == [gpus[2]]  # never a device kubelet could not allocate
+
+
+def test_a_plugin_directory_others_can_write_is_refused(sim, tmp_path):
+    directory = tempfile.mkdtemp(prefix="gpuhook-dp-", dir="/tmp")
+    try:
+        os.chmod(directory, 0o777)  # anyone could swap the plugin's socket for their own
+        config = write_config(str(tmp_path / "config.toml"), sim_config_values(sim, str(tmp_path / "gpuhook.log")))
+        done = subprocess.run([sys.executable, "-m", "gpuhook", "plugin", "--config", config, "--device-plugin-dir",
+                               directory], cwd="/", capture_output=True, text=True, timeout=60)
+        assert done.returncode == 4, done.stderr
+        assert done.stderr.startswith(f"gpuhook: the device plugin directory {directory} is not a directory owned by "
+                                      "root and writable only by it")
+        assert os.listdir(directory) == []
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_health_daemon_that_cannot_start_is_logged_and_the_plugin_serves_on(sim, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # anyone could put their own socket there
+    with running_plugin(sim, tmp_path, 3600, health={"daemon-socket": f"{shared}/health.sock"}) as state:
+        def logged():
+            with open(state["log"]) as log:
+                return [r for r in map(json.loads, log) if r.get("decision") == "health daemon not started"]
+        assert wait(logged)
+        assert logged()[0]["error"] == (f"the health daemon's socket directory {shared} is not usable: not a "
+                                        "directory owned by root and writable only by it")
+        pb, stub, channel = state["kubelet"].plugin()
+        with channel:
+            assert set(first_devices(pb, stub).values()) == {"Healthy"}
+        assert os.listdir(shared) == [] and state["process"].poll() is None
 
 
 def test_prestart_checks_gpus_in_parallel(cluster):
@@ -202,6 +367,7 @@ def test_allocate_is_honoured_by_a_real_runc_start_granting_exactly_that_gpu(clu
                                                    allocation_size=2)]), timeout=10)
     (container,) = response.container_responses
     assert [(m.container_path, m.host_path, m.read_only) for m in container.mounts] == [
+        (f"{ALLOCATION_ROOT}{allocation_token(container)}", "/dev/null", True),
         (f"/var/run/nvidia-container-devices/{granted}", "/dev/null", True)]
     (choice,) = preferred.container_responses
     # GPU 3's partner is GPU 2, on its NUMA node, not GPU 0 (first in index order).

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from gpuhook import config as cfg
+from gpuhook import oci
 from gpuhook.errors import ConfigError, HostError, InputError
 from gpuhook.health import actions, registry, store
 
@@ -25,24 +26,56 @@ def state_dir(tmp_path):
 
 # --- stamps -------------------------------------------------------------------------------
 
+TOKEN = "0123456789abcdef0123456789abcdef"  # a device plugin allocation's token
+OTHER = "fedcba9876543210fedcba9876543210"
+
+
 def test_a_fresh_stamp_is_claimed_once(state_dir):
-    store.write_stamp(state_dir, UUID, "healthy")
-    first = store.claim_stamp(state_dir, UUID, ttl=60)
+    store.write_stamp(state_dir, UUID, "healthy", TOKEN)
+    first = store.claim_stamp(state_dir, UUID, 60, [TOKEN])
     assert first.fresh and first.why.startswith("fresh stamp from prepare")
-    again = store.claim_stamp(state_dir, UUID, ttl=60)
+    again = store.claim_stamp(state_dir, UUID, 60, [TOKEN])
     assert (again.fresh, again.why) == (False, "no stamp")
-    assert os.listdir(os.path.dirname(store.stamp_path(state_dir, UUID))) == []
+    assert os.listdir(store.stamps_dir(state_dir)) == []
+
+
+def test_a_stamp_made_for_one_allocation_is_never_claimed_by_another(state_dir):
+    store.write_stamp(state_dir, UUID, "healthy", TOKEN)
+    assert (store.claim_stamp(state_dir, UUID, 60, [OTHER]).why) == "no stamp"
+    assert store.claim_stamp(state_dir, UUID, 60, []).why == \
+        "no stamp for this start (it carries no allocation token)"
+    assert os.listdir(store.stamps_dir(state_dir)) == [f"{UUID}@{TOKEN}.json"]  # left for its own start
+    assert store.claim_stamp(state_dir, UUID, 60, [OTHER, TOKEN]).fresh
+
+
+def test_a_stamp_file_renamed_to_another_allocation_is_not_fresh(state_dir):
+    store.write_stamp(state_dir, UUID, "healthy", TOKEN)
+    os.rename(store.stamp_path(state_dir, UUID, TOKEN), store.stamp_path(state_dir, UUID, OTHER))
+    assert store.claim_stamp(state_dir, UUID, 60, [OTHER]).why == "stamp damaged"
 
 
 def test_a_stale_stamp_is_not_fresh_and_is_consumed(state_dir):
-    store.write_stamp(state_dir, UUID, "repaired")
-    path = store.stamp_path(state_dir, UUID)
+    store.write_stamp(state_dir, UUID, "repaired", TOKEN)
+    path = store.stamp_path(state_dir, UUID, TOKEN)
     stamp = json.load(open(path))
     stamp["boottime"] -= 61
     store.write_json(path, stamp)
-    claim = store.claim_stamp(state_dir, UUID, ttl=60)
+    claim = store.claim_stamp(state_dir, UUID, 60, [TOKEN])
     assert not claim.fresh and claim.why.startswith("stamp 61.") and "stamp-ttl-seconds 60" in claim.why
     assert not os.path.exists(path)
+
+
+def test_a_new_stamp_removes_the_gpus_stamps_nobody_can_claim_any_more(state_dir):
+    unclaimed = [f"{'a' * 31}{i}" for i in range(3)]
+    for token in unclaimed:
+        store.write_stamp(state_dir, UUID, "healthy", token)
+    stale = store.stamp_path(state_dir, UUID, unclaimed[0])
+    store.write_json(stale, {**json.load(open(stale)), "boottime": store.boottime() - 61})
+    store.write_stamp(state_dir, "GPU-other", "healthy", unclaimed[0])
+    store.write_stamp(state_dir, UUID, "healthy", TOKEN, ttl=60)
+    assert sorted(os.listdir(store.stamps_dir(state_dir))) == sorted(
+        [f"GPU-other@{unclaimed[0]}.json", f"{UUID}@{unclaimed[1]}.json", f"{UUID}@{unclaimed[2]}.json",
+         f"{UUID}@{TOKEN}.json"])
 
 
 @pytest.mark.parametrize("change,why", [
@@ -50,32 +83,61 @@ def test_a_stale_stamp_is_not_fresh_and_is_consumed(state_dir):
     ({"uuid": "GPU-other"}, "stamp damaged"),
     ({"boottime": "yesterday"}, "stamp damaged"),
     ({"boottime": 1e12}, "stamp from the future"),
+    ({"format": 1}, "stamp damaged"),  # an older gpuhook's stamp names no allocation
 ])
 def test_a_stamp_from_elsewhere_is_not_fresh(state_dir, change, why):
-    store.write_stamp(state_dir, UUID, "healthy")
-    path = store.stamp_path(state_dir, UUID)
+    store.write_stamp(state_dir, UUID, "healthy", TOKEN)
+    path = store.stamp_path(state_dir, UUID, TOKEN)
     store.write_json(path, {**json.load(open(path)), **change})
-    assert store.claim_stamp(state_dir, UUID, ttl=60).why == why
+    assert store.claim_stamp(state_dir, UUID, 60, [TOKEN]).why == why
 
 
 def test_a_damaged_stamp_file_is_not_fresh(state_dir):
-    path = store.stamp_path(state_dir, UUID)
+    path = store.stamp_path(state_dir, UUID, TOKEN)
     os.makedirs(os.path.dirname(path))
     with open(path, "w") as f:
         f.write("{not json")
-    assert store.claim_stamp(state_dir, UUID, ttl=60).why == "stamp damaged"
+    assert store.claim_stamp(state_dir, UUID, 60, [TOKEN]).why == "stamp damaged"
 
 
 def _claim(args):
     state_dir, uuid = args
-    return store.claim_stamp(state_dir, uuid, 60).fresh
+    return store.claim_stamp(state_dir, uuid, 60, [TOKEN]).fresh
 
 
 def test_of_many_claimants_racing_for_one_stamp_exactly_one_wins(state_dir):
     for _ in range(5):
-        store.write_stamp(state_dir, UUID, "healthy")
+        store.write_stamp(state_dir, UUID, "healthy", TOKEN)
         with multiprocessing.get_context("fork").Pool(8) as pool:
             assert sorted(pool.map(_claim, [(state_dir, UUID)] * 8)) == [False] * 7 + [True]
+
+
+@pytest.mark.parametrize("bad", ["../x-0123456789abcdef", "short", "a" * 129, "0123456789abcdef/", "", None])
+def test_only_token_forms_become_stamp_file_names(state_dir, bad):
+    with pytest.raises(InputError, match="is not an allocation token"):
+        store.stamp_path(state_dir, UUID, bad)
+
+
+def bind(destination, source="/dev/null", kind="bind", options=("rbind", "ro")):
+    return oci.Mount(destination, source, kind, list(options))
+
+
+def test_allocation_tokens_are_dev_null_binds_under_their_root_only():
+    mounts = [
+        bind(f"/var/run/gpuhook-allocation/{TOKEN}"),
+        bind(f"/run/gpuhook-allocation/{OTHER}", kind="none", options=("bind",)),  # /var/run is /run
+        bind(f"/var/run/gpuhook-allocation/{TOKEN}"),  # named twice: once
+        bind("/var/run/gpuhook-allocation/" + "b" * 32, source="/host/file"),  # not /dev/null
+        bind("/var/run/gpuhook-allocation/" + "c" * 32, source="/dev/null", kind="tmpfs", options=()),
+        bind("/var/run/gpuhook-allocation/short"),  # too short to be a secret
+        bind("/var/run/gpuhook-allocation/" + "d" * 32 + "/deeper"),
+        bind("/var/run/gpuhook-allocation-x/" + "e" * 32),
+        bind(f"/var/run/nvidia-container-devices/{TOKEN}"),
+        bind("//var/./run/gpuhook-allocation//" + "f" * 32),
+    ]
+    assert store.allocation_tokens(mounts) == (TOKEN, OTHER, "f" * 32)
+    many = [bind(f"/var/run/gpuhook-allocation/{i:032d}") for i in range(20)]
+    assert len(store.allocation_tokens(many)) == store.MAX_TOKENS
 
 
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "GPU-../x", "GPU-a/b", "gpu-lower", "GPU-" + "a" * 100, "", 7])

@@ -24,7 +24,7 @@ def devices(numa=NUMA) -> Devices:
 
 
 def stamp(state_dir, ident, age_seconds) -> None:
-    path = store.stamp_path(str(state_dir), ident)
+    path = store.stamp_path(str(state_dir), ident, "0123456789abcdef0123456789abcdef")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w"):
         pass
