@@ -13,6 +13,7 @@ import os
 import pytest
 
 from conftest import require_root_tools
+from helpers.runtimes import STRICT_POLICY, start_with_runtime_node
 
 pytestmark = pytest.mark.root
 
@@ -80,3 +81,15 @@ def test_nodes_the_runtime_injected_are_the_grant(gpus):
     assert_only_gpu1(probes)
     (record,) = [r for r in gpus.log_lines() if r.get("container") == "runtime-devices"]
     assert record["channel"] == "runtime devices (linux.devices)" and record["gpus"] == [gpus.uuid(1)]
+
+
+
+@pytest.mark.parametrize("policy", [{}, STRICT_POLICY], ids=["default-policy", "strict-policy"])
+@pytest.mark.parametrize("access", [None, "r"], ids=["not-allowed", "read-only"])
+def test_a_gpu_node_the_runtime_did_not_open_is_never_opened_by_the_hook(gpus, policy, access):
+    """/dev/nvidia2 in linux.devices that runc's default deny (or a read-only rule) leaves shut:
+    without the hook its open gives EPERM, and with the hook it still does. A node the rules do
+    not open at all is no grant (the image's NVIDIA_VISIBLE_DEVICES=0 is the request, where
+    the policy takes it); a read-only one is the grant, read-only."""
+    require_root_tools("runc")
+    start_with_runtime_node(gpus, f"runtime-node-{access}-{len(policy)}", policy, access)

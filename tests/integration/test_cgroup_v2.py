@@ -28,6 +28,7 @@ from gpuhook.errors import ApplyError
 
 from conftest import REPO, require, require_root_tools
 from helpers.bpfdata import RULE_SETS, golden
+from helpers.runtimes import STRICT_POLICY, start_with_runtime_node
 
 pytestmark = pytest.mark.root
 
@@ -184,6 +185,14 @@ def test_requested_gpu_opens_unrequested_is_denied_and_runcs_devices_still_work(
     (line,) = gpus.log_lines()
     assert line["decision"] == "gpus injected" and line["cgroup"] == "v2"
     assert line["rules_added"] == [r.v1_line() for r in planned_rules(gpus.sim, 0)]
+
+
+@pytest.mark.parametrize("policy", [{}, STRICT_POLICY], ids=["default-policy", "strict-policy"])
+@pytest.mark.parametrize("access", [None, "r"], ids=["not-allowed", "read-only"])
+def test_a_gpu_node_runcs_program_denies_is_never_opened_by_the_hook(gpus, policy, access):
+    """As tests/integration/test_cdi_runc.py on v1: the program gpuhook builds allows nothing
+    of /dev/nvidia2 that runc's own program denied."""
+    start_with_runtime_node(gpus, unique(f"v2-runtime-node-{access}-{len(policy)}"), policy, access)
 
 
 def test_one_program_holds_runcs_rules_then_ours_and_runc_update_changes_nothing(v2ns, bed, gpus, runc_rules):
