@@ -171,7 +171,7 @@ def make_plan(state, spec, request, host, config) -> Plan:
     # nvidia-caps nodes are opened read-only (NVIDIA makes them 0444 or 0400): grant reads only.
     caps_major = inventory.majors.get("nvidia-caps")
     rules = [char_device(n.major, n.minor, "r" if n.major == caps_major else "rw") for n in nodes]
-    if request.channel == req.RUNTIME_DEVICES:
+    if selection.runtime_grant:
         rules = _within_runtime_rules(rules, spec, gpus, cap_names, inventory, notes)
     proc_mask = ProcMask(inventory.proc_driver_dir, tuple(g.bus_id for g in gpus),
                          tuple(name for name in cap_names if name in inventory.capabilities))

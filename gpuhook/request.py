@@ -92,10 +92,12 @@ class MigTarget(record("MigTarget", "gpu device")):
         return f"{self.gpu.index}:{self.device.index}"
 
 
-class Selection(record("Selection", "gpus migs mig_config mig_monitor")):
+class Selection(record("Selection", "gpus migs mig_config mig_monitor runtime_grant", defaults=(False,))):
     """What a request resolves to on this host. `gpus` are the GPUs whose device node the
     container gets (whole GPUs and MIG parents, once each, in request order); `migs` the MIG
-    devices; `mig_config` / `mig_monitor` whether the container gets those capabilities."""
+    devices; `mig_config` / `mig_monitor` whether the container gets those capabilities;
+    `runtime_grant` whether the GPUs are the NVIDIA nodes the runtime put in linux.devices
+    (their access then stays within the runtime's own rules: gpuhook.plan)."""
 
     __slots__ = ()
 
@@ -503,7 +505,7 @@ def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
             parents.append(target.gpu)
     config = _capability_gpus(request.mig_config, "NVIDIA_MIG_CONFIG_DEVICES", gpus, parents)
     monitor = _capability_gpus(request.mig_monitor, "NVIDIA_MIG_MONITOR_DEVICES", gpus, parents)
-    return Selection(tuple(parents), tuple(migs), config, monitor)
+    return Selection(tuple(parents), tuple(migs), config, monitor, runtime and nvidia)
 
 
 def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_facts: bool,

@@ -169,3 +169,13 @@ def test_a_grant_from_linux_devices_keeps_exactly_the_letters_the_runtime_allowe
     assert plan.channel == req.RUNTIME_DEVICES and [g.index for g in plan.gpus] == [1]
     # The driver's control nodes are the hook's to add; the GPU's letters are the runtime's.
     assert [r.v1_line() for r in plan.rules] == ["c 195:255 rw", "c 510:0 rw", "c 510:1 rw", rule]
+
+
+def test_a_foreign_node_with_an_nvidia_name_leaves_the_environments_gpu_its_rule():
+    """/dev/nvidia1 as c 1:3 is no NVIDIA node: the environment picks GPU 0, which is then no
+    grant of the runtime's, and keeps its rule."""
+    linux = {"devices": [{"path": "/dev/nvidia1", "type": "c", "major": 1, "minor": 3}],
+             "resources": {"devices": [{"allow": False, "access": "rwm"},
+                                       {"allow": True, "type": "c", "major": 1, "minor": 3, "access": "rwm"}]}}
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0"], linux=linux)
+    assert [g.index for g in plan.gpus] == [0] and "c 195:0 rw" in [r.v1_line() for r in plan.rules]
