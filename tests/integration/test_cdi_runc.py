@@ -93,3 +93,20 @@ def test_a_gpu_node_the_runtime_did_not_open_is_never_opened_by_the_hook(gpus, p
     the policy takes it); a read-only one is the grant, read-only."""
     require_root_tools("runc")
     start_with_runtime_node(gpus, f"runtime-node-{access}-{len(policy)}", policy, access)
+
+
+def test_runtime_nodes_the_policy_refuses_are_not_replaced_by_the_images_all(gpus):
+    """accept-runtime-devices = false: the runtime's grant of GPU 1 is not taken, and the
+    image's NVIDIA_VISIBLE_DEVICES=all does not take its place; the container keeps exactly
+    what the runtime gave it and nothing of the hook's."""
+    require_root_tools("runc")
+    from helpers.runtimes import runtime_node
+
+    sim = gpus.sim
+    gpus.configure(**{"accept-runtime-devices": False})
+    probes = run(gpus, "runtime-devices-refused",
+                 edit=runtime_node("/dev/nvidia1", sim["majors"]["nvidia"], sim["gpus"][1]["minor"], "rwm"))
+    assert_only_gpu1(probes)  # the runtime's own node and rule, GPU 0 made by hand denied
+    assert not probes["/dev/nvidiactl"]["exists"]  # the hook added nothing
+    (record,) = [r for r in gpus.log_lines() if r.get("container") == "runtime-devices-refused"]
+    assert "NVIDIA_VISIBLE_DEVICES not honoured either" in record["notes"][-1]
