@@ -42,6 +42,7 @@ another boot, is dropped when the registry is read.
 """
 
 import os
+import time
 
 from gpuhook.cgroup import hierarchy
 from gpuhook.health import store
@@ -132,7 +133,10 @@ def from_process(container_id: str, pid: int, gpus, names: dict | None = None, p
                      round(store.boottime(), 3), ids, pid_ns, ns_init)
 
 
-MAX_SCAN = 1 << 16  # /proc entries looked at to find a shared pid namespace's init
+# Bounds on the look through /proc for a shared pid namespace's init (registration runs
+# inside the hook's deadline); past them the entry has no ns_init and owns no process.
+MAX_SCAN = 1 << 16
+SCAN_SECONDS = 0.5
 
 
 def pid_namespace(pid, proc: str = "/proc") -> int:
@@ -172,7 +176,10 @@ def _namespace_init(pid: int, stat, pid_ns: int, proc: str):
         candidates = os.listdir(proc)
     except OSError:
         return None
+    end = time.monotonic() + SCAN_SECONDS
     for name in candidates[:MAX_SCAN]:
+        if time.monotonic() > end:
+            return None
         if not name.isdigit() or pid_namespace(name, proc) != pid_ns or not _nspid_is_one(name, proc):
             continue
         found = read_stat(int(name), proc)
