@@ -77,8 +77,9 @@ KEYS = (
          "refuses is never replaced by NVIDIA_VISIBLE_DEVICES."),
     _key("accept-runtime-devices", "bool", True,
          "Take the GPU device nodes the runtime already put in linux.devices (containerd and "
-         "CRI-O after resolving CDI) as the grant: NVIDIA_VISIBLE_DEVICES then cannot widen it. "
-         "Privileged containers, whose linux.devices lists every host device, are exempt."),
+         "CRI-O after resolving CDI) as the grant, as far as the runtime's linux.resources.devices "
+         "opens them: NVIDIA_VISIBLE_DEVICES then cannot widen it, and a grant this refuses is not "
+         "replaced by it. Privileged containers, whose linux.devices lists every host device, are exempt."),
     _key("cdi-spec-dirs", "paths", ["/etc/cdi", "/var/run/cdi"],
          "Where CDI specs (JSON or YAML) are read to resolve a CDI device whose name does not say "
          "which GPU it is (a DRA claim such as k8s.gpu.nvidia.com/claim=<uid>-gpu-0): the device "

@@ -25,14 +25,15 @@ class State(record("State", "oci_version id status pid bundle annotations")):
     __slots__ = ()
 
 
-class Spec(record("Spec", "rootfs env mounts annotations bounding_caps namespaces readonly devices",
-                  defaults=((),))):
+class Spec(record("Spec", "rootfs env mounts annotations bounding_caps namespaces readonly devices device_rules",
+                  defaults=((), ()))):
     """What gpuhook needs from a bundle's config.json.
 
     `rootfs` is absolute; `env` maps names to values (the last entry wins, as in the NVIDIA
     toolkit); `mounts` is a tuple of Mount; `namespaces` maps type to path ('' when new);
     `devices` are the character device nodes the runtime puts in the container
-    (linux.devices), each a Device.
+    (linux.devices), each a Device; `device_rules` the runtime's device cgroup rules
+    (linux.resources.devices, in order), each a CgroupRule.
     """
 
     __slots__ = ()
@@ -53,7 +54,15 @@ class Device(record("Device", "path major minor")):
     __slots__ = ()
 
 
-MAX_DEVICES = 4096  # linux.devices entries looked at; far above any real container
+class CgroupRule(record("CgroupRule", "allow type major minor access")):
+    """One linux.resources.devices entry as written: `type` and `access` are the spec's
+    strings ("a" and "" when absent), `major`/`minor` -1 when absent (a wildcard). What it
+    means is gpuhook.devrules.policy's business, which also judges values runc refuses."""
+
+    __slots__ = ()
+
+
+MAX_DEVICES = 4096  # linux.devices (and linux.resources.devices) entries; far above any real container
 
 
 # Every member name gpuhook reads from the state or config.json, case-folded. runc parses
@@ -65,6 +74,7 @@ _FIELDS = frozenset(name.lower() for name in (
     "ociVersion", "id", "status", "pid", "bundle", "annotations", "root", "path", "readonly", "process",
     "env", "capabilities", "bounding", "mounts", "destination", "source", "type", "options", "linux",
     "namespaces", "devices", "major", "minor", "resources", "cgroupsPath", "uidMappings", "gidMappings", "hooks",
+    "allow", "access",
 ))
 
 
@@ -253,7 +263,43 @@ def parse_spec(raw: bytes, bundle: str) -> Spec:
         )
     annotations = _string_map(doc.get("annotations"), f"{what}: 'annotations'")
     devices = _parse_devices(linux.get("devices"), what)
-    return Spec(rootfs, env, tuple(mounts), annotations, frozenset(bounding), namespaces, readonly, devices)
+    resources = linux.get("resources")
+    if resources is not None and not isinstance(resources, dict):
+        raise InputError(f"{what}: linux.resources must be an object")
+    rules = _parse_device_rules((resources or {}).get("devices"), what)
+    return Spec(rootfs, env, tuple(mounts), annotations, frozenset(bounding), namespaces, readonly, devices, rules)
+
+
+def _parse_device_rules(value, what: str) -> tuple:
+    """linux.resources.devices as CgroupRules, in order. Shapes runc's JSON decoder refuses
+    are errors here too; values it decodes but refuses later (a type other than a, b or c,
+    access letters other than rwm) are kept for gpuhook.devrules.policy to judge."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InputError(f"{what}: linux.resources.devices must be a list")
+    if len(value) > MAX_DEVICES:
+        raise InputError(f"{what}: linux.resources.devices has more than {MAX_DEVICES} entries")
+    found = []
+    for i, entry in enumerate(value):
+        where = f"{what}: linux.resources.devices[{i}]"
+        if not isinstance(entry, dict):
+            raise InputError(f"{where} must be an object")
+        allow = entry.get("allow", False)
+        if not isinstance(allow, bool):
+            raise InputError(f"{where}: 'allow' must be true or false")
+        numbers = []
+        for key in ("major", "minor"):
+            number = entry.get(key)
+            if number is None:
+                number = -1
+            elif type(number) is not int or not -1 <= number < 1 << 32:
+                raise InputError(f"{where}: {key} must be an integer")
+            numbers.append(number)
+        type_ = _string(entry, "type", where, required=False) or "a"
+        access = _string(entry, "access", where, required=False)
+        found.append(CgroupRule(allow, type_, numbers[0], numbers[1], access))
+    return tuple(found)
 
 
 def _parse_devices(value, what: str) -> tuple:

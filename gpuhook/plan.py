@@ -186,7 +186,9 @@ def make_plan(state, spec, request, host, config) -> Plan:
 
     # nvidia-caps nodes are opened read-only (NVIDIA makes them 0444 or 0400): grant reads only.
     caps_major = inventory.majors.get("nvidia-caps")
-    rules = tuple(char_device(n.major, n.minor, "r" if n.major == caps_major else "rw") for n in nodes)
+    rules = [char_device(n.major, n.minor, "r" if n.major == caps_major else "rw") for n in nodes]
+    if selection.runtime_grant:
+        rules = _within_runtime_rules(rules, spec, gpus, cap_names, inventory, notes)
     proc_mask = ProcMask(inventory.proc_driver_dir, tuple(g.bus_id for g in gpus),
                          tuple(name for name in cap_names if name in inventory.capabilities))
     ldcache = None
@@ -211,11 +213,35 @@ def make_plan(state, spec, request, host, config) -> Plan:
     return Plan(
         container_id=state.id, pid=state.pid, rootfs=spec.rootfs, wants=request.wants, channel=request.channel,
         capabilities=caps, gpus=tuple(gpus), nodes=tuple(nodes), mounts=tuple(mounts), symlinks=tuple(symlinks),
-        rules=rules, proc_mask=proc_mask, ldcache=ldcache, notes=tuple(notes), migs=tuple(selection.migs),
+        rules=tuple(rules), proc_mask=proc_mask, ldcache=ldcache, notes=tuple(notes), migs=tuple(selection.migs),
         userns=userns, proc_in_rootfs=any(m.destination.rstrip("/") == "/proc" and m.type == "proc"
                                           for m in spec.mounts),
         health=health,
     )
+
+
+def _within_runtime_rules(rules: list, spec, gpus, cap_names, inventory, notes: list) -> list:
+    """A grant the runtime made through linux.devices is never widened (docs/security.md):
+    each GPU and MIG capability node's rule keeps only the letters the runtime's own device
+    rules already allow (gpuhook.devrules.policy), and is dropped when none is left. The
+    control nodes (nvidiactl, nvidia-uvm, ...) are the driver's, not the grant's."""
+    from gpuhook.devrules.policy import RuntimeRules
+
+    nvidia, caps_major = inventory.majors["nvidia"], inventory.majors.get("nvidia-caps")
+    granted = {(nvidia, gpu.minor) for gpu in gpus}
+    granted |= {(caps_major, inventory.mig_minors.get(_minor_key(name))) for name in cap_names}
+    runtime = RuntimeRules(spec.device_rules)
+    kept = []
+    for rule in rules:
+        if (rule.major, rule.minor) in granted:
+            narrowed = runtime.grantable(rule)
+            if narrowed.access != rule.access and len(notes) < 16:
+                notes.append(f"{rule.v1_line()} narrowed to the runtime's own device rules: "
+                             f"{narrowed.v1_line() if narrowed.access else 'not allowed'}")
+            rule = narrowed
+        if rule.access:
+            kept.append(rule)
+    return kept
 
 
 def requirement_facts(inventory, facts, selection) -> "reqs.HostFacts":

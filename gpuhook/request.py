@@ -24,6 +24,8 @@ nodes to real GPUs happens in `select`.
 """
 
 
+from gpuhook.devrules.devices import DeviceRule, char_device
+from gpuhook.devrules.policy import RuntimeRules
 from gpuhook.errors import RequestError
 from gpuhook.record import record
 
@@ -94,10 +96,12 @@ class MigTarget(record("MigTarget", "gpu device")):
         return f"{self.gpu.index}:{self.device.index}"
 
 
-class Selection(record("Selection", "gpus migs mig_config mig_monitor")):
+class Selection(record("Selection", "gpus migs mig_config mig_monitor runtime_grant", defaults=(False,))):
     """What a request resolves to on this host. `gpus` are the GPUs whose device node the
     container gets (whole GPUs and MIG parents, once each, in request order); `migs` the MIG
-    devices; `mig_config` / `mig_monitor` whether the container gets those capabilities."""
+    devices; `mig_config` / `mig_monitor` whether the container gets those capabilities;
+    `runtime_grant` whether the GPUs are the NVIDIA nodes the runtime put in linux.devices
+    (their access then stays within the runtime's own rules: gpuhook.plan)."""
 
     __slots__ = ()
 
@@ -294,6 +298,31 @@ def gpu_nodes(devices) -> tuple:
     return tuple(found)
 
 
+def node_rule(node) -> DeviceRule:
+    """The cgroup rule a granted GPU or MIG access node needs: GPUs are opened read-write,
+    nvidia-caps nodes read-only (NVIDIA makes them 0444 or 0400)."""
+    return char_device(node.major, node.minor, "r" if node.path.startswith(MIG_NODE_PREFIX) else "rw")
+
+
+def runtime_granted_nodes(spec, notes: list) -> tuple:
+    """The GPU and MIG access nodes of linux.devices that the runtime's own device rules
+    (linux.resources.devices) open at least in part. A node they do not open is no grant at
+    all (docs/requests.md): the runtime made a file, not an allowance, and a hook that
+    widened it would give what the runtime denied."""
+    nodes = gpu_nodes(spec.devices)
+    if not nodes:
+        return ()
+    rules = RuntimeRules(spec.device_rules)
+    found = []
+    for node in nodes:
+        if rules.grantable(node_rule(node)).access:
+            found.append(node)
+        elif len(notes) < 16:
+            notes.append(f"{node.path[:80]} (c {node.major}:{node.minor}) in linux.devices is no grant: the "
+                         f"runtime's device rules do not allow it")
+    return tuple(found)
+
+
 def _as_request(ids: list[str], caps, channel: str, notes: list) -> Request:
     if "all" in ids:
         return Request(ALL, (), caps, channel, tuple(notes))
@@ -401,7 +430,13 @@ def _resolve(spec, state_annotations: dict, config) -> Request:
     caps = parse_capabilities(caps_value if caps_value else None, legacy=legacy)
     # A privileged container's linux.devices lists every device of the host (docker and
     # podman --privileged): that is no grant of particular GPUs.
-    nodes = gpu_nodes(spec.devices) if config.accept_runtime_devices and not spec.privileged else ()
+    nodes = () if spec.privileged else runtime_granted_nodes(spec, notes)
+    if nodes and not config.accept_runtime_devices:
+        # As for mounts and annotations: a grant the policy refuses is never replaced by the
+        # image's environment, which could only widen it (docs/requests.md).
+        notes.append("device request ignored: GPU nodes in linux.devices (accept-runtime-devices = false); "
+                     "NVIDIA_VISIBLE_DEVICES not honoured either")
+        return _nothing(notes)
     if nodes and env_ids != ["none"]:
         # The runtime already resolved the grant (CDI in containerd or CRI-O): its GPU nodes
         # decide which GPUs (select); the environment only said that the container wants
@@ -498,7 +533,7 @@ def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
             parents.append(target.gpu)
     config = _capability_gpus(request.mig_config, "NVIDIA_MIG_CONFIG_DEVICES", gpus, parents)
     monitor = _capability_gpus(request.mig_monitor, "NVIDIA_MIG_MONITOR_DEVICES", gpus, parents)
-    return Selection(tuple(parents), tuple(migs), config, monitor)
+    return Selection(tuple(parents), tuple(migs), config, monitor, runtime and nvidia)
 
 
 def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_facts: bool,

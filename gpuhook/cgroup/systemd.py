@@ -4,13 +4,17 @@ With runc's systemd cgroup driver a container's cgroup is a transient scope, and
 turns the scope's DeviceAllow= list into its own device program (v2) or devices.allow
 writes (v1). `systemctl daemon-reload` applies that list again and drops whatever only a
 hook added: the "Failed to initialize NVML: Unknown Error" reports (docs/runtime-facts.md
-§5). So when the container's cgroup is a scope, systemd is running and the unit
-restricts devices, `register` adds the granted devices to the unit's DeviceAllow= at
+§5). So when the container's cgroup is a scope, systemd is running, the unit's own
+cgroup (its ControlGroup=) IS the container's cgroup and the unit restricts devices,
+`register` adds the granted devices to the unit's DeviceAllow= at
 runtime only (``systemctl set-property --runtime``: it ends with the scope and is never
 written under /etc), and makes sure the /dev/char/MAJ:MIN (/dev/block/...) links exist:
 older systemd resolves such entries by stat(2), and the NVIDIA driver's nodes are not made
 by udev, so nothing else creates those links. A unit that does not restrict devices is
-left alone: giving it a DeviceAllow= would switch an allow list on.
+left alone: giving it a DeviceAllow= would switch an allow list on. So is a unit whose
+ControlGroup= is another cgroup: a cgroupfs-driver cgroupsPath may end in any unit's name
+(``…/init.scope``, ``…/session-1.scope``, another container's scope), and widening that
+unit's devices would widen a cgroup that is not the container's (docs/cgroup-v2.md).
 
 `status` answers the question `gpuhook cgroup show` asks: which allowed devices systemd
 does not know, and so would take away on the next daemon-reload.
@@ -42,13 +46,15 @@ NOT_RUNNING = "systemd not running"
 NO_SYSTEMCTL = "no systemctl"
 UNREADABLE = "unit unreadable"
 NOT_LOADED = "unit not loaded"
+NOT_THE_UNIT = "not the container's unit"
 UNRESTRICTED = "unit does not restrict devices"
 RESTRICTS = "unit restricts devices"
 
 
-class UnitDevices(record("UnitDevices", "unit load_state policy entries")):
+class UnitDevices(record("UnitDevices", "unit load_state policy entries control_group", defaults=("",))):
     """A unit's device settings as `systemctl show` prints them; `entries` are the
-    DeviceAllow= values ("/dev/char/195:0 rw", "char-pts rwm")."""
+    DeviceAllow= values ("/dev/char/195:0 rw", "char-pts rwm"); `control_group` the unit's
+    own cgroup ("" when it has none)."""
 
     __slots__ = ()
 
@@ -105,6 +111,12 @@ def unit_of(cgroup_path: str) -> str | None:
     if any(p.startswith("user@") and p.endswith(".service") for p in parts):
         return None
     return parts[-1]
+
+
+def _same_cgroup(control_group: str, cgroup_path: str) -> bool:
+    """Whether systemd's ControlGroup= and the container's cgroup path name one cgroup (both
+    as the host's cgroup namespace shows them)."""
+    return bool(control_group) and "/" + control_group.strip("/") == "/" + cgroup_path.strip("/")
 
 
 def device_entries(rule: DeviceRule, proc_devices: str = "") -> list:
@@ -209,11 +221,11 @@ class Systemd:
     def show(self, unit: str) -> UnitDevices:
         """The unit's LoadState, DevicePolicy and DeviceAllow=; raises OSError if systemctl fails."""
         status, output = self._call(["show", "--property=LoadState", "--property=DevicePolicy",
-                                     "--property=DeviceAllow", "--", unit])
+                                     "--property=DeviceAllow", "--property=ControlGroup", "--", unit])
         if status != 0:
             detail = " ".join(output.split())[-300:] if status is not None else output
             raise OSError(errno.EIO, f"systemctl show {unit}: {detail or f'exit status {status}'}")
-        load_state, policy, entries = "", "", []
+        load_state, policy, entries, control_group = "", "", [], ""
         for line in output.splitlines():
             key, sep, value = line.partition("=")
             if not sep:
@@ -224,7 +236,9 @@ class Systemd:
                 policy = value.strip()
             elif key == "DeviceAllow" and value.strip():
                 entries.append(value.strip())
-        return UnitDevices(unit, load_state, policy, entries)
+            elif key == "ControlGroup":
+                control_group = value.strip()
+        return UnitDevices(unit, load_state, policy, entries, control_group)
 
     def _unit_state(self, cgroup_path: str):
         """(unit, UnitDevices or None, UnitStatus for when there is nothing to compare)."""
@@ -244,6 +258,12 @@ class Systemd:
         if devices.load_state != "loaded":
             return unit, devices, UnitStatus(unit, NOT_LOADED, [], f"{unit} is not a loaded unit "
                                                                f"(LoadState={devices.load_state or '?'})")
+        if not _same_cgroup(devices.control_group, cgroup_path):
+            # A name is no identity: only the unit whose cgroup the container is in is the
+            # container's (a cgroupfs path may end in any unit's name).
+            return unit, devices, UnitStatus(unit, NOT_THE_UNIT, [],
+                                             f"the cgroup {cgroup_path} is not {unit}'s "
+                                             f"(ControlGroup={devices.control_group or 'none'})")
         if not devices.restricts:
             return unit, devices, UnitStatus(unit, UNRESTRICTED, [], f"{unit} does not restrict devices "
                                                                  f"(DevicePolicy={devices.policy or 'auto'})")

@@ -2,13 +2,15 @@
 
 runc applies its own rules before prestart hooks run (docs/runtime-facts.md §5), so we only
 add what the container lacks, and remember exactly that, so a failed start can take back
-only our additions. The kernel parses one rule per write(2).
+only our additions. The kernel parses one rule per write(2). Like runc's
+devices/v1.go, what was written is read back: a devices.list that does not then allow every
+rule fails the grant (and undoes it) instead of reporting GPUs the container cannot open.
 """
 
 import errno
 import os
 
-from gpuhook.devrules.devices import parse_v1_line
+from gpuhook.devrules.devices import difference, parse_v1_line, union
 from gpuhook.errors import ApplyError
 from gpuhook.prescan import read_regular_file
 
@@ -53,23 +55,43 @@ def grant(directory: str, rules) -> list:
     for rule in rules:
         if any(have.covers(rule) for have in existing):
             continue
-        same = [have for have in existing
-                if have.allow and (have.type, have.major, have.minor) == (rule.type, rule.major, rule.minor)]
-        had = set("".join(have.access for have in same))
-        missing = "".join(c for c in rule.access if c not in had)
+        had = ""
+        for have in existing:
+            if have.allow and have.same_device(rule):
+                had = union(had, have.access)
         try:
             _write(directory, "devices.allow", rule)
         except OSError as err:
             revoke(directory, added)
             raise ApplyError("cgroup", f"cannot allow {rule.v1_line()} in {directory}: {err.strerror}") from err
-        added.append(rule._replace(access=missing))
+        added.append(rule.with_access(difference(rule.access, had)))
+    if added:
+        _verify(directory, rules, added)
     return added
+
+
+def _verify(directory: str, rules, added: list) -> None:
+    """Read devices.list back: every rule must now be allowed by one entry, or the grant is
+    taken back and the start fails naming the first rule the kernel did not take."""
+    try:
+        now = current_rules(directory)
+    except ApplyError:
+        revoke(directory, added)
+        raise
+    for rule in rules:
+        if not any(have.covers(rule) for have in now):
+            problems = revoke(directory, added)
+            raise ApplyError("cgroup", f"{directory}/devices.list does not allow {rule.v1_line()} after it was "
+                                       f"written to devices.allow",
+                             ("undo: " + "; ".join(problems)) if problems else None)
 
 
 def revoke(directory: str, rules) -> list:
     """Deny `rules` again (used to undo `grant`); returns problems, never raises."""
     problems = []
     for rule in rules:
+        if not rule.access:
+            continue  # nothing of it was ours
         try:
             _write(directory, "devices.deny", rule)
         except OSError as err:

@@ -17,6 +17,33 @@ def normalize_access(access: str) -> str:
     return "".join(c for c in ACCESS_ORDER if c in access)
 
 
+# Access sets, as runc's Permissions (devices/config/device.go) has them: strings over "rwm"
+# in that order, "" for none. One place for the letter arithmetic the grant and its undo need.
+
+def union(a: str, b: str) -> str:
+    return "".join(c for c in ACCESS_ORDER if c in a or c in b)
+
+
+def intersection(a: str, b: str) -> str:
+    return "".join(c for c in ACCESS_ORDER if c in a and c in b)
+
+
+def difference(a: str, b: str) -> str:
+    return "".join(c for c in ACCESS_ORDER if c in a and c not in b)
+
+
+def is_subset(a: str, b: str) -> bool:
+    return not difference(a, b)
+
+
+def subsets(access: str) -> list:
+    """Every non-empty subset of `access`, largest first (then in "rwm" order): the access
+    sets one open(2) or mknod(2) can ask a device cgroup for at once."""
+    letters = union(access, "")
+    found = ["".join(c for i, c in enumerate(letters) if mask >> i & 1) for mask in range(1, 1 << len(letters))]
+    return sorted(found, key=lambda s: (-len(s), [ACCESS_ORDER.index(c) for c in s]))
+
+
 class DeviceRule(record("DeviceRule", "type major minor access allow")):
     __slots__ = ()
 
@@ -34,15 +61,26 @@ class DeviceRule(record("DeviceRule", "type major minor access allow")):
     def __str__(self) -> str:
         return ("allow " if self.allow else "deny ") + self.v1_line()
 
-    def covers(self, other: "DeviceRule") -> bool:
-        """True if this allow rule grants everything `other` asks for."""
+    def matches(self, other: "DeviceRule") -> bool:
+        """True if this rule applies to every device `other` names (the same device, or a
+        wildcard over it), whatever the access."""
         return (
-            self.allow
-            and (self.type == "a" or self.type == other.type)
+            (self.type == "a" or self.type == other.type)
             and (self.type == "a" or self.major in (WILDCARD, other.major))
             and (self.type == "a" or self.minor in (WILDCARD, other.minor))
-            and set(other.access) <= set(self.access)
         )
+
+    def same_device(self, other: "DeviceRule") -> bool:
+        """True if both rules name exactly the same device (or the same wildcard)."""
+        return (self.type, self.major, self.minor) == (other.type, other.major, other.minor)
+
+    def covers(self, other: "DeviceRule") -> bool:
+        """True if this allow rule grants everything `other` asks for."""
+        return self.allow and self.matches(other) and is_subset(other.access, self.access)
+
+    def with_access(self, access: str) -> "DeviceRule":
+        """This rule for `access` instead ("" allowed: a rule that grants nothing)."""
+        return self._replace(access=union(access, ""))
 
     def as_dict(self) -> dict:
         return {

@@ -1,7 +1,9 @@
 """The two things the health checks ever do to a host: kill an orphan, reset a GPU.
 
-Killing: a process is killed only after it is pinned with pidfd_open(2) and its start time
-is read again and found unchanged, so a pid reused since the check is never hit; the
+Killing: a process is killed only after it is pinned with pidfd_open(2), its start time
+is read again and found unchanged (a pid reused since the check is never hit) and, where
+the caller says whose it must be, it is found to be that container's again by kernel
+identity (gpuhook.health.registry.belongs: cgroups may have changed since the check); the
 signal goes through the pidfd (pidfd_send_signal). The wait for its exit is bounded.
 
 Resetting: `reset-command` (default ``nvidia-smi --gpu-reset -i {uuid}``) is split like a
@@ -38,9 +40,10 @@ class Action(record("Action", "action target ok detail seconds")):
                 "seconds": round(self.seconds, 4)}
 
 
-def kill(pid: int, start_time: int, until: float, proc: str = "/proc") -> Action:
-    """SIGKILL process `pid` if it is still the one that started at `start_time`; wait (until
-    monotonic time `until`, at most KILL_WAIT_SECONDS) for it to exit and be reaped."""
+def kill(pid: int, start_time: int, until: float, proc: str = "/proc", belongs=None) -> Action:
+    """SIGKILL process `pid` if it is still the one that started at `start_time` and, with
+    `belongs` (a callable taking the pid), still the container's; wait (until monotonic time
+    `until`, at most KILL_WAIT_SECONDS) for it to exit and be reaped."""
     started = time.monotonic()
     try:
         pidfd = os.pidfd_open(pid)
@@ -54,6 +57,9 @@ def kill(pid: int, start_time: int, until: float, proc: str = "/proc") -> Action
             return Action("kill", pid, True, "already gone", time.monotonic() - started)
         if stat.start_time != start_time:
             return Action("kill", pid, True, "pid now belongs to another process: not killed",
+                          time.monotonic() - started)
+        if belongs is not None and not belongs(pid):
+            return Action("kill", pid, False, "no longer in the container's cgroups and pid namespace: not killed",
                           time.monotonic() - started)
         try:
             if pidfd >= 0:

@@ -64,7 +64,8 @@ STEPS = {
 
 class Policy(record("Policy", "repair kill_orphans kill_only reset")):
     """What a run may do. `repair`: any action at all; `kill_orphans`: config; `kill_only`:
-    a container id whose leftovers alone are killed (poststop), None for every orphan;
+    the key (id, init pid, start time: registry.Container.key) of the container whose
+    leftovers alone are killed (poststop), None for every orphan;
     `reset`: "needed" (when a remedy needs it), "release" (whenever nobody uses the GPU:
     reset-on-release) or "never"."""
 
@@ -182,17 +183,20 @@ def wait_for_stragglers(timeout: float) -> bool:
         pending[0].done.wait(left)
 
 
-def run(uuids, config, purpose: str, policy: Policy, deadline: float, container_id: str | None = None) -> Report:
+def run(uuids, config, purpose: str, policy: Policy, deadline: float, container_id: str | None = None,
+        container_pid: int = 0) -> Report:
     """Check (and, per `policy`, repair) the GPUs `uuids` (GPU or MIG UUIDs; a MIG device is
     checked as its parent GPU) until monotonic time `deadline`. Writes a report per GPU.
-    Raises HostError when NVML cannot be used at all; GPU problems are in the Report."""
+    `container_id` and `container_pid` name the container being started (its own registry
+    entry, should the hook run twice, is nobody's). Raises HostError when NVML cannot be
+    used at all; GPU problems are in the Report."""
     started = time.monotonic()
     wanted = []
     for uuid in uuids:
         store.checked_uuid(uuid)
         if uuid not in wanted:
             wanted.append(uuid)
-    job = _Run(wanted, config, purpose, policy, deadline, container_id)
+    job = _Run(wanted, config, purpose, policy, deadline, container_id, container_pid)
     thread = threading.Thread(target=job.main, name="gpuhook-health", daemon=True)
     thread.start()
     job.done.wait(max(deadline - time.monotonic(), 0))
@@ -208,13 +212,16 @@ def run(uuids, config, purpose: str, policy: Policy, deadline: float, container_
 class _Run:
     """One run's coordinator: opens NVML, starts a _GpuCheck per GPU, closes NVML."""
 
-    def __init__(self, uuids, config, purpose, policy, deadline, container_id):
+    def __init__(self, uuids, config, purpose, policy, deadline, container_id, container_pid=0):
         self.uuids = uuids
         self.config = config
         self.purpose = purpose
         self.policy = policy
         self.deadline = deadline
         self.container_id = container_id
+        # A starting container's own entry (a hook run twice) owns nothing yet: it is known by
+        # its id AND init, never by the id alone (another runtime root may use the same id).
+        self.starting = (container_id, container_pid) if container_id and policy.kill_only is None else None
         self.done = threading.Event()
         self.cancelled = threading.Event()
         self.error = None
@@ -246,10 +253,8 @@ class _Run:
             targets = _parents(session, targets)
         self.step = "registry"
         containers = registry.load_all(self.config.state_dir, proc)
-        # A starting container's own entry (a hook run twice) owns nothing yet; a stopped
-        # container's entry (poststop) is exactly what makes its leftovers orphans.
-        starting = self.container_id if self.policy.kill_only is None else None
-        attributor = owners.Attributor(containers, proc, starting=starting)
+        # A stopped container's entry (poststop) is exactly what makes its leftovers orphans.
+        attributor = owners.Attributor(containers, proc, starting=self.starting)
         self.checks = [_GpuCheck(self, session, attributor, containers, uuid) for uuid in targets]
         threads = [threading.Thread(target=c.main, name=f"gpuhook-health-{c.uuid}", daemon=True) for c in self.checks]
         for thread in threads:
@@ -412,8 +417,13 @@ class _GpuCheck:
         if self.stopped():
             return None
         self.enter("kill")
-        kills = [actions.kill(pid, start_time, self.run.deadline) for pid, start_time in targets]
+        # Whose it is, is asked again after the process is pinned (actions.kill): its cgroups
+        # may have changed since the check.
+        kills = [actions.kill(pid, start_time, self.run.deadline,
+                              belongs=lambda p, c=container: self.attributor.belongs(c, p))
+                 for pid, start_time, container in targets]
         done += kills
+        targets = [(pid, start_time) for pid, start_time, _ in targets]
         # What was killed, and the zombies whose parent that was, may still show as zombies
         # until their parent (or init) reaps them: the re-check must not count them as users.
         ended = {pair for pair, action in zip(targets, kills) if action.ok}
@@ -457,21 +467,24 @@ class _GpuCheck:
         return now
 
     def _kill_targets(self, problems) -> list:
-        """(pid, start time) of each process a KILL remedy names, within the policy's scope."""
+        """(pid, start time, registry entry) of each process a KILL remedy names, within the
+        policy's scope."""
         targets = []
         for finding in problems:
             if finding.remedy is not Remedy.KILL:
                 continue
             for process in finding.targets:
                 container = process.container
-                if self.policy.kill_only is not None and (container is None or container.id != self.policy.kill_only):
+                if container is None:
+                    continue  # only a registered container's leftovers are ever killed
+                if self.policy.kill_only is not None and container.key != self.policy.kill_only:
                     continue
                 if process.reaper is not None:
-                    pair = (process.reaper.pid, process.reaper.start_time)
+                    target = (process.reaper.pid, process.reaper.start_time, container)
                 else:
-                    pair = (process.pid, process.start_time)
-                if pair not in targets:
-                    targets.append(pair)
+                    target = (process.pid, process.start_time, container)
+                if target[:2] not in [t[:2] for t in targets]:
+                    targets.append(target)
         return targets
 
     def _users(self, processes) -> list:
@@ -482,13 +495,16 @@ class _GpuCheck:
             if process.live:
                 users.append(f"{process.detail} (pid {process.pid})")
                 if process.container is not None:
-                    seen.add(process.container.id)
+                    seen.add(process.container.key)
             elif process.owner is owners.Owner.ORPHAN:
                 users.append(f"orphan pid {process.pid}, still running")
             elif process.owner is owners.Owner.ZOMBIE:
                 users.append(f"zombie pid {process.pid}, not reaped")
         for container in self.containers:
-            if container.id in seen or container.id in (self.run.container_id, self.policy.kill_only):
+            # The containers this run is for are skipped by their whole identity: a live
+            # container that only shares their id (another runtime root) still holds the GPU.
+            if container.key in seen or container.key == self.policy.kill_only \
+                    or (container.id, container.pid) == self.run.starting:
                 continue
             if self.uuid in container.gpus and self.attributor.alive(container):
                 users.append(f"container {container.label()} (init pid {container.pid})")
@@ -569,6 +585,6 @@ def prepare(uuids, config, deadline_seconds: float | None = None, allocation: st
 def release(container: "registry.Container", config, deadline: float) -> Report:
     """After `container` stopped: kill what it left on its GPUs and, with reset-on-release,
     reset each GPU nobody else uses. Problems stay in the report; nothing is raised for them."""
-    policy = Policy(True, config.health.kill_orphans, container.id,
+    policy = Policy(True, config.health.kill_orphans, container.key,
                     "release" if config.health.reset_on_release else "never")
     return run(container.gpus, config, "poststop", policy, deadline, container.id)

@@ -72,7 +72,7 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
     deadline = min(time.monotonic() + health.deadline_seconds, hook_deadline)
     policy = engine.Policy(True, health.kill_orphans, None, "needed")
     try:
-        report = engine.run(todo, config, "prestart", policy, deadline, state.id)
+        report = engine.run(todo, config, "prestart", policy, deadline, state.id, state.pid)
     except GpuhookError as err:
         info["error"] = err.one_line()
         if health.on_failure == WARN:

@@ -3,11 +3,12 @@
 NVML reports host pids. Each is looked up in /proc and put in one of these classes
 (docs/health.md, "Who owns a GPU process"):
 
-    container        in the cgroups of a registered container whose init is alive
+    container        a registered container's, whose init is alive (registry.belongs: its
+                     exact cgroups by inode, its pid namespace, started after its init)
     other container  in other pid or mount namespaces than gpuhook's and not registered:
                      a container someone else started; treated as live, never killed
     host             in gpuhook's own pid and mount namespaces
-    orphan           in the cgroups of a registered container that is gone
+    orphan           a registered container's (registry.belongs), and that container is gone
     zombie           exited, not yet reaped; its parent is looked at instead
     killed           a process this run killed, now a zombie its parent has not reaped yet:
                      its files, GPU context included, were closed when it exited
@@ -81,10 +82,13 @@ def in_host_pid_namespace(proc: str = "/proc") -> bool:
 class Attributor:
     """Attributes pids against one snapshot of the registry (read once per check run)."""
 
-    def __init__(self, containers, proc: str = "/proc", starting: str | None = None):
+    def __init__(self, containers, proc: str = "/proc", starting: tuple | None = None, mounts=None):
         self.proc = proc
         self.containers = tuple(containers)
-        self.starting = starting  # the container being started: its own entry (a re-run hook) is no owner
+        # The container being started, (id, init pid): its own entry (a re-run hook) is no
+        # owner. Another container of the same id (another runtime root) still is.
+        self.starting = starting
+        self.mounts = registry.cgroup_mounts(proc) if mounts is None else mounts
         self.mine = namespaces("self", proc)
         self._alive = {}
         self._killed = set()  # (pid, start time) of what this run killed; shared by the GPUs' threads
@@ -100,6 +104,10 @@ class Attributor:
             self._alive[key] = registry.is_alive(container, self.proc)
         return self._alive[key]
 
+    def belongs(self, container, pid: int, stat=None, cgroups=None) -> bool:
+        """Whether `pid` is `container`'s now (registry.belongs), as the kill checks it again."""
+        return registry.belongs(container, pid, self.proc, self.mounts, stat, cgroups)
+
     def owner_of(self, pid: int):
         """(Owner, registry entry or None, ProcessStat or None, detail) for a live pid."""
         stat = registry.read_stat(pid, self.proc)
@@ -113,11 +121,9 @@ class Attributor:
         if cgroups is None:
             # Exited between the two reads, or /proc hides it: never a kill candidate.
             return self._vanished(pid, stat) or (Owner.OTHER_CONTAINER, None, stat, "cgroup unreadable")
-        holders = [c for c in self.containers if c.id != self.starting and c.holds(cgroups)]
+        holders = [c for c in self.containers if (c.id, c.pid) != self.starting and self.belongs(c, pid, stat, cgroups)]
         if holders:
-            # Nested cgroups: the most specific owner is the process's container, and a live
-            # holder always wins, so a live container's process is never anyone's orphan.
-            holders.sort(key=lambda c: sum(len(path) for path in c.cgroups.values()), reverse=True)
+            # A live holder always wins, so a live container's process is never anyone's orphan.
             live = [c for c in holders if self.alive(c)]
             if live:
                 return Owner.CONTAINER, live[0], stat, f"container {live[0].label()}"

@@ -5,27 +5,44 @@ The hook records every container it gave GPUs (after a successful apply) in
 id: two runtimes, or two --root dirs of one runtime, can each have a container of one id):
 
     {"format": 1, "id": "...", "pid": 4242, "start_time": 123456, "boot_id": "...",
-     "cgroups": {"pids": "/mycontainer", "": "/mycontainer"}, "gpus": ["GPU-..."],
-     "names": {"pod": ..., "namespace": ..., "container_name": ...}, "registered": 12.5}
+     "cgroups": {"pids": "/mycontainer", "": "/mycontainer"},
+     "cgroup_ids": {"pids": 1234, "": 5678}, "pid_ns": 4026532600, "ns_init": [4242, 123456],
+     "gpus": ["GPU-..."], "names": {"pod": ..., "namespace": ..., "container_name": ...},
+     "registered": 12.5}
 
 `pid` and `start_time` (field 22 of /proc/<pid>/stat, clock ticks since boot) identify the
 container's init for good: a reused pid has another start time. A container is *gone*
-when that process no longer exists, is a zombie, or has another start time. `cgroups` are
-the init's cgroup paths (per controller, "" for cgroup v2) that are the container's own,
-i.e. differ from the registering hook's: a GPU process in those cgroups belongs to the
-container; if the container is gone, the process is an orphan (docs/health.md).
+when that process no longer exists, is a zombie, or has another start time.
+
+A process belongs to a registered container only by kernel identity, checked again just
+before it is killed (docs/health.md, "Who owns a GPU process"), never by a path or an id:
+
+- it is in exactly the container's own cgroups: for every controller recorded (`cgroups`,
+  the init's paths that differ from the registering hook's, "" for cgroup v2) the same
+  path, and that directory is still the cgroup the init was in (`cgroup_ids`, its inode: a
+  cgroup removed and made again at the same path is another cgroup, and a child cgroup is
+  not the container's);
+- it is in the container's pid namespace (`pid_ns`), and that namespace is still the one
+  recorded: its init (`ns_init`, pid and start time: the container's own init, or the
+  process that is pid 1 of a namespace the container shares, such as a pod's; [0, 0] for
+  the host's, where gpuhook itself runs) still runs in it. A process that merely joined the cgroup from namespaces of its
+  own is not the container's, and nothing is left of a container whose own pid namespace
+  ended with its init (the kernel kills the rest);
+- it started no earlier than the container's init.
 
 Only cgroups the init has to itself at registration count as the container's: a cgroup that
 already holds other processes (a container placed into a host daemon's cgroup) is shared,
-and nothing in it is ever taken for the container's.
+and nothing in it is ever taken for the container's. An entry without these identities
+(written by an older gpuhook) owns no process.
 
 An entry is removed at poststop once nothing is left behind, and only when its container is
 gone: a poststop naming a live container's id changes nothing; an entry of a gone container
-whose cgroups no longer exist (nothing can be left in them), or from another boot, is
-dropped when the registry is read.
+that nothing can be left of (its cgroups no longer exist, its pid namespace ended), or from
+another boot, is dropped when the registry is read.
 """
 
 import os
+import time
 
 from gpuhook.cgroup import hierarchy
 from gpuhook.health import store
@@ -36,27 +53,24 @@ from gpuhook.record import record
 FORMAT = 1
 
 
-class Container(record("Container", "id pid start_time cgroups gpus names boot_id registered")):
-    """One registry entry (see the module docstring)."""
+class Container(record("Container", "id pid start_time cgroups gpus names boot_id registered "
+                                    "cgroup_ids pid_ns ns_init", defaults=(None, 0, None))):
+    """One registry entry (see the module docstring). `cgroup_ids` maps each key of `cgroups`
+    to the inode of that cgroup's directory; `pid_ns` is the inode of the init's pid
+    namespace; `ns_init` the (pid, start time) of that namespace's init."""
 
     __slots__ = ()
 
+    @property
+    def key(self) -> tuple:
+        """What identifies the container: its id and its init (pid and start time)."""
+        return (self.id, self.pid, self.start_time)
+
     def as_dict(self) -> dict:
         return {"format": FORMAT, "id": self.id, "pid": self.pid, "start_time": self.start_time,
-                "cgroups": dict(self.cgroups), "gpus": list(self.gpus), "names": dict(self.names),
-                "boot_id": self.boot_id, "registered": self.registered}
-
-    def holds(self, cgroups: dict) -> bool:
-        """True when a process with these cgroup paths is inside this container's cgroups:
-        every controller both know puts it at or below the container's path (at least one)."""
-        common = [key for key in self.cgroups if key in cgroups]
-        if not common:
-            return False
-        for key in common:
-            own, theirs = self.cgroups[key], cgroups[key]
-            if theirs != own and not theirs.startswith(own.rstrip("/") + "/"):
-                return False
-        return True
+                "cgroups": dict(self.cgroups), "cgroup_ids": dict(self.cgroup_ids or {}), "pid_ns": self.pid_ns,
+                "ns_init": list(self.ns_init) if self.ns_init else None, "gpus": list(self.gpus),
+                "names": dict(self.names), "boot_id": self.boot_id, "registered": self.registered}
 
     def label(self) -> str:
         names = self.names
@@ -104,10 +118,107 @@ def from_process(container_id: str, pid: int, gpus, names: dict | None = None, p
         raise LookupError(f"container init pid {pid} is not readable in {proc}")
     mine = read_cgroups(os.getpid(), proc) or {}
     own = own_cgroups(cgroups, mine)
-    mounts = _cgroup_mounts(proc)
+    mounts = cgroup_mounts(proc)
     own = {key: path for key, path in own.items() if not _shared({key: path}, pid, mounts)}
-    return Container(container_id, pid, stat.start_time, own, tuple(gpus),
-                     dict(names or {}), store.boot_id(), round(store.boottime(), 3))
+    ids = {}
+    for key, path in own.items():
+        inode = cgroup_inode(key, path, mounts)
+        if inode is not None:
+            ids[key] = inode
+    own = {key: path for key, path in own.items() if key in ids}
+    ids = ids or None
+    pid_ns = pid_namespace(pid, proc)
+    ns_init = _namespace_init(pid, stat, pid_ns, proc) if pid_ns else None
+    return Container(container_id, pid, stat.start_time, own, tuple(gpus), dict(names or {}), store.boot_id(),
+                     round(store.boottime(), 3), ids, pid_ns, ns_init)
+
+
+# Bounds on the look through /proc for a shared pid namespace's init (registration runs
+# inside the hook's deadline); past them the entry has no ns_init and owns no process.
+MAX_SCAN = 1 << 16
+SCAN_SECONDS = 0.5
+
+
+def pid_namespace(pid, proc: str = "/proc") -> int:
+    """The inode number of `pid`'s pid namespace, 0 when it cannot be read."""
+    try:
+        link = os.readlink(f"{proc}/{pid}/ns/pid")
+    except OSError:
+        return 0
+    number = link[len("pid:["):-1] if link.startswith("pid:[") and link.endswith("]") else ""
+    return int(number) if number.isdigit() and len(number) < 20 else 0
+
+
+def _nspid_is_one(pid, proc: str) -> bool:
+    """Whether `pid` is pid 1 of its own pid namespace (the last NSpid field of its status)."""
+    try:
+        with open(f"{proc}/{pid}/status", "rb") as f:
+            text = f.read(1 << 16).decode("ascii", "replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            return line.split()[-1] == "1"
+    return False
+
+
+def _namespace_init(pid: int, stat, pid_ns: int, proc: str):
+    """(pid, start time) of the process that is pid 1 in `pid`'s pid namespace `pid_ns`:
+    the container's init itself, or the init of a namespace it shares (a pod's), found in
+    /proc; (0, 0) for the pid namespace gpuhook runs in itself (the host's, whose inode
+    number is the kernel's constant and never given to another). None when there is none
+    to be found."""
+    if _nspid_is_one(pid, proc):
+        return (pid, stat.start_time)
+    if pid_ns == pid_namespace("self", proc):
+        return (0, 0)
+    try:
+        candidates = os.listdir(proc)
+    except OSError:
+        return None
+    end = time.monotonic() + SCAN_SECONDS
+    for name in candidates[:MAX_SCAN]:
+        if time.monotonic() > end:
+            return None
+        if not name.isdigit() or pid_namespace(name, proc) != pid_ns or not _nspid_is_one(name, proc):
+            continue
+        found = read_stat(int(name), proc)
+        if found is not None and not found.zombie:
+            return (found.pid, found.start_time)
+    return None
+
+
+def belongs(container: Container, pid: int, proc: str = "/proc", mounts=None, stat=None, cgroups=None) -> bool:
+    """Whether process `pid` is `container`'s by kernel identity (the module docstring): the
+    same cgroups (paths and inodes), the container's pid namespace, which still exists, and
+    started no earlier than the container's init. `stat` and `cgroups` may be passed when
+    already read; every check is made on the kernel's answer now."""
+    if not container.cgroups or not container.cgroup_ids or not container.pid_ns or not container.ns_init:
+        return False
+    stat = stat if stat is not None else read_stat(pid, proc)
+    if stat is None or stat.start_time < container.start_time:
+        return False
+    cgroups = cgroups if cgroups is not None else read_cgroups(pid, proc)
+    if cgroups is None or any(cgroups.get(key) != path for key, path in container.cgroups.items()):
+        return False
+    mounts = cgroup_mounts(proc) if mounts is None else mounts
+    for key, path in container.cgroups.items():
+        if cgroup_inode(key, path, mounts) != container.cgroup_ids.get(key):
+            return False
+    if pid_namespace(pid, proc) != container.pid_ns:
+        return False
+    return namespace_exists(container, proc)
+
+
+def namespace_exists(container: Container, proc: str = "/proc") -> bool:
+    """Whether the container's pid namespace is still the one recorded: its init runs and
+    is in it (a namespace that ended may have its inode number given to a new one)."""
+    if not container.ns_init or not container.pid_ns:
+        return False
+    ns_pid, ns_start = container.ns_init
+    if ns_pid == 0:
+        return pid_namespace("self", proc) == container.pid_ns
+    return procstat.is_alive(ns_pid, ns_start, proc) and pid_namespace(ns_pid, proc) == container.pid_ns
 
 
 def _shared(cgroups: dict, pid: int, mounts) -> bool:
@@ -143,10 +254,13 @@ def _parse(doc) -> Container | None:
         if doc["format"] != FORMAT:
             return None
         cgroups = {str(k): str(v) for k, v in doc["cgroups"].items()}
+        ids = {str(k): int(v) for k, v in (doc.get("cgroup_ids") or {}).items()} or None
+        ns_init = doc.get("ns_init")
+        ns_init = (int(ns_init[0]), int(ns_init[1])) if ns_init else None
         return Container(str(doc["id"]), int(doc["pid"]), int(doc["start_time"]), cgroups,
                          tuple(str(g) for g in doc["gpus"]), {str(k): str(v) for k, v in doc["names"].items()},
-                         str(doc["boot_id"]), float(doc["registered"]))
-    except (KeyError, TypeError, ValueError, AttributeError):
+                         str(doc["boot_id"]), float(doc["registered"]), ids, int(doc.get("pid_ns") or 0), ns_init)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
         return None
 
 
@@ -186,8 +300,8 @@ def load_all(state_dir: str, proc: str = "/proc", prune: bool = True) -> tuple:
             continue
         if prune and (entry.boot_id != this_boot or not is_alive(entry, proc)):
             if mounts is None:
-                mounts = _cgroup_mounts(proc)
-            if entry.boot_id != this_boot or not cgroups_exist(entry, mounts):
+                mounts = cgroup_mounts(proc)
+            if entry.boot_id != this_boot or not cgroups_exist(entry, mounts) or not namespace_exists(entry, proc):
                 try:
                     os.unlink(path)
                 except OSError:
@@ -202,7 +316,8 @@ def is_alive(container: Container, proc: str = "/proc") -> bool:
     return procstat.is_alive(container.pid, container.start_time, proc)
 
 
-def _cgroup_mounts(proc: str):
+def cgroup_mounts(proc: str = "/proc"):
+    """The cgroup hierarchies mounted where this process looks (hierarchy.cgroup_mounts)."""
     try:
         with open(f"{proc}/self/mountinfo") as f:
             return hierarchy.cgroup_mounts(f.read())
@@ -223,11 +338,28 @@ def cgroup_directories(cgroups: dict, mounts) -> list:
     return found
 
 
+def cgroup_inode(key: str, path: str, mounts):
+    """The inode of cgroup `path` of controller `key` ("" for v2) in `mounts`, or None when
+    no mounted hierarchy shows it or it does not exist."""
+    for directory in cgroup_directories({key: path}, mounts):
+        try:
+            return os.stat(directory).st_ino
+        except OSError:
+            continue
+    return None
+
+
 def cgroups_exist(container: Container, mounts) -> bool:
-    """True if any of the container's cgroup directories still exists (or none can be
-    located in the mount table, when nothing can be concluded)."""
-    directories = cgroup_directories(container.cgroups, mounts)
-    return not directories or any(os.path.isdir(d) for d in directories)
+    """True if any of the container's cgroups still exists: the same directory (by inode)
+    at its path (or none can be located in the mount table, when nothing can be concluded)."""
+    if not cgroup_directories(container.cgroups, mounts):
+        return True
+    ids = container.cgroup_ids or {}
+    for key, path in container.cgroups.items():
+        inode = cgroup_inode(key, path, mounts)
+        if inode is not None and inode == ids.get(key):
+            return True
+    return False
 
 
 def _directory(mount_point: str, mount_root: str, path: str) -> str:

@@ -26,13 +26,15 @@ class PodmanGpus(GpuContainers):
         super().__init__(bed, sim, probe, workdir)
         self.podman = Podman(f"{self.workdir}/podman", hooks_dir)
 
-    def run(self, name, env=(), annotations=None, before="", paths=(), rootfs_setup=None):
-        """Start container `name` with podman; it runs `before` then probes NODE_PATHS + `paths`."""
+    def run(self, name, env=(), annotations=None, before="", paths=(), rootfs_setup=None, devices=()):
+        """Start container `name` with podman; it runs `before` then probes NODE_PATHS + `paths`.
+        `devices` are podman --device values (HOST[:CONTAINER[:PERMISSIONS]])."""
         script = f"{before}\n/bin/probe " + " ".join(NODE_PATHS + list(paths))
         rootfs = self.bed.rootfs(f"{self.workdir}/rootfs/{name}", files={"/bin/probe": self.probe})
         if rootfs_setup is not None:
             rootfs_setup(rootfs)
-        result = self.podman.run(rootfs, ["/bin/busybox", "sh", "-c", script], env=env, annotations=annotations)
+        result = self.podman.run(rootfs, ["/bin/busybox", "sh", "-c", script], env=env, annotations=annotations,
+                                 devices=devices)
         result.rootfs = rootfs
         return result
 
@@ -61,6 +63,57 @@ def other_gpu_node(minor: int) -> str:
     """Shell that makes a node for another GPU inside the container (opening it must give EPERM)."""
     return f"busybox mknod /dev/other-gpu c 195 {minor}"
 
+
+
+def runtime_node(path: str, major: int, minor: int, access: str | None = None):
+    """A spec edit: the node `path` in linux.devices, as a runtime puts it there; with
+    `access`, an allow rule for it in linux.resources.devices (as podman --device or a CRI
+    runtime's CDI writes one), without, only the runtime's default deny (runc's and crun's
+    default spec)."""
+    def edit(spec):
+        linux = spec.setdefault("linux", {})
+        linux.setdefault("devices", []).append({"path": path, "type": "c", "major": major, "minor": minor,
+                                                "fileMode": 0o666, "uid": 0, "gid": 0})
+        if access is not None:
+            linux.setdefault("resources", {}).setdefault("devices", []).append(
+                {"allow": True, "type": "c", "major": major, "minor": minor, "access": access})
+    return edit
+
+
+def assert_runtime_grant_kept(probes, path: str, access: str | None) -> None:
+    """`path` (a GPU node the runtime put in linux.devices) opens exactly as the runtime's own
+    rules say: ENXIO (allowed, no driver) for the letters in `access`, EPERM for the rest."""
+    item = probes[path]
+    assert item["exists"], item
+    for letter, key in (("r", "read"), ("w", "write")):
+        expected = "ENXIO" if access and letter in access else "EPERM"
+        assert item[key] == expected, (path, key, item)
+
+
+STRICT_POLICY = {"accept-env-when-unprivileged": False}
+
+
+def start_with_runtime_node(gpus, name: str, policy: dict, access: str | None):
+    """Start container `name` (GpuContainers or a subclass whose `run` takes `edit`) with
+    /dev/nvidia2 in linux.devices opened by the runtime for `access` only (None: not at all)
+    and the image's NVIDIA_VISIBLE_DEVICES=0, under the gpuhook `policy`; check that the hook
+    opened nothing of GPU 2 the runtime did not (docs/requests.md, "Never widen the runtime's
+    grant"). Returns the probes."""
+    sim = gpus.sim
+    gpus.configure(**policy)
+    result = gpus.run(name, env=["NVIDIA_VISIBLE_DEVICES=0"],
+                      edit=runtime_node("/dev/nvidia2", sim["majors"]["nvidia"], sim["gpus"][2]["minor"], access))
+    assert result.returncode == 0, result.stderr
+    probes = result.probes()
+    assert_runtime_grant_kept(probes, "/dev/nvidia2", access)
+    if access is None and not policy:
+        # No grant: the image's GPU 0 is the request (default policy); the runtime's file stays shut.
+        assert gpu_nodes(probes) == {"/dev/nvidia0", "/dev/nvidia2"}
+        assert probes["/dev/nvidia0"]["write"] == "ENXIO"
+    else:
+        # The runtime's read-only grant is the grant (GPU 0 cannot be added), or nothing is.
+        assert gpu_nodes(probes) == {"/dev/nvidia2"}
+    return probes
 
 
 def log_records(gpus, stage) -> list:
@@ -152,7 +205,7 @@ class Podman:
                     continue
         return found
 
-    def argv(self, rootfs: str, args: list, env=(), annotations=None, cap_add=()) -> list:
+    def argv(self, rootfs: str, args: list, env=(), annotations=None, cap_add=(), devices=()) -> list:
         """The `podman run --rm` command line for one container."""
         argv = [self.podman, "--root", f"{self.workdir}/storage", "--runroot", self.runroot,
                 "--tmpdir", f"{self.workdir}/tmp", "--cgroup-manager", "cgroupfs", "--events-backend", "file",
@@ -160,6 +213,8 @@ class Podman:
                 "run", "--rm", "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
         for cap in cap_add:
             argv += ["--cap-add", cap]
+        for device in devices:
+            argv += ["--device", device]
         for item in env:
             argv += ["--env", item]
         for key, value in (annotations or {}).items():
@@ -167,11 +222,11 @@ class Podman:
         return argv + ["--rootfs", rootfs, *args]
 
     def run(self, rootfs: str, args: list, env=(), annotations=None, cap_add=("MKNOD",),
-            timeout: float = 120) -> RunResult:
+            timeout: float = 120, devices=()) -> RunResult:
         """Run one container to completion (podman removes it); `cap_add` defaults to MKNOD
         because tests make device nodes inside and podman's default set lacks it."""
         try:
-            done = subprocess.run(self.argv(rootfs, args, env, annotations, cap_add), env=RUN_ENV,
+            done = subprocess.run(self.argv(rootfs, args, env, annotations, cap_add, devices), env=RUN_ENV,
                                   capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd="/")
         except FileNotFoundError:
             raise TestbedError(f"{self.podman} is not installed (apt-get install podman)") from None

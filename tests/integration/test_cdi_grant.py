@@ -30,10 +30,18 @@ def inventory(mig_minors=None):
     return Inventory("550.0", GPUS, MAJORS, (), (), (), (), "", mig_minors or {}, ())
 
 
-def spec(env=(), mounts=(), annotations=None, privileged=False, devices=()):
+DENY_ALL = {"allow": False, "access": "rwm"}
+
+
+def spec(env=(), mounts=(), annotations=None, privileged=False, devices=(), rules=None):
+    """A parsed config.json. `rules` (linux.resources.devices) default to what containerd and
+    CRI-O write for the `devices` they inject: deny everything, then allow each node rwm."""
     caps = ["CAP_CHOWN"] + (["CAP_SYS_ADMIN"] if privileged else [])
+    if rules is None:
+        rules = [DENY_ALL] + [{"allow": True, "type": "c", "major": d["major"], "minor": d["minor"], "access": "rwm"}
+                              for d in devices]
     doc = {"root": {"path": "rootfs"}, "process": {"env": list(env), "capabilities": {"bounding": caps}},
-           "mounts": list(mounts), "linux": {"devices": list(devices)}}
+           "mounts": list(mounts), "linux": {"devices": list(devices), "resources": {"devices": list(rules)}}}
     if annotations:
         doc["annotations"] = annotations
     return oci.parse_spec(json.dumps(doc).encode(), "/bundle")
@@ -112,11 +120,44 @@ def test_nodes_the_runtime_injected_are_the_grant():
     assert resolve(spec(["NVIDIA_VISIBLE_DEVICES=none"], devices=devices)).wants == req.DRIVER_ONLY
 
 
-def test_runtime_nodes_do_not_bind_a_privileged_container_or_a_policy_that_says_no():
+def test_runtime_nodes_do_not_bind_a_privileged_container():
     devices = [node(f"/dev/nvidia{i}", 195, i) for i in range(4)]
     assert resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"], devices=devices, privileged=True)).ids == ("0",)
-    r = resolve(spec(ALL, devices=devices[:1]), **{"accept-runtime-devices": False})
-    assert r.wants == req.ALL
+
+
+def test_runtime_nodes_the_policy_refuses_are_not_replaced_by_the_environment():
+    """accept-runtime-devices = false refuses the runtime's grant of GPU 1; the image's `all`
+    must not then give every GPU (docs/requests.md, precedence 2)."""
+    r = resolve(spec(ALL, devices=[node("/dev/nvidia1", 195, 1)]), **{"accept-runtime-devices": False})
+    assert r.empty and "NVIDIA_VISIBLE_DEVICES not honoured either" in r.notes[-1]
+    # No GPU node at all: the environment is the request, as before.
+    assert resolve(spec(ALL, devices=[]), **{"accept-runtime-devices": False}).wants == req.ALL
+
+
+@pytest.mark.parametrize("rules", [
+    [],  # runc's default: deny all but its own default devices
+    [DENY_ALL],
+    [DENY_ALL, {"allow": True, "type": "c", "major": 195, "minor": 0, "access": "m"}],  # a node, no open
+    [DENY_ALL, {"allow": True, "type": "c", "major": 195, "minor": 0, "access": "rw"},
+     {"allow": False, "type": "c", "major": 195, "minor": 0, "access": "rw"}],
+])
+def test_a_node_the_runtimes_rules_do_not_open_is_no_grant(rules):
+    """/dev/nvidia0 in linux.devices but not opened by linux.resources.devices: it neither
+    gives GPU 0 nor displaces the environment's request for GPU 1."""
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=1"], devices=[node("/dev/nvidia0", 195, 0)], rules=rules))
+    assert (r.channel, r.nodes) == (req.ENV, ())
+    assert chosen(r) == [1]
+    assert any("/dev/nvidia0 (c 195:0) in linux.devices is no grant" in n for n in r.notes)
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=1"], devices=[node("/dev/nvidia0", 195, 0)], rules=rules),
+                **{"accept-env-when-unprivileged": False})
+    assert r.empty
+
+
+def test_a_node_the_runtime_opens_for_reading_only_is_still_the_grant():
+    devices = [node("/dev/nvidia2", 195, 2)]
+    r = resolve(spec(ALL, devices=devices, rules=[DENY_ALL, {"allow": True, "type": "c", "major": 195, "minor": 2,
+                                                              "access": "r"}]))
+    assert (r.channel, [n.path for n in r.nodes]) == (req.RUNTIME_DEVICES, ["/dev/nvidia2"]) and chosen(r) == [2]
 
 
 def test_a_granted_node_that_is_no_gpu_fails_naming_it():

@@ -13,6 +13,7 @@ import os
 import pytest
 
 from conftest import require_root_tools
+from helpers.runtimes import STRICT_POLICY, start_with_runtime_node
 
 pytestmark = pytest.mark.root
 
@@ -80,3 +81,32 @@ def test_nodes_the_runtime_injected_are_the_grant(gpus):
     assert_only_gpu1(probes)
     (record,) = [r for r in gpus.log_lines() if r.get("container") == "runtime-devices"]
     assert record["channel"] == "runtime devices (linux.devices)" and record["gpus"] == [gpus.uuid(1)]
+
+
+
+@pytest.mark.parametrize("policy", [{}, STRICT_POLICY], ids=["default-policy", "strict-policy"])
+@pytest.mark.parametrize("access", [None, "r"], ids=["not-allowed", "read-only"])
+def test_a_gpu_node_the_runtime_did_not_open_is_never_opened_by_the_hook(gpus, policy, access):
+    """/dev/nvidia2 in linux.devices that runc's default deny (or a read-only rule) leaves shut:
+    without the hook its open gives EPERM, and with the hook it still does. A node the rules do
+    not open at all is no grant (the image's NVIDIA_VISIBLE_DEVICES=0 is the request, where
+    the policy takes it); a read-only one is the grant, read-only."""
+    require_root_tools("runc")
+    start_with_runtime_node(gpus, f"runtime-node-{access}-{len(policy)}", policy, access)
+
+
+def test_runtime_nodes_the_policy_refuses_are_not_replaced_by_the_images_all(gpus):
+    """accept-runtime-devices = false: the runtime's grant of GPU 1 is not taken, and the
+    image's NVIDIA_VISIBLE_DEVICES=all does not take its place; the container keeps exactly
+    what the runtime gave it and nothing of the hook's."""
+    require_root_tools("runc")
+    from helpers.runtimes import runtime_node
+
+    sim = gpus.sim
+    gpus.configure(**{"accept-runtime-devices": False})
+    probes = run(gpus, "runtime-devices-refused",
+                 edit=runtime_node("/dev/nvidia1", sim["majors"]["nvidia"], sim["gpus"][1]["minor"], "rwm"))
+    assert_only_gpu1(probes)  # the runtime's own node and rule, GPU 0 made by hand denied
+    assert not probes["/dev/nvidiactl"]["exists"]  # the hook added nothing
+    (record,) = [r for r in gpus.log_lines() if r.get("container") == "runtime-devices-refused"]
+    assert "NVIDIA_VISIBLE_DEVICES not honoured either" in record["notes"][-1]

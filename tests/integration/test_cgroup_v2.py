@@ -28,6 +28,7 @@ from gpuhook.errors import ApplyError
 
 from conftest import REPO, require, require_root_tools
 from helpers.bpfdata import RULE_SETS, golden
+from helpers.runtimes import STRICT_POLICY, start_with_runtime_node
 
 pytestmark = pytest.mark.root
 
@@ -184,6 +185,14 @@ def test_requested_gpu_opens_unrequested_is_denied_and_runcs_devices_still_work(
     (line,) = gpus.log_lines()
     assert line["decision"] == "gpus injected" and line["cgroup"] == "v2"
     assert line["rules_added"] == [r.v1_line() for r in planned_rules(gpus.sim, 0)]
+
+
+@pytest.mark.parametrize("policy", [{}, STRICT_POLICY], ids=["default-policy", "strict-policy"])
+@pytest.mark.parametrize("access", [None, "r"], ids=["not-allowed", "read-only"])
+def test_a_gpu_node_runcs_program_denies_is_never_opened_by_the_hook(gpus, policy, access):
+    """As tests/integration/test_cdi_runc.py on v1: the program gpuhook builds allows nothing
+    of /dev/nvidia2 that runc's own program denied."""
+    start_with_runtime_node(gpus, unique(f"v2-runtime-node-{access}-{len(policy)}"), policy, access)
 
 
 def test_one_program_holds_runcs_rules_then_ours_and_runc_update_changes_nothing(v2ns, bed, gpus, runc_rules):
@@ -453,11 +462,14 @@ def test_cgroup_show_needs_exactly_one_of_pid_and_path():
 
 FAKE_SYSTEMCTL = r"""#!/bin/sh
 # Stand-in for systemctl: logs its arguments; `show` prints the unit file $DIR/unit plus what
-# set-property added ($DIR/added); set-property fails with $DIR/refuse's text if that exists.
+# set-property added ($DIR/added) and the unit's ControlGroup= from $DIR/cgroup.<unit> (the
+# unit is the last argument); set-property fails with $DIR/refuse's text if that exists.
 DIR=$(dirname "$0")
 echo "$*" >> "$DIR/calls"
+for last; do :; done
 for arg; do case "$arg" in
-  show) cat "$DIR/unit" "$DIR/added" 2>/dev/null; exit 0 ;;
+  show) cat "$DIR/unit" "$DIR/added" 2>/dev/null
+        printf 'ControlGroup=%s\n' "$(cat "$DIR/cgroup.$last" 2>/dev/null)"; exit 0 ;;
   set-property)
     if [ -f "$DIR/refuse" ]; then cat "$DIR/refuse" >&2; exit 1; fi
     for a; do case "$a" in DeviceAllow=*) echo "$a" >> "$DIR/added" ;; esac; done
@@ -472,12 +484,16 @@ PROC_DEVICES = "Character devices:\n  1 mem\n136 pts\n195 nvidia-frontend\n509 n
 class FakeSystemd:
     """A Systemd wired to a stand-in systemctl, runtime dir, /dev and /proc/devices in a temp dir."""
 
-    def __init__(self, tmp_path, unit_text="", running=True):
+    def __init__(self, tmp_path, unit_text="", running=True, control_groups=()):
+        """`control_groups`: the cgroup paths of the units to answer ControlGroup= for (the
+        unit is the path's last component), as systemd places them."""
         self.dir = tmp_path / "systemctl"
         self.dir.mkdir()
         (self.dir / "systemctl").write_text(FAKE_SYSTEMCTL)
         (self.dir / "systemctl").chmod(0o755)
         (self.dir / "unit").write_text(unit_text)
+        for path in control_groups:
+            (self.dir / f"cgroup.{path.rsplit('/', 1)[-1]}").write_text(path)
         runtime = tmp_path / "run-systemd-system"
         if running:
             runtime.mkdir()
@@ -500,12 +516,13 @@ class FakeSystemd:
 RUNC_SCOPE_UNIT = ("LoadState=loaded\nDevicePolicy=strict\nDeviceAllow=/dev/char/1:3 rwm\n"
                    "DeviceAllow=char-pts rwm\n")
 GPU_RULES = [R("c 195:255 rw"), R("c 195:0 rw"), R("c 1:3 rw")]
-SHOW = "--no-pager --no-ask-password show --property=LoadState --property=DevicePolicy --property=DeviceAllow -- "
+SHOW = ("--no-pager --no-ask-password show --property=LoadState --property=DevicePolicy --property=DeviceAllow "
+        "--property=ControlGroup -- ")
 
 
 def test_scope_that_restricts_devices_gets_runtime_device_allow_for_what_it_lacks(tmp_path):
     require_root_tools()  # device nodes for the /dev/char links
-    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT)
+    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT, control_groups=["/system.slice/docker-abc.scope"])
     fake.node("nvidia0", 195, 0)
     fake.node("nvidiactl", 195, 255)
     done = fake.systemd.register("/system.slice/docker-abc.scope", GPU_RULES)
@@ -521,7 +538,7 @@ def test_scope_that_restricts_devices_gets_runtime_device_allow_for_what_it_lack
 
 
 def test_registering_again_finds_everything_known_and_calls_only_show(tmp_path):
-    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT)
+    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT, control_groups=["/kubepods.slice/cri-containerd-1.scope"])
     fake.systemd.register("/kubepods.slice/cri-containerd-1.scope", GPU_RULES)
     again = fake.systemd.register("/kubepods.slice/cri-containerd-1.scope", GPU_RULES)
     assert again.entries == []
@@ -535,17 +552,23 @@ def test_registering_again_finds_everything_known_and_calls_only_show(tmp_path):
     ("/system.slice/docker-abc.scope", RUNC_SCOPE_UNIT, False, "systemd is not running"),
     ("/system.slice/docker-abc.scope", "LoadState=not-found\n", True, "LoadState=not-found"),
     ("/system.slice/docker-abc.scope", "LoadState=loaded\nDevicePolicy=auto\n", True, "does not restrict devices"),
+    # A cgroupfs path that merely ends in another unit's name is not that unit's cgroup.
+    ("/attacker/init.scope", RUNC_SCOPE_UNIT, True, "is not init.scope's (ControlGroup=/init.scope)"),
+    ("/attacker/docker-abc.scope", RUNC_SCOPE_UNIT, True,
+     "is not docker-abc.scope's (ControlGroup=/system.slice/docker-abc.scope)"),
+    ("/attacker/session-1.scope", RUNC_SCOPE_UNIT, True, "is not session-1.scope's (ControlGroup=none)"),
 ])
 def test_registration_is_skipped_where_systemd_would_not_drop_the_grant(tmp_path, cgroup_path, unit_text,
                                                                           running, why):
-    fake = FakeSystemd(tmp_path, unit_text, running)
+    fake = FakeSystemd(tmp_path, unit_text, running,
+                       control_groups=["/system.slice/docker-abc.scope", "/init.scope"])
     done = fake.systemd.register(cgroup_path, GPU_RULES)
     assert done.entries == [] and why in done.skipped
     assert not [call for call in fake.calls() if "set-property" in call]  # never switches an allow list on
 
 
 def test_systemd_refusal_is_one_clear_line(tmp_path):
-    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT)
+    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT, control_groups=["/system.slice/docker-abc.scope"])
     (fake.dir / "refuse").write_text("Failed to set unit properties on docker-abc.scope: Access denied\n")
     with pytest.raises(ApplyError) as caught:
         fake.systemd.register("/system.slice/docker-abc.scope", GPU_RULES)
@@ -554,7 +577,7 @@ def test_systemd_refusal_is_one_clear_line(tmp_path):
 
 
 def test_show_marks_allowed_devices_that_systemd_does_not_know(tmp_path):
-    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT)
+    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT, control_groups=["/docker-abc.scope"])
     cgroup = tmp_path / "docker-abc.scope"
     cgroup.mkdir()
     (cgroup / "devices.list").write_text("c 1:3 rwm\nc 136:* rwm\nc 195:0 rw\n")
@@ -567,8 +590,9 @@ def test_show_marks_allowed_devices_that_systemd_does_not_know(tmp_path):
     assert gpu_row.rstrip().endswith("NOT KNOWN")
     assert lines[-1] == ("systemd: docker-abc.scope does not know 1 allowed device rule(s); "
                          "a daemon-reload would take them away: c 195:0 rw")
-    fake.systemd.register("/system.slice/docker-abc.scope", [R("c 195:0 rw")])
-    assert fake.systemd.status("/system.slice/docker-abc.scope", report.allowed()).at_risk == []
+    assert report.cgroup_path == "/docker-abc.scope"
+    fake.systemd.register(report.cgroup_path, [R("c 195:0 rw")])
+    assert fake.systemd.status(report.cgroup_path, report.allowed()).at_risk == []
 
 
 @pytest.mark.parametrize("entry,rules", [
@@ -599,10 +623,20 @@ def test_rules_become_the_device_allow_entries_systemd_understands(rule, entries
 HOOK_SYSTEMCTL = r"""#!/bin/sh
 # Stand-in systemctl bind-mounted over the real one in a private namespace: logs its
 # arguments to LOG; `show` reports a scope that restricts devices, as runc's systemd driver
-# leaves it; set-property fails with REFUSE's text if that file exists.
+# leaves it, with the ControlGroup= systemd gives such a unit (the unit is the last argument:
+# init.scope and session scopes where systemd keeps them, docker scopes in system.slice,
+# any other scope at the top); set-property fails with REFUSE's text if that file exists.
 echo "$*" >> LOG
+for last; do :; done
+case "$last" in
+  init.scope) cgroup=/init.scope ;;
+  session-*.scope) cgroup=/user.slice/user-0.slice/$last ;;
+  docker-*.scope) cgroup=/system.slice/$last ;;
+  *) cgroup=/$last ;;
+esac
 for arg; do case "$arg" in
   show) printf 'LoadState=loaded\nDevicePolicy=strict\nDeviceAllow=/dev/char/1:3 rwm\nDeviceAllow=char-pts rwm\n'
+        printf 'ControlGroup=%s\n' "$cgroup"
         exit 0 ;;
   set-property) if [ -f REFUSE ]; then cat REFUSE >&2; exit 1; fi; exit 0 ;;
 esac; done
@@ -655,6 +689,26 @@ def test_hook_registers_the_granted_devices_with_the_containers_scope(systemd_ho
         SHOW + f"{name}.scope",
         f"--no-pager --no-ask-password set-property --runtime -- {name}.scope {entries}",
     ]
+
+
+@pytest.mark.parametrize("unit", ["init.scope", "session-1.scope", "docker-{pid}-victim.scope"])
+def test_hook_never_widens_a_unit_whose_name_a_cgroupfs_path_borrows(systemd_host, unit):
+    """runc's cgroupfs driver with a cgroupsPath ending in another unit's name: systemd says
+    that unit's cgroup is elsewhere, so gpuhook asks it nothing more (no set-property) and
+    the container still gets its GPU through the cgroup it is really in."""
+    name = unique(f"v2-borrowed-{unit.split('-')[0].split('.')[0]}")
+    unit = unit.format(pid=os.getpid())
+
+    def borrowed(spec):
+        spec["linux"]["cgroupsPath"] = f"/{name}/{unit}"
+
+    try:
+        result = systemd_host.run(name, env=["NVIDIA_VISIBLE_DEVICES=0"], edit=borrowed)
+    finally:  # runc removes the container's cgroup, not the parent it made for it
+        subprocess.run([*systemd_host.bed.wrapper, "rmdir", f"/sys/fs/cgroup/{name}"], capture_output=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.probes()["/dev/nvidia0"]["read"] == "ENXIO"
+    assert systemd_host.calls.read_text().splitlines() == [SHOW + unit]
 
 
 def test_hook_fails_the_start_in_one_line_when_systemd_refuses(systemd_host):

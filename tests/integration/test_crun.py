@@ -12,7 +12,8 @@ import os
 import pytest
 
 from conftest import LIBDIR, GpuContainers, require, require_root_tools
-from helpers.runtimes import gpu_nodes, gpuhook_cli, log_records, other_gpu_node, registered
+from helpers.runtimes import (STRICT_POLICY, gpu_nodes, gpuhook_cli, log_records, other_gpu_node, registered,
+                              start_with_runtime_node)
 
 from gpuhook.simulate import runner as testbed
 
@@ -69,6 +70,14 @@ def test_crun_runs_the_hook_as_create_runtime(crun_gpus):
     result = crun_gpus.run("crun-create-runtime", env=["NVIDIA_VISIBLE_DEVICES=1"], stage="createRuntime")
     assert result.returncode == 0, result.stderr
     assert gpu_nodes(result.probes()) == {"/dev/nvidia1"}
+
+
+@pytest.mark.parametrize("policy", [{}, STRICT_POLICY], ids=["default-policy", "strict-policy"])
+@pytest.mark.parametrize("access", [None, "r"], ids=["not-allowed", "read-only"])
+def test_a_gpu_node_crun_did_not_open_is_never_opened_by_the_hook(crun_gpus, policy, access):
+    """crun writes linux.resources.devices to devices.allow/deny in order; a GPU node it left
+    shut (or read-only) stays so with the hook."""
+    start_with_runtime_node(crun_gpus, f"crun-runtime-node-{access}-{len(policy)}", policy, access)
 
 
 def test_crun_container_without_request_is_untouched(crun_gpus):

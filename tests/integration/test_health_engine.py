@@ -470,9 +470,14 @@ def test_a_gpu_a_live_registered_container_holds_is_not_reset_even_without_proce
     err = fails(config, [gpu(sim, 3)])
     assert err.one_line().endswith(f"not reset: the GPU is in use by container {entry.id} (init pid {holder.init})")
     assert gpu_state(nvml_state, 3)["reset_count"] == 0
-    # The container being started is not its own obstacle (a hook that runs twice).
+    # A container that only shares its id (another runtime root) is still no owner of it.
     policy = engine.Policy(True, True, None, "needed")
-    report = engine.run([gpu(sim, 3)], config, "prestart", policy, time.monotonic() + 10, container_id=entry.id)
+    report = engine.run([gpu(sim, 3)], config, "prestart", policy, time.monotonic() + 10, container_id=entry.id,
+                        container_pid=os.getpid())
+    assert not report.ok and gpu_state(nvml_state, 3)["reset_count"] == 0
+    # The container being started (its id and init) is not its own obstacle (a hook that runs twice).
+    report = engine.run([gpu(sim, 3)], config, "prestart", policy, time.monotonic() + 10, container_id=entry.id,
+                        container_pid=holder.init)
     assert report.ok and gpu_state(nvml_state, 3)["reset_count"] == 1
 
 

@@ -5,10 +5,8 @@ the hook and the reset command always read this host's own nvml.json)."""
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -63,31 +61,39 @@ class HealthContainers(GpuContainers):
     def with_poststop(self, spec):
         spec["hooks"]["poststop"] = [testbed.hook_entry(self.config, "poststop")]
 
-    def start_detached(self, name, gpu_env, annotations=None) -> int:
-        """`runc run -d` a container that sleeps, with both hooks; returns its init's host pid."""
-        hooks = {"prestart": [testbed.hook_entry(self.config, "prestart")],
-                 "poststop": [testbed.hook_entry(self.config, "poststop")]}
+    def start_detached(self, name, gpu_env, annotations=None, container_id=None, root=None,
+                       stages=("prestart", "poststop"), edit=None) -> int:
+        """`runc run -d` a container that sleeps, with gpuhook at `stages`; returns its init's
+        host pid. `container_id` (default `name`, the bundle's name) and `root` (another runc
+        --root than the testbed's) let two containers share an id."""
+        hooks = {stage: [testbed.hook_entry(self.config, stage)] for stage in stages} or None
         bundle = self.bed.bundle(name, ["/bin/busybox", "sleep", "600"], env=[gpu_env], hooks=hooks,
-                                 annotations=annotations)
+                                 annotations=annotations, edit=edit)
+        container_id = container_id or name
         with open(f"{self.workdir}/{name}.runc.log", "w") as log:
-            done = subprocess.run([self.bed.runc, "--root", self.bed.state_root, "run", "-d", "--bundle", bundle, name],
+            done = subprocess.run([self.bed.runc, "--root", root or self.bed.state_root, "run", "-d", "--bundle",
+                                   bundle, container_id],
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=60, cwd="/")
         assert done.returncode == 0, open(f"{self.workdir}/{name}.runc.log").read()
-        return self.runc_state(name)["pid"]
+        return self.runc_state(container_id, root)["pid"]
 
-    def runc_state(self, name) -> dict:
-        done = subprocess.run([self.bed.runc, "--root", self.bed.state_root, "state", name],
+    def runc_state(self, name, root=None) -> dict:
+        done = subprocess.run([self.bed.runc, "--root", root or self.bed.state_root, "state", name],
                               capture_output=True, text=True, timeout=30)
         return json.loads(done.stdout)
 
-    def stop(self, name) -> subprocess.CompletedProcess:
-        subprocess.run([self.bed.runc, "--root", self.bed.state_root, "kill", name, "KILL"], capture_output=True,
-                       timeout=30)
+    def kill(self, name, root=None) -> None:
+        """Kill the container's init and wait until runc says it stopped."""
+        subprocess.run([self.bed.runc, "--root", root or self.bed.state_root, "kill", name, "KILL"],
+                       capture_output=True, timeout=30)
         end = time.monotonic() + 10
-        while time.monotonic() < end and self.runc_state(name).get("status") != "stopped":
+        while time.monotonic() < end and self.runc_state(name, root).get("status") != "stopped":
             time.sleep(0.05)
-        return subprocess.run([self.bed.runc, "--root", self.bed.state_root, "delete", name], capture_output=True,
-                              text=True, timeout=60)
+
+    def stop(self, name, root=None) -> subprocess.CompletedProcess:
+        self.kill(name, root)
+        return subprocess.run([self.bed.runc, "--root", root or self.bed.state_root, "delete", name],
+                              capture_output=True, text=True, timeout=60)
 
     def records(self, stage) -> list:
         return [line for line in self.log_lines() if line.get("stage") == stage]
@@ -351,12 +357,22 @@ def container_cgroups(cgroups: dict) -> list:
         return registry.cgroup_directories(cgroups, hierarchy.cgroup_mounts(f.read()))
 
 
-def join_cgroups(pid, cgroups: dict) -> None:
-    """Put `pid` into a container's cgroups, as a process that escaped the container's pid
-    namespace but not its cgroups would be."""
+def join_cgroups(pid, cgroups: dict, child: str = "") -> list:
+    """Put `pid` into a container's cgroups (or, with `child`, into a cgroup of that name made
+    below each of them); returns the directories it went into."""
+    found = []
     for directory in container_cgroups(cgroups):
+        if child:
+            parent, directory = directory, f"{directory}/{child}"
+            os.makedirs(directory, exist_ok=True)
+            for name in ("cpuset.cpus", "cpuset.mems"):  # a new v1 cpuset takes no process until set
+                if os.path.exists(f"{directory}/{name}"):
+                    with open(f"{parent}/{name}") as src, open(f"{directory}/{name}", "w") as dst:
+                        dst.write(src.read())
         with open(f"{directory}/cgroup.procs", "w") as f:
             f.write(str(pid))
+        found.append(directory)
+    return found
 
 
 def remove_cgroups(cgroups: dict) -> None:
@@ -367,32 +383,183 @@ def remove_cgroups(cgroups: dict) -> None:
             pass  # already gone, or runc removed it
 
 
+def children(pid: int) -> list:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def wait_for(condition, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+class PodNamespace:
+    """A pid namespace that outlives a container in it, as a Kubernetes pod's does with
+    shareProcessNamespace: its init is a `sleep` that unshare forked."""
+
+    def __init__(self):
+        self.holder = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "600"], stdin=subprocess.DEVNULL)
+        wait_for(lambda: children(self.holder.pid))
+        (self.init,) = children(self.holder.pid)
+        self.spawned = []
+
+    def join(self, spec) -> None:
+        """A spec edit: the container joins this pid namespace."""
+        spec["linux"]["namespaces"] = [ns for ns in spec["linux"]["namespaces"] if ns["type"] != "pid"]
+        spec["linux"]["namespaces"].append({"type": "pid", "path": f"/proc/{self.init}/ns/pid"})
+
+    def spawn(self, *argv) -> int:
+        """Start `argv` inside the namespace; returns its host pid."""
+        entered = subprocess.Popen(["nsenter", f"--target={self.init}", "--pid", "--", *argv], stdin=subprocess.DEVNULL)
+        self.spawned.append(entered)
+        wait_for(lambda: children(entered.pid))
+        return children(entered.pid)[0]
+
+    def close(self) -> None:
+        for process in self.spawned + [self.holder]:
+            process.kill()
+            process.wait()
+
+
+def hook_state(hgpus, name: str, pid: int) -> bytes:
+    """The OCI state runc hands poststop hooks, for running the hook as a runtime would."""
+    bundle = f"{hgpus.bed.workdir}/bundles/{name}"
+    return json.dumps({"ociVersion": "1.0.2", "id": name, "status": "stopped", "pid": pid, "bundle": bundle,
+                       "annotations": K8S}).encode()
+
+
 @pytest.mark.parametrize("reset_on_release", [False, True])
-def test_poststop_kills_what_the_container_left_on_its_gpus(hgpus, nvml_state, reset_on_release):
+def test_poststop_kills_what_the_container_left_in_its_cgroup_and_pid_namespace(hgpus, nvml_state, reset_on_release):
+    """A container in a pod's pid namespace leaves a process behind in its cgroup; the kernel
+    does not end it with the container's init (the namespace lives on). A runtime that runs
+    poststop without killing the cgroup first (the OCI runtime spec does not ask it to) has
+    gpuhook kill it, and reset the GPU with reset-on-release."""
+    require_root_tools("unshare", "nsenter")
     hgpus.configure(health={"reset-on-release": reset_on_release})
-    init = hgpus.start_detached("leaver", "NVIDIA_VISIBLE_DEVICES=1", annotations=K8S)
-    entry = registry.load(hgpus.state_dir, "leaver")
-    assert entry is not None and entry.pid == init and entry.gpus == (hgpus.uuid(1),)
-    left = subprocess.Popen(["sleep", "600"])
+    pod = PodNamespace()
     try:
-        join_cgroups(left.pid, entry.cgroups)
-        simnvml.add_process(nvml_state, 1, pid=left.pid, used_memory=1 << 30)
-        reaper = threading.Thread(target=left.wait, daemon=True)  # reaps it, as a shim would
-        reaper.start()
-        hgpus.stop("leaver")
-        reaper.join(timeout=10)
-        assert left.returncode == -signal.SIGKILL
+        init = hgpus.start_detached("leaver", "NVIDIA_VISIBLE_DEVICES=1", annotations=K8S, edit=pod.join)
+        entry = registry.load(hgpus.state_dir, "leaver")
+        assert entry is not None and entry.pid == init and entry.gpus == (hgpus.uuid(1),)
+        assert entry.pid_ns == registry.pid_namespace(pod.init) and entry.ns_init[0] == pod.init
+        left = pod.spawn("sleep", "600")
+        join_cgroups(left, entry.cgroups)
+        simnvml.add_process(nvml_state, 1, pid=left, used_memory=1 << 30)
+        hgpus.kill("leaver")
+        done = run_hook_process(["poststop", "--config", hgpus.config], hook_state(hgpus, "leaver", init))
+        assert (done.returncode, done.stderr) == (0, b"")
+        assert registry.read_stat(left) is None
         (record,) = hgpus.records("poststop")
         assert (record["container"], record["decision"], record["pod"]) == ("leaver", "cleaned up", "trainer-0")
         (gpu,) = record["health"]["gpus"]
-        expected = [("kill", left.pid, True)] + ([("reset", hgpus.uuid(1), True)] if reset_on_release else [])
+        expected = [("kill", left, True)] + ([("reset", hgpus.uuid(1), True)] if reset_on_release else [])
         assert [(a["action"], a["target"], a["ok"]) for a in gpu["actions"]] == expected
         assert gpu_record(nvml_state, 1)["reset_count"] == (1 if reset_on_release else 0)
         assert registry.load(hgpus.state_dir, "leaver") is None
     finally:
-        left.kill()
-        left.wait()
+        hgpus.stop("leaver")
+        pod.close()
+
+
+def cgroups_path(name: str):
+    """A spec edit: runc's cgroupfs driver puts the container at /gpuhook-test-<name>-<pid>."""
+    def edit(spec):
+        spec["linux"]["cgroupsPath"] = f"/gpuhook-test-{name}-{os.getpid()}"
+    return edit
+
+
+def test_poststop_never_kills_a_container_that_joined_its_cgroup(hgpus, nvml_state):
+    """B, started without gpuhook, joins GPU container A's cgroupsPath after A registered and
+    uses GPU 0. B's processes are in A's cgroup, not in A's pid namespace: A's poststop
+    leaves them alone, and the GPU they use is not reset."""
+    hgpus.configure(health={"reset-on-release": True})
+    a = hgpus.start_detached("joined-a", "NVIDIA_VISIBLE_DEVICES=0", edit=cgroups_path("joined"))
+    entry = registry.load(hgpus.state_dir, "joined-a")
+    b = hgpus.start_detached("joined-b", "NVIDIA_VISIBLE_DEVICES=void", stages=(), edit=cgroups_path("joined"))
+    try:
+        assert container_cgroups(registry.read_cgroups(b)) == container_cgroups(entry.cgroups)
+        simnvml.add_process(nvml_state, 0, pid=b, used_memory=1 << 30)
+        hgpus.stop("joined-a")
+        assert hgpus.runc_state("joined-b")["status"] == "running"
+        (record,) = hgpus.records("poststop")
+        (gpu,) = record["health"]["gpus"]
+        assert gpu["actions"] == [] and gpu_record(nvml_state, 0)["reset_count"] == 0
+        assert gpu["users"] == [f"a container gpuhook did not start (pid {b})"]
+        assert a != b
+    finally:
+        hgpus.bed.delete("joined-b")
         remove_cgroups(entry.cgroups)
+
+
+def test_poststop_never_kills_a_host_daemon_in_a_child_cgroup(hgpus, nvml_state):
+    """A host daemon placed below GPU container A's cgroup after A registered is no process of
+    A's: A's poststop does not kill it."""
+    hgpus.start_detached("parent-a", "NVIDIA_VISIBLE_DEVICES=0")
+    entry = registry.load(hgpus.state_dir, "parent-a")
+    daemon = subprocess.Popen(["sleep", "600"])
+    made = []
+    try:
+        made = join_cgroups(daemon.pid, entry.cgroups, child="host-daemon")
+        simnvml.add_process(nvml_state, 0, pid=daemon.pid, used_memory=1 << 30)
+        hgpus.stop("parent-a")
+        assert daemon.poll() is None
+        (record,) = hgpus.records("poststop")
+        (gpu,) = record["health"]["gpus"]
+        assert gpu["actions"] == [] and gpu["users"] == [f"host process (pid {daemon.pid})"]
+    finally:
+        daemon.kill()
+        daemon.wait()
+        for directory in made:
+            wait_for(lambda d=directory: not open(f"{d}/cgroup.procs").read().strip())
+            os.rmdir(directory)
+        remove_cgroups(entry.cgroups)
+
+
+def test_a_stale_entry_never_makes_a_container_that_reuses_its_cgroup_path_a_leftover(hgpus, nvml_state):
+    """A registered without a poststop hook leaves a stale entry. B, started without gpuhook,
+    later gets A's cgroupsPath (the cgroup made again) and uses GPU 0; the next GPU start
+    on GPU 0 must not kill B as A's leftover."""
+    hgpus.start_detached("stale-a", "NVIDIA_VISIBLE_DEVICES=0", stages=("prestart",), edit=cgroups_path("stale"))
+    entry = registry.load(hgpus.state_dir, "stale-a")
+    hgpus.stop("stale-a")  # no poststop: the entry stays
+    assert registry.load(hgpus.state_dir, "stale-a") == entry
+    b = hgpus.start_detached("stale-b", "NVIDIA_VISIBLE_DEVICES=void", stages=(), edit=cgroups_path("stale"))
+    try:
+        assert registry.read_cgroups(b)["pids"] == entry.cgroups["pids"]  # the same path, a new cgroup
+        simnvml.add_process(nvml_state, 0, pid=b, used_memory=1 << 30)
+        result = hgpus.run("stale-next", env=["NVIDIA_VISIBLE_DEVICES=0"])
+        assert result.returncode == 0, result.stderr
+        assert hgpus.runc_state("stale-b")["status"] == "running"
+        (gpu,) = hgpus.records("prestart")[-1]["health"]["gpus"]
+        assert gpu["actions"] == [] and gpu["users"] == [f"a container gpuhook did not start (pid {b})"]
+    finally:
+        hgpus.bed.delete("stale-b")
+
+
+def test_poststop_of_a_same_id_container_under_another_root_never_resets_the_live_ones_gpu(hgpus, nvml_state,
+                                                                                           tmp_path):
+    """Two runc roots, one container id "dup" in each, both on GPU 0. The one under the
+    second root stops: with reset-on-release its poststop must not reset GPU 0 while the
+    other "dup" is alive (registry entries are told apart by init pid and start time)."""
+    hgpus.configure(health={"reset-on-release": True})
+    other_root = str(tmp_path / "other-runc-root")
+    victim = hgpus.start_detached("dup-victim", "NVIDIA_VISIBLE_DEVICES=0", container_id="dup")
+    try:
+        attacker = hgpus.start_detached("dup-attacker", "NVIDIA_VISIBLE_DEVICES=0", container_id="dup",
+                                        root=other_root)
+        assert {e.pid for e in registry.load_id(hgpus.state_dir, "dup")} == {victim, attacker}
+        hgpus.stop("dup", root=other_root)
+        (record,) = hgpus.records("poststop")
+        (gpu,) = record["health"]["gpus"]
+        assert gpu["actions"] == [] and gpu_record(nvml_state, 0)["reset_count"] == 0
+        assert gpu["users"] == [f"container dup (init pid {victim})"]
+        assert hgpus.runc_state("dup")["status"] == "running"
+    finally:
+        subprocess.run([hgpus.bed.runc, "--root", other_root, "delete", "--force", "dup"], capture_output=True,
+                       timeout=30)
+        hgpus.stop("dup")
 
 
 def test_poststop_never_fails_a_stop(hgpus, nvml_state):

@@ -12,8 +12,8 @@ import os
 import pytest
 
 from conftest import LIBDIR, require_root_tools
-from helpers.runtimes import (PodmanGpus, gpu_nodes, gpuhook_cli, log_records, other_gpu_node, read_json,
-                              registered, wait_for_record)
+from helpers.runtimes import (STRICT_POLICY, PodmanGpus, assert_runtime_grant_kept, gpu_nodes, gpuhook_cli,
+                              log_records, other_gpu_node, read_json, registered, wait_for_record)
 
 pytestmark = pytest.mark.root
 
@@ -80,6 +80,25 @@ def test_podman_runs_the_poststop_hook_when_it_removes_a_gpu_container(podman_gp
     assert not registered(podman_gpus, start["container"])
     assert podman_gpus.podman.wait_until_idle()
     assert len(log_records(podman_gpus, "poststop")) == 1
+
+
+@pytest.mark.parametrize("policy", [{}, STRICT_POLICY], ids=["default-policy", "strict-policy"])
+def test_a_gpu_podman_gave_read_only_stays_read_only(podman_gpus, policy):
+    """podman --device HOST:/dev/nvidia2:r puts the node in linux.devices with an "r" rule:
+    the hook takes it as the grant (the image's NVIDIA_VISIBLE_DEVICES=0 adds nothing) and
+    keeps it read-only."""
+    podman_gpus.configure(**policy)
+    host_node = f"{podman_gpus.sim['directory']}/dev/nvidia2"
+    result = podman_gpus.run(f"read-only-{len(policy)}", env=["NVIDIA_VISIBLE_DEVICES=0"],
+                             devices=[f"{host_node}:/dev/nvidia2:r"])
+    assert result.returncode == 0, result.stderr
+    probes = result.probes()
+    assert_runtime_grant_kept(probes, "/dev/nvidia2", "r")
+    assert gpu_nodes(probes) == {"/dev/nvidia2"}
+    (line,) = log_records(podman_gpus, "prestart")
+    sim = podman_gpus.sim
+    narrowed = f"narrowed to the runtime's own device rules: c {sim['majors']['nvidia']}:{sim['gpus'][2]['minor']} r"
+    assert line["gpus"] == [podman_gpus.uuid(2)] and any(narrowed in note for note in line["notes"])
 
 
 def test_podman_container_without_request_is_untouched(podman_gpus):

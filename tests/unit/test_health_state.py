@@ -210,12 +210,10 @@ def test_waiting_for_a_lock_stops_when_told(state_dir):
 
 # --- the registry ---------------------------------------------------------------------------
 
-def test_a_process_is_held_by_a_container_when_every_shared_cgroup_is_at_or_below_its_own():
-    entry = registry.Container("abc", 1, 1, {"pids": "/ctr/abc", "": "/ctr/abc"}, (UUID,), {}, "b", 0.0)
-    assert entry.holds({"pids": "/ctr/abc", "": "/ctr/abc/sub", "memory": "/"})
-    assert not entry.holds({"pids": "/ctr/abc", "": "/elsewhere"})  # one disagreeing controller is enough
-    assert not entry.holds({"pids": "/ctr/abcdef"})  # a sibling with a longer name is not inside
-    assert not entry.holds({"memory": "/ctr/abc"})  # nothing in common: not inside
+def test_an_entry_written_without_kernel_identities_owns_nothing():
+    """Entries of an older gpuhook name cgroups by path only: no process is theirs."""
+    entry = registry.Container("abc", 1, 1, {"": "/ctr/abc"}, (UUID,), {}, "b", 0.0)
+    assert entry.cgroup_ids is None and not registry.belongs(entry, os.getpid())
 
 
 def test_only_cgroups_of_the_container_itself_are_recorded():
@@ -230,6 +228,8 @@ def test_registry_entries_round_trip_and_identify_the_init_by_start_time(state_d
         entry = registry.from_process("ctr-1", sleeper.pid, [UUID], {"pod": "p"})
         registry.record(state_dir, entry)
         assert registry.load(state_dir, "ctr-1") == entry
+        # It shares this test's pid namespace: the one gpuhook runs in, which nothing else can be.
+        assert entry.pid_ns == registry.pid_namespace(os.getpid()) and entry.ns_init == (0, 0)
         assert registry.is_alive(entry)
         assert not registry.is_alive(entry._replace(start_time=entry.start_time + 1))  # a reused pid
     finally:
@@ -262,17 +262,19 @@ def test_odd_container_ids_get_a_hashed_file_name(state_dir, container_id):
 
 def test_reading_the_registry_drops_entries_nothing_can_depend_on(state_dir):
     live = registry.Container("live", os.getpid(), registry.read_stat(os.getpid()).start_time, {"": "/x"},
-                              (UUID,), {}, store.boot_id(), 0.0)
+                              (UUID,), {}, store.boot_id(), 0.0, {"": 1}, registry.pid_namespace(os.getpid()),
+                              (0, 0))
     kept_dead = live._replace(id="dead-with-cgroup", pid=999999999, cgroups={})  # nowhere to look: kept
+    ended_ns = live._replace(id="ended-namespace", pid=999999999, cgroups={}, ns_init=(999999999, 1))
     old_boot = live._replace(id="old-boot", boot_id="another")
     gone_cgroup = live._replace(id="gone", pid=999999999, cgroups={"": "/gpuhook-test-no-such-cgroup"})
-    for entry in (live, kept_dead, old_boot, gone_cgroup):
+    for entry in (live, kept_dead, old_boot, gone_cgroup, ended_ns):
         registry.record(state_dir, entry)
     mounts = [("cgroup2", "/", "/sys/fs/cgroup/unified", {"rw"})]
     assert registry.cgroups_exist(gone_cgroup, mounts) is False
     assert registry.cgroups_exist(gone_cgroup, []) is True  # cannot be located: assume it exists
     found = {e.id for e in registry.load_all(state_dir)}
-    assert {"live", "dead-with-cgroup"} <= found and "old-boot" not in found
+    assert {"live", "dead-with-cgroup"} <= found and not found & {"old-boot", "ended-namespace"}
     assert not os.path.exists(registry.entry_path(state_dir, old_boot))
 
 
@@ -368,6 +370,11 @@ def test_kill_hits_only_the_process_that_was_checked():
         spared = actions.kill(victim.pid, start_time + 1, time.monotonic() + 2)  # "pid reused since"
         assert spared.ok and spared.detail == "pid now belongs to another process: not killed"
         assert victim.poll() is None
+        asked = []
+        moved = actions.kill(victim.pid, start_time, time.monotonic() + 2,
+                             belongs=lambda pid: asked.append(pid))  # "left the container's cgroup since"
+        assert (moved.ok, moved.detail) == (False, "no longer in the container's cgroups and pid namespace: not killed")
+        assert asked == [victim.pid] and victim.poll() is None
         threading.Thread(target=victim.wait, daemon=True).start()  # the parent reaps, as a shim would
         done = actions.kill(victim.pid, start_time, time.monotonic() + 5)
         assert done.ok and done.detail == "killed" and victim.wait(timeout=5) == -9

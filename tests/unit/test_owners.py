@@ -17,13 +17,28 @@ PROC = os.path.join(os.path.dirname(HERE), "data", "host-proc-owners")
 GIB = 1 << 30
 
 
-def container(init_pid: int, start_time: int) -> registry.Container:
-    return registry.Container("ctr-a", init_pid, start_time, {"": "/kubepods/pod-a/ctr-a"}, ("GPU-a",), {},
-                              "boot", 0.0)
+HOST_PID_NS = 4026531836
+CGROUP = "/kubepods/pod-a/ctr-a"
 
 
-def attribute(proc, *pids, containers=(), killed=()):
-    attributor = owners.Attributor(containers, proc)
+@pytest.fixture
+def cgroupfs(tmp_path):
+    """A directory standing in for the cgroup2 mount: its directories' inodes are the cgroups'."""
+    root = tmp_path / "cgroup2"
+    (root / CGROUP.strip("/") / "sub").mkdir(parents=True)
+    return [("cgroup2", "/", str(root), {"rw"})]
+
+
+def container(init_pid: int, start_time: int, mounts, **identity) -> registry.Container:
+    """ctr-a as the hook registered it: cgroup /kubepods/pod-a/ctr-a (its inode now), the
+    host's pid namespace, where gpuhook (pid 100) runs too."""
+    ids = {"": registry.cgroup_inode("", CGROUP, mounts)}
+    fields = dict(cgroup_ids=ids, pid_ns=HOST_PID_NS, ns_init=(0, 0), **identity)
+    return registry.Container("ctr-a", init_pid, start_time, {"": CGROUP}, ("GPU-a",), {}, "boot", 0.0, **fields)
+
+
+def attribute(proc, *pids, containers=(), killed=(), mounts=()):
+    attributor = owners.Attributor(containers, proc, mounts=list(mounts))
     for pair in killed:
         attributor.killed(*pair)
     return attributor.attribute([Process(pid, GIB, "compute", None, None) for pid in pids])
@@ -60,13 +75,41 @@ def test_a_kill_noted_for_another_start_time_does_not_count():
     assert zombie.owner is Owner.ZOMBIE
 
 
-def test_an_orphan_and_a_live_containers_process():
-    gone_init = container(250, 7000)  # no /proc/250: the container is gone
-    (orphan,) = attribute(PROC, 200, containers=[gone_init])
+def test_an_orphan_and_a_live_containers_process(cgroupfs):
+    gone_init = container(250, 7000, cgroupfs)  # no /proc/250: the container is gone
+    (orphan,) = attribute(PROC, 200, containers=[gone_init], mounts=cgroupfs)
     assert (orphan.owner, orphan.container) == (Owner.ORPHAN, gone_init)
-    live_init = container(200, 8000)  # pid 200 itself is the init
-    (process,) = attribute(PROC, 200, containers=[live_init])
+    live_init = container(200, 8000, cgroupfs)  # pid 200 itself is the init
+    (process,) = attribute(PROC, 200, containers=[live_init], mounts=cgroupfs)
     assert process.owner is Owner.CONTAINER
+
+
+@pytest.mark.parametrize("pid,why", [
+    (500, "joined the cgroup from a pid namespace of its own"),
+    (600, "in a child cgroup of the container's"),
+])
+def test_a_process_the_container_did_not_start_is_never_its_orphan(cgroupfs, pid, why):
+    gone = container(250, 7000, cgroupfs)
+    (process,) = attribute(PROC, pid, containers=[gone], mounts=cgroupfs)
+    assert (process.owner, process.container, process.live) == (Owner.OTHER_CONTAINER, None, True), why
+
+
+@pytest.mark.parametrize("identity,why", [
+    (dict(cgroup_ids={"": 1}), "the cgroup at that path is another one (made again since)"),
+    (dict(ns_init=(250, 7000)), "the container's pid namespace ended with its init"),
+    (dict(pid_ns=4026532777), "another pid namespace"),
+    (dict(cgroup_ids=None), "an entry without kernel identities"),
+])
+def test_only_the_kernel_identities_the_hook_recorded_make_a_process_the_containers(cgroupfs, identity, why):
+    gone = container(250, 7000, cgroupfs)._replace(**identity)
+    (process,) = attribute(PROC, 200, containers=[gone], mounts=cgroupfs)
+    assert process.owner is Owner.OTHER_CONTAINER, why
+
+
+def test_a_process_older_than_the_containers_init_is_not_its(cgroupfs):
+    gone = container(250, 8001, cgroupfs)  # pid 200 started at 8000, before this init
+    (process,) = attribute(PROC, 200, containers=[gone], mounts=cgroupfs)
+    assert process.owner is Owner.OTHER_CONTAINER
 
 
 def test_a_host_process_seen_from_a_pods_mount_namespace_is_never_killed():

@@ -46,9 +46,9 @@ def host(container=GLIBC_IMAGE, node_info=lambda p: None, inventory=INV) -> Host
     return Host(inventory, None, None, container, nodes, (), None, ldconfig)
 
 
-def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None, namespaces=(), **config):
+def plan_for(env, container=GLIBC_IMAGE, node_info=lambda p: None, namespaces=(), linux=None, **config):
     doc = {"root": {"path": "rootfs"}, "process": {"env": env},
-           "linux": {"namespaces": [{"type": t} for t in namespaces]}}
+           "linux": {"namespaces": [{"type": t} for t in namespaces], **(linux or {})}}
     spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
     config = cfg.from_mapping(config)
     r = req.resolve(spec, {}, config)
@@ -175,3 +175,25 @@ def test_the_health_step_is_part_of_the_plan_and_of_the_dry_run():
         in render_text(plan)
     assert plan_for(["NVIDIA_VISIBLE_DEVICES=all"], health={"mode": "off"}).health is None
     assert plan_for(["NVIDIA_VISIBLE_DEVICES=none"]).health is None  # no GPU, nothing to check
+
+
+@pytest.mark.parametrize("allowed,rule", [("rwm", "c 195:3 rw"), ("r", "c 195:3 r"), ("w", "c 195:3 w")])
+def test_a_grant_from_linux_devices_keeps_exactly_the_letters_the_runtime_allowed(allowed, rule):
+    """podman --device /dev/nvidia3:/dev/nvidia3:r: the hook must not make it writable."""
+    linux = {"devices": [{"path": "/dev/nvidia3", "type": "c", "major": 195, "minor": 3}],
+             "resources": {"devices": [{"allow": False, "access": "rwm"},
+                                       {"allow": True, "type": "c", "major": 195, "minor": 3, "access": allowed}]}}
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=all"], linux=linux)
+    assert plan.channel == req.RUNTIME_DEVICES and [g.index for g in plan.gpus] == [1]
+    # The driver's control nodes are the hook's to add; the GPU's letters are the runtime's.
+    assert [r.v1_line() for r in plan.rules] == ["c 195:255 rw", "c 510:0 rw", "c 510:1 rw", rule]
+
+
+def test_a_foreign_node_with_an_nvidia_name_leaves_the_environments_gpu_its_rule():
+    """/dev/nvidia1 as c 1:3 is no NVIDIA node: the environment picks GPU 0, which is then no
+    grant of the runtime's, and keeps its rule."""
+    linux = {"devices": [{"path": "/dev/nvidia1", "type": "c", "major": 1, "minor": 3}],
+             "resources": {"devices": [{"allow": False, "access": "rwm"},
+                                       {"allow": True, "type": "c", "major": 1, "minor": 3, "access": "rwm"}]}}
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0"], linux=linux)
+    assert [g.index for g in plan.gpus] == [0] and "c 195:0 rw" in [r.v1_line() for r in plan.rules]
