@@ -209,7 +209,7 @@ def test_library_path_follows_the_config(sim, tmp_path):
     empty = tmp_path / "root"
     (empty / "etc").mkdir(parents=True)
     shutil.copy("/etc/ld.so.cache", empty / "etc" / "ld.so.cache")
-    with pytest.raises(HostError, match="no libnvidia-ml.so.1 in the ld cache"):
+    with pytest.raises(HostError, match="no libnvidia-ml.so.1 among the driver.s libraries"):
         nvml.library_path(cfg.from_mapping({"driver-root": str(empty)}))
 
 
