@@ -42,7 +42,7 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
     for line in install.apply(plan):
         click.echo(line)
     for note in plan.notes:
-        click.echo(f"note: {note}")
+        click.echo(note if note.startswith("warning: ") else f"note: {note}")
 
 
 @click.command(name="install", help=(
@@ -62,7 +62,8 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
 @OUTPUT
 @CONTAINERD_CONFIG
 @click.option("--base-spec", metavar="FILE",
-              help="containerd: start from this spec instead of `ctr oci spec` (or the existing --output).")
+              help="containerd: start from this spec, kept as it is, instead of the running containerd's "
+                   "default (`ctr oci spec` of the ctr beside it, less what CRI drops without a base spec).")
 @click.option("--python", metavar="PATH",
               help="Interpreter the runtime starts (absolute, not a shim) [default: the running one].")
 @click.option("--config", "config_path", metavar="FILE",

@@ -13,8 +13,9 @@ the operator's view):
   because oci-hooks passes the same args to every stage a file lists, and our args name the
   stage. The admin dir /etc/containers/oci/hooks.d overrides the packaged
   /usr/share/containers/oci/hooks.d file of the same name, so the two never both run.
-- ``containerd``: a base runtime spec (containerd's default spec from ``ctr oci spec`` plus
-  our hooks) and an edit of containerd's config.toml that points CRI's runc runtime at it. The
+- ``containerd``: a base runtime spec (the running containerd's default spec, from the ``ctr``
+  beside it, without the defaults CRI drops when there is no base spec, plus our hooks) and an
+  edit of containerd's config.toml that points CRI's runc runtime at it. The
   edit goes into config.toml itself, not a conf.d drop-in: containerd 1.6 replaces a whole
   plugin section with the imported one, so a drop-in would silently reset Debian's own CRI
   settings (cni bin_dir) to the built-in defaults (checked with ``containerd config dump``).
@@ -88,6 +89,7 @@ from gpuhook.install.common import (  # noqa: F401
 )
 from gpuhook.install.containerd import (  # noqa: F401
     ADDED_MARK,
+    CRI_DROPS,
     CRI_PLUGIN,
     CRI_RUNTIME_PLUGIN_V3,
     RUNC_RUNTIME_TYPE,
@@ -101,12 +103,14 @@ from gpuhook.install.containerd import (  # noqa: F401
     _runc_table,
     _set_in,
     _table_header,
-    default_spec_from_ctr,
+    cdi_specs_running_gpuhook,
+    config_version,
     plan_containerd,
     plan_containerd_removal,
     runc_table_name,
     set_base_runtime_spec,
     unset_base_runtime_spec,
+    without_cri_drops,
 )
 from gpuhook.install.docker import (  # noqa: F401
     DEFAULT_BIN_DIR,

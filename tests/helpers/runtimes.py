@@ -5,6 +5,7 @@ Imported by the runtime tests as `helpers.runtimes` (tests/ is on sys.path throu
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -188,10 +189,13 @@ class Containerd:
     otherwise share with a system daemon (sockets, /opt/containerd) is private.
     """
 
-    def __init__(self, workdir: str, containerd: str = "containerd", ctr: str = "ctr"):
+    def __init__(self, workdir: str, containerd: str = "containerd", ctr: str = "ctr", nofile: int | None = None):
+        """`nofile`: the daemon's RLIMIT_NOFILE (soft and hard), which its containers inherit
+        unless their spec sets one."""
         self.workdir = os.path.abspath(workdir)
         self.containerd = shutil.which(containerd) or containerd
         self.ctr_path = shutil.which(ctr) or ctr
+        self.nofile = nofile
         self.config_path = f"{self.workdir}/config.toml"
         self.address = f"{self.workdir}/containerd.sock"
         self.log_path = f"{self.workdir}/containerd.log"
@@ -234,8 +238,11 @@ class Containerd:
         """Start the daemon and wait until it answers on its socket."""
         log = open(self.log_path, "ab")
         try:
+            limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))) \
+                if self.nofile else None
             self._process = subprocess.Popen([self.containerd, "--config", self.config_path], env=RUN_ENV,
-                                             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd="/")
+                                             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd="/",
+                                             preexec_fn=limit)
         except FileNotFoundError:
             raise TestbedError(f"{self.containerd} is not installed (apt-get install containerd)") from None
         finally:
@@ -249,6 +256,10 @@ class Containerd:
             time.sleep(0.1)
         self.stop()
         raise TestbedError(f"containerd did not answer within {timeout}s: {self._log_tail()}")
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     def stop(self) -> None:
         """Stop the daemon (SIGTERM, then SIGKILL) and reap it; a no-op when not running."""
