@@ -669,6 +669,25 @@ def test_containerd_configs_gpuhook_cannot_edit_are_errors_that_name_the_table_o
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.root
+def test_install_containerd_warns_when_a_cdi_spec_also_runs_gpuhook(tmp_path, sim_host):
+    """A container given a device of gpuhook's CDI spec would run gpuhook from that spec
+    (createRuntime) and from the base spec (prestart)."""
+    cdi_dir = tmp_path / "cdi"
+    gpuhook_cli("cdi", "generate", "--config", sim_host["config"], "--output", str(cdi_dir / "gpuhook.json"))
+    paths = containerd_paths(tmp_path)
+    write(paths["containerd_config"], DEBIAN_CONFIG.replace(
+        '  [plugins."io.containerd.grpc.v1.cri"]\n',
+        f'  [plugins."io.containerd.grpc.v1.cri"]\n    enable_cdi = true\n    cdi_spec_dirs = ["{cdi_dir}"]\n'))
+    args = ["install", "containerd", "--output", paths["spec_path"], "--containerd-config", paths["containerd_config"],
+            "--base-spec", paths["base_spec"]]
+    done = gpuhook_cli(*args)
+    assert (f"warning: the CDI spec {cdi_dir}/gpuhook.json also runs gpuhook: a container given its devices runs it "
+            "twice") in done.stdout
+    os.unlink(cdi_dir / "gpuhook.json")
+    assert "warning" not in gpuhook_cli(*args).stdout
+
+
 # --- dry runs are the exact change ---------------------------------------------------------
 
 
