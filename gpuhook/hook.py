@@ -102,6 +102,11 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
             return 0
         state, spec = read_container(state_bytes, spec_bytes, base_dir)
         record.update(container=state.id, **journal.k8s_names({**spec.annotations, **state.annotations}))
+        docker_root = os.environ.get("GPUHOOK_DOCKER_DATA_ROOT")  # set by the Docker launcher only
+        if docker_root:
+            from gpuhook import dockerd
+
+            spec = dockerd.daemon_request(spec, state.id, docker_root)
         from gpuhook import served
 
         # The same start can run gpuhook twice (a base spec's prestart and a CDI spec's
@@ -113,6 +118,11 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         plan, outcome = prestart(state, spec, config, deadline, record)
         if outcome is not None:
             served.record(config.state_dir, state.id, state.pid, stage)
+            if docker_root:  # dockerd registers no poststop: leave a waiter that runs it
+                start = served.start_of(state.pid)
+                if start is not None:
+                    dockerd.watch_for_stop(state_bytes, state.pid, start, config_path)
+                    record["poststop"] = "a waiter runs it when the container's init exits (Docker)"
         record.update(decision="untouched" if plan.empty else "gpus injected", wants=plan.wants,
                       channel=plan.channel, gpus=[g.uuid for g in plan.gpus],
                       capabilities=sorted(plan.capabilities), notes=list(plan.notes))

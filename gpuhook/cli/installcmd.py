@@ -70,13 +70,17 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
               help=f"Configuration file the hook reads, passed as --config [default: ${cfg.ENV_VAR}, "
                    f"else the hook reads {cfg.DEFAULT_PATH}].")
 @BIN_DIR
+@click.option("--data-root", metavar="DIR", help=(
+    f"docker: dockerd's data-root, where the hook reads each container's --gpus request "
+    f"[default: data-root in {install.DAEMON_JSON}, else {install.DEFAULT_DATA_ROOT}]."))
 @HOST_ROOT
 @DRY_RUN
 def install_command(target, bundle, hooks_dir, annotated, spec_path, containerd_config, base_spec, python,
-                    config_path, bin_dir, host_root, dry_run):
+                    config_path, bin_dir, data_root, host_root, dry_run):
     plan = install.plan_install(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
                                 containerd_config=containerd_config, base_spec=base_spec, python=python,
-                                config_path=config_path, annotated=annotated, bin_dir=bin_dir, host_root=host_root)
+                                config_path=config_path, annotated=annotated, bin_dir=bin_dir, host_root=host_root,
+                                data_root=data_root)
     _render(plan, dry_run)
 
 

@@ -113,7 +113,9 @@ from gpuhook.install.containerd import (  # noqa: F401
     without_cri_drops,
 )
 from gpuhook.install.docker import (  # noqa: F401
+    DAEMON_JSON,
     DEFAULT_BIN_DIR,
+    DEFAULT_DATA_ROOT,
     DOCKER_HOOK_NAME,
     launcher_text,
     plan_docker,
@@ -139,6 +141,7 @@ _OPTION_TARGETS = {
     "base_spec": ("--base-spec", ("containerd",)),
     "bundle": ("BUNDLE", ("runc-bundle",)),
     "bin_dir": ("--bin-dir", ("docker",)),
+    "data_root": ("--data-root", ("docker",)),
     "host_root": ("--host-root", ("podman", "crio", "containerd")),
 }
 
@@ -179,12 +182,13 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
                  spec_path: str | None = None, containerd_config: str | None = None,
                  base_spec: str | None = None, python: str | None = None, config_path: str | None = None,
                  annotated: bool = False, environ: dict | None = None, bin_dir: str | None = None,
-                 host_root: str | None = None) -> InstallPlan:
+                 host_root: str | None = None, data_root: str | None = None) -> InstallPlan:
     """What `gpuhook install TARGET` would change, for the gpuhook running this code (or,
     with `host_root`, for a copy of it on the node whose / is mounted there)."""
     _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
                             "containerd_config": containerd_config, "base_spec": base_spec,
-                            "annotated": annotated, "bin_dir": bin_dir, "host_root": host_root})
+                            "annotated": annotated, "bin_dir": bin_dir, "host_root": host_root,
+                            "data_root": data_root})
     if target == "runc-bundle":
         _bundle_config(bundle)  # a usage error comes before any other check
     if host_root:
@@ -197,7 +201,7 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
         return plan_containerd(hook, spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG,
                                base_spec)
     if target == "docker":
-        return plan_docker(hook, bin_dir or DEFAULT_BIN_DIR)
+        return plan_docker(hook, bin_dir or DEFAULT_BIN_DIR, data_root)
     return plan_bundle(bundle, hook)
 
 
