@@ -31,7 +31,7 @@ RUN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 _LISTENING = 0x10000
 
 
-class Daemon:
+class RunningContainerd:
     """A running containerd: its pid and its binary (the node's path)."""
 
     def __init__(self, pid: int, binary: str):
@@ -91,7 +91,7 @@ def _holds(pid: int, inodes: set, proc: str) -> bool:
     return False
 
 
-def running(address: str, proc: str = "/proc") -> Daemon | None:
+def running(address: str, proc: str = "/proc") -> RunningContainerd | None:
     """The containerd process listening on the unix socket `address`, or None."""
     try:
         pids = [int(name) for name in os.listdir(proc) if name.isdigit()]
@@ -109,7 +109,7 @@ def running(address: str, proc: str = "/proc") -> Daemon | None:
         if inodes and _holds(pid, inodes, proc):
             # A binary replaced by an upgrade reads "PATH (deleted)"; after the restart
             # install asks for, the file now at PATH is what runs.
-            return Daemon(pid, binary.removesuffix(" (deleted)"))
+            return RunningContainerd(pid, binary.removesuffix(" (deleted)"))
     return None
 
 

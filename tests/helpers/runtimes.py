@@ -96,6 +96,34 @@ def registered(gpus, container) -> bool:
     return registry.load(state_dir, container) is not None
 
 
+# podman 4.3 reads CDI specs from /etc/cdi and /var/run/cdi only (no option names others). To
+# give it a CDI dir of a test's own without writing the host's, `podman run` starts in a mount
+# namespace of its own whose /run is a tmpfs holding the host's /run entries bound back one by
+# one, plus the test's dir at /run/cdi (over the host's, if the host has one). Arguments:
+# CDI_DIR OLD_RUN_MOUNTPOINT COMMAND...
+PRIVATE_CDI_RUN = r"""
+cdi=$1 old=$2; shift 2
+mount --rbind /run "$old"
+mount -t tmpfs -o mode=0755 tmpfs /run
+for entry in "$old"/* "$old"/.[!.]*; do
+  [ -e "$entry" ] || [ -L "$entry" ] || continue
+  name=${entry##*/}
+  if [ -L "$entry" ]; then cp -P "$entry" "/run/$name"
+  elif [ -d "$entry" ]; then mkdir "/run/$name" && mount --rbind "$entry" "/run/$name"
+  else : > "/run/$name" && mount --bind "$entry" "/run/$name"; fi
+done
+mkdir -p /run/cdi && mount --bind "$cdi" /run/cdi
+exec "$@"
+"""
+
+
+def with_private_cdi_dir(argv: list, cdi_dir: str) -> list:
+    """`argv` run where /var/run/cdi is `cdi_dir` and the host's /run is otherwise as it is."""
+    old = f"{cdi_dir}.host-run"
+    os.makedirs(old, exist_ok=True)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-ec", PRIVATE_CDI_RUN, "sh", cdi_dir, old, *argv]
+
+
 class Podman:
     """podman with storage of its own under `workdir`, starting containers from a rootfs.
 

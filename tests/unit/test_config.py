@@ -24,7 +24,7 @@ def test_explicit_file_must_exist(tmp_path):
 
 def test_environment_variable_names_the_file(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('driver-root = "/run/nvidia/driver"\n')
+    path.write_text(f'driver-root = "/run/nvidia/driver"\nstate-dir = "{tmp_path}/run"\n')
     c = cfg.load(None, {cfg.ENV_VAR: str(path)})
     assert c.driver_root == "/run/nvidia/driver" and c.source == str(path)
     assert cfg.load(str(path), {cfg.ENV_VAR: "/elsewhere"}).driver_root == "/run/nvidia/driver"
