@@ -92,7 +92,8 @@ KEYS = (
     _key("syslog-socket", "path", "/dev/log",
          "The syslog socket log-target = syslog or both writes to."),
     _key("state-dir", "path", "/run/gpuhook",
-         "Runtime state: the host inventory cache, per-GPU locks, health reports and stamps."),
+         "Runtime state: the parsed config's cache, the host inventory cache, per-GPU locks, health "
+         "reports, stamps, the container registry. Everything gpuhook keeps goes here."),
     # [health]: the check-and-reset before a container gets its GPUs (docs/health.md).
     _key("mode", "choice", "fallback",
          "When the hook checks and cleans a container's GPUs before it starts: off never; "
