@@ -15,9 +15,10 @@ it. Written only after a start succeeded: a failed start aborts the container, s
 entry of it runs. Root-owned, 0600 in a 0700 directory, read only when trusted (gpuhook.cache);
 a forged record could only make gpuhook skip a start, which then has no GPU at all.
 
-Records of gone inits are pruned when a start is recorded: at once when a poststop marked them
-stopped, else after PRUNE_AFTER seconds (a container's delete, and with it its poststops, can
-come long after its init exited).
+Records of gone inits are pruned when a start is recorded and more than PRUNE_ABOVE are there
+(so a start reads no other record on a node with fewer GPU containers): at once when a poststop
+marked them stopped, else after PRUNE_AFTER seconds (a container's delete, and with it its
+poststops, can come long after its init exited).
 """
 
 import os
@@ -27,7 +28,8 @@ from gpuhook import cache, procstat
 
 DIRECTORY = "served"
 PRUNE_AFTER = 3600
-MAX_PRUNED = 256
+PRUNE_ABOVE = 128
+MAX_PRUNED = 1024
 
 
 def _directory(state_dir: str) -> str:
@@ -104,9 +106,12 @@ def mark_stopped(path: str, doc: dict) -> None:
 def _prune(state_dir: str, proc: str) -> None:
     directory = _directory(state_dir)
     try:
-        names = os.listdir(directory)[:MAX_PRUNED]
+        names = os.listdir(directory)
     except OSError:
         return
+    if len(names) <= PRUNE_ABOVE:
+        return
+    names = names[:MAX_PRUNED]
     now = time.time()
     for name in names:
         path = f"{directory}/{name}"
