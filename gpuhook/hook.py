@@ -119,10 +119,12 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         if outcome is not None:
             served.record(config.state_dir, state.id, state.pid, stage)
             if docker_root:  # dockerd registers no poststop: leave a waiter that runs it
-                start = served.start_of(state.pid)
-                if start is not None:
+                start = served.start_of(state.pid) or 0
+                try:  # the start is committed: a waiter that cannot be left is only logged
                     dockerd.watch_for_stop(state_bytes, state.pid, start, config_path)
                     record["poststop"] = "a waiter runs it when the container's init exits (Docker)"
+                except (OSError, TypeError) as err:
+                    record["poststop"] = f"no waiter: {err}; nothing runs gpuhook's poststop for this container"
         record.update(decision="untouched" if plan.empty else "gpus injected", wants=plan.wants,
                       channel=plan.channel, gpus=[g.uuid for g in plan.gpus],
                       capabilities=sorted(plan.capabilities), notes=list(plan.notes))
