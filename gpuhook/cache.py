@@ -9,7 +9,8 @@ Two caches keep an unchanged host from being read twice the expensive way, each 
 everything that could change its content:
 
 - the parsed configuration file, keyed by the file's identity and timestamps (tomllib and
-  its imports cost more than the rest of the hook's decision), under /run/gpuhook;
+  its imports cost more than the rest of the hook's decision), in <state-dir>/config-cache,
+  the state-dir that file names (gpuhook.config.load says how it is found before parsing);
 - the host inventory (gpuhook.inventory) in <state-dir>, keyed by driver version, boot id
   and the cheap fingerprints of what the expensive reads depend on.
 
@@ -23,7 +24,7 @@ import stat
 from gpuhook import fastjson
 from gpuhook.prescan import read_regular_file
 
-CONFIG_CACHE_DIR = "/run/gpuhook/config-cache"
+CONFIG_CACHE_DIR = "config-cache"  # under the state-dir the cached config names
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -138,24 +139,26 @@ def file_identity(st) -> list:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def config_cache_path(config_path: str) -> str:
+def config_cache_path(state_dir: str, config_path: str) -> str:
+    """Where the parsed `config_path`, which names `state_dir`, is cached."""
     name = os.path.abspath(config_path).replace("%", "%25").replace("/", "%")
-    return f"{CONFIG_CACHE_DIR}/{name}.json"
+    return f"{state_dir}/{CONFIG_CACHE_DIR}/{name}.json"
 
 
-def prune_config_cache(keep: int = 64) -> None:
+def prune_config_cache(state_dir: str, keep: int = 64) -> None:
     """Drop cached configs whose file is gone, once there are more than `keep` of them."""
+    directory = f"{state_dir}/{CONFIG_CACHE_DIR}"
     try:
-        names = os.listdir(CONFIG_CACHE_DIR)
+        names = os.listdir(directory)
     except OSError:
         return
     if len(names) <= keep:
         return
     for name in names:
-        entry = read(f"{CONFIG_CACHE_DIR}/{name}")
+        entry = read(f"{directory}/{name}")
         source = entry.get("source") if isinstance(entry, dict) else None
         if not isinstance(source, str) or not os.path.exists(source):
             try:
-                os.unlink(f"{CONFIG_CACHE_DIR}/{name}")
+                os.unlink(f"{directory}/{name}")
             except OSError:
                 pass

@@ -106,7 +106,8 @@ KEYS = (
     _key("syslog-socket", "path", "/dev/log",
          "The syslog socket log-target = syslog or both writes to."),
     _key("state-dir", "path", "/run/gpuhook",
-         "Runtime state: the host inventory cache, per-GPU locks, health reports and stamps."),
+         "Runtime state: the parsed config's cache, the host inventory cache, per-GPU locks, health "
+         "reports, stamps, the container registry. Everything gpuhook keeps goes here."),
     # [health]: the check-and-reset before a container gets its GPUs (docs/health.md).
     _key("mode", "choice", "fallback",
          "When the hook checks and cleans a container's GPUs before it starts: off never; "
@@ -335,9 +336,14 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
          write_cache: bool = True) -> Config:
     """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file.
 
-    The parsed TOML is cached under /run (gpuhook.cache) keyed by the file's identity and
-    timestamps: parsing TOML costs the hook more than the rest of its decision. `use_cache`
-    False ignores the cache; `write_cache` False reads it but never writes (dry runs).
+    The parsed TOML is cached (gpuhook.cache) in <state-dir>/config-cache, keyed by the file's
+    identity and timestamps: parsing TOML costs the hook more than the rest of its decision.
+    The cache is looked for under the state-dir the file's own top-level `state-dir` line
+    names (`_state_dir_line`, no TOML parser), and an entry counts only when it is trusted
+    (root's, writable by nobody else), was written for this very file, and was parsed from a
+    file naming that same state-dir: nothing but the trusted config file decides where its
+    cache is (docs/security.md). `use_cache` False ignores the cache; `write_cache` False
+    reads it but never writes (dry runs).
     """
     explicit = path
     if explicit is None and environ is not None:
@@ -356,23 +362,61 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"config file {target} is not a regular file")
         identity = cache.file_identity(st)
-        cache_path = cache.config_cache_path(target)
-        if use_cache:
-            cached = cache.read(cache_path)
-            if isinstance(cached, dict) and cached.get("identity") == identity and isinstance(cached.get("data"), dict):
-                return from_mapping(cached["data"], target)
         with os.fdopen(os.dup(fd), "rb") as f:
             raw = f.read(1 << 20)
     except OSError as err:
         raise ConfigError(f"cannot read config file {target}: {err.strerror}") from err
     finally:
         os.close(fd)
+    guess = _state_dir_line(raw) if use_cache else None
+    if guess is not None:
+        cached = cache.read(cache.config_cache_path(guess, target))
+        if isinstance(cached, dict) and cached.get("identity") == identity and isinstance(cached.get("data"), dict):
+            config = from_mapping(cached["data"], target)
+            if config.state_dir == guess:
+                return config
     data = _parse_toml(raw, target)
     config = from_mapping(data, target)  # validate before caching: only good files are cached
-    if use_cache and write_cache and cache.write(
-            cache_path, {"identity": identity, "source": os.path.abspath(target), "data": data}):
-        cache.prune_config_cache()
+    if use_cache and write_cache and cache.write(cache.config_cache_path(config.state_dir, target),
+                                                 {"identity": identity, "source": os.path.abspath(target),
+                                                  "data": data}):
+        cache.prune_config_cache(config.state_dir)
     return config
+
+
+def _state_dir_line(raw: bytes) -> str | None:
+    """The state-dir a config file's bytes name, read without a TOML parser: the value of a
+    plain `state-dir = "..."` (or '...') line before the first table header (state-dir is a
+    top-level key, so it can be nowhere else), the default when there is none, None when the
+    line is spelled otherwise (escapes, a multi-line string): the cache is then not used.
+    A wrong answer can only miss the cache: `load` checks the entry's own state-dir."""
+    found = None
+    for line in raw.split(b"\n"):
+        text = line.strip()
+        if not text or text.startswith(b"#"):
+            continue
+        if text.startswith(b"["):
+            break
+        key, sep, value = text.partition(b"=")
+        if key.strip() not in (b"state-dir", b'"state-dir"', b"'state-dir'"):
+            continue
+        if found is not None or not sep:
+            return None
+        value = value.strip()
+        quote = value[:1]
+        end = value.find(quote, 1) if quote in (b'"', b"'") else -1
+        rest = value[end + 1:].strip() if end > 0 else b"x"
+        body = value[1:end]
+        if end <= 0 or (rest and not rest.startswith(b"#")) or (quote == b'"' and b"\\" in body) \
+                or value.startswith((b'"""', b"'''")):
+            return None
+        try:
+            found = body.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        if not found.startswith("/"):
+            return None
+    return default("state-dir") if found is None else found
 
 
 def _parse_toml(raw: bytes, target: str) -> dict:

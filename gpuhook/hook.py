@@ -60,6 +60,13 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
     the state's id is needed; a bundle that is already gone costs the log its names only."""
     state = oci.parse_state(state_bytes, base_dir)
     record["container"] = state.id
+    from gpuhook import served
+
+    # A second poststop entry of one start (gpuhook.served) finds the first one's work done.
+    stops = served.stop(config.state_dir, state.id, state.pid)
+    if stops and all(doc.get("stopped") is True for _, doc in stops):
+        record["decision"] = "nothing to do: another poststop hook of this container already cleaned up"
+        return
     try:
         spec = oci.parse_spec(spec_bytes if spec_bytes is not None else oci.read_config_bytes(state.bundle),
                               state.bundle)
@@ -71,10 +78,12 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
     record["grants"] = grants.release(config.state_dir, state.id)
     if config.health.mode == "off":
         record["decision"] = "nothing to do at this stage (health mode off)"
-        return
-    from gpuhook.health import hooks as health
+    else:
+        from gpuhook.health import hooks as health
 
-    health.after_stop(state, config, deadline, record)
+        health.after_stop(state, config, deadline, record)
+    for path, doc in stops:
+        served.mark_stopped(path, doc)
 
 
 def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
@@ -93,7 +102,29 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
             return 0
         state, spec = read_container(state_bytes, spec_bytes, base_dir)
         record.update(container=state.id, **journal.k8s_names({**spec.annotations, **state.annotations}))
+        docker_root = os.environ.get("GPUHOOK_DOCKER_DATA_ROOT")  # set by the Docker launcher only
+        if docker_root:
+            from gpuhook import dockerd
+
+            spec = dockerd.daemon_request(spec, state.id, docker_root)
+        from gpuhook import served
+
+        # The same start can run gpuhook twice (a base spec's prestart and a CDI spec's
+        # createRuntime: gpuhook.served); the first entry did the work.
+        earlier = served.served_by(config.state_dir, state.id, state.pid)
+        if earlier is not None:
+            record["decision"] = f"untouched: gpuhook's {earlier} hook already served this start"
+            return 0
         plan, outcome = prestart(state, spec, config, deadline, record)
+        if outcome is not None:
+            served.record(config.state_dir, state.id, state.pid, stage)
+            if docker_root:  # dockerd registers no poststop: leave a waiter that runs it
+                start = served.start_of(state.pid) or 0
+                try:  # the start is committed: a waiter that cannot be left is only logged
+                    dockerd.watch_for_stop(state_bytes, state.pid, start, config_path)
+                    record["poststop"] = "a waiter runs it when the container's init exits (Docker)"
+                except (OSError, TypeError) as err:
+                    record["poststop"] = f"no waiter: {err}; nothing runs gpuhook's poststop for this container"
         record.update(decision="untouched" if plan.empty else "gpus injected", wants=plan.wants,
                       channel=plan.channel, gpus=[g.uuid for g in plan.gpus],
                       capabilities=sorted(plan.capabilities), notes=list(plan.notes))

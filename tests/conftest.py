@@ -99,14 +99,24 @@ def write_config(path, base: dict, **overrides) -> str:
 
 
 def sim_config_values(sim: dict, log_file: str) -> dict:
-    d = sim["directory"]
+    """A test's config on the simulated host: everything the hook writes (log, state, caches)
+    goes under the log file's directory, and the CDI specs it reads are that directory's own,
+    never the host's /etc/cdi or /var/run/cdi."""
+    d, mine = sim["directory"], os.path.dirname(log_file)
     return {"driver-root": f"{d}/driver", "dev-root": f"{d}/dev", "proc-root": f"{d}/proc", "sys-root": f"{d}/sys",
-            "log-file": log_file, "state-dir": f"{os.path.dirname(log_file)}/run"}
+            "log-file": log_file, "state-dir": f"{mine}/run", "cdi-spec-dirs": [f"{mine}/cdi"]}
 
 
-def run_hook_process(args, stdin: bytes, env=None, timeout=60, python_flags=()):
-    """Run `python -I -S gpuhook/launch.py ARGS` as a runtime would."""
-    argv = [sys.executable, "-I", "-S", *python_flags, f"{REPO}/gpuhook/launch.py", *args]
+# A config gpuhook cannot load names no log file, so the hook logs to the default
+# /var/log/gpuhook.log: hooks that are to fail that way run where /var/log is a tmpfs of their own.
+PRIVATE_VAR_LOG = ["unshare", "--mount", "--propagation", "private", "sh", "-ec",
+                   'mount -t tmpfs tmpfs /var/log && exec "$@"', "sh"]
+
+
+def run_hook_process(args, stdin: bytes, env=None, timeout=60, python_flags=(), wrapper=()):
+    """Run `python -I -S gpuhook/launch.py ARGS` as a runtime would (under `wrapper`, an argv
+    prefix such as PRIVATE_VAR_LOG)."""
+    argv = [*wrapper, sys.executable, "-I", "-S", *python_flags, f"{REPO}/gpuhook/launch.py", *args]
     return subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout,
                           env=env if env is not None else {"PATH": "/usr/bin:/bin"})
 

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import tempfile
 
 import click
 
@@ -41,19 +42,25 @@ def _not_requested(gpus, visible: str):
     "sees: its GPU nodes, nvidia-smi, a GPU it did not ask for (EPERM), the driver libraries. "
     "Needs root, runc, busybox-static and a C compiler."
 ))
-@click.option("--workdir", default="/tmp/gpuhook-demo", show_default=True,
-              help="Where the simulated host, bundle and runc state go (replaced on each run).")
+@click.option("--workdir", metavar="DIR",
+              help="Where the simulated host, bundle and runc state go (a DIR an earlier demo made is replaced) "
+                   "[default: a new directory /tmp/gpuhook-demo-XXXXXXXX, so demos never share one].")
 @click.option("--visible", default="0,1", show_default=True, help="NVIDIA_VISIBLE_DEVICES for the container.")
 def demo(workdir, visible):
     if os.geteuid() != 0:
         raise click.ClickException("gpuhook demo needs root: it builds device nodes and starts a runc container")
-    workdir = os.path.abspath(workdir)
-    if os.path.isdir(workdir):
-        if not os.path.exists(f"{workdir}/.gpuhook-demo"):
-            raise click.UsageError(f"{workdir} exists and was not made by gpuhook demo; pick another --workdir")
-        shutil.rmtree(workdir)
-    os.makedirs(workdir)
+    if workdir is None:
+        workdir = tempfile.mkdtemp(prefix="gpuhook-demo-", dir="/tmp")
+    else:
+        workdir = os.path.abspath(workdir)
+        if os.path.isdir(workdir):
+            if not os.path.exists(f"{workdir}/.gpuhook-demo"):
+                raise click.UsageError(f"{workdir} exists and was not made by gpuhook demo; pick another --workdir")
+            shutil.rmtree(workdir)
+        os.makedirs(workdir)
     open(f"{workdir}/.gpuhook-demo", "w").close()
+    # The container's id (and with it its cgroup and runc state) is this demo's own.
+    container_id = "gpuhook-" + os.path.basename(workdir)
     click.echo(f"1. simulated host with 4 GPUs in {workdir}/host")
     sim = host.build(f"{workdir}/host", gpus=4)
     bed = runner.Testbed(workdir)
@@ -74,7 +81,7 @@ def demo(workdir, visible):
             os.symlink("busybox", link)
     click.echo(f"2. bundle {bundle} with NVIDIA_VISIBLE_DEVICES={visible}, gpuhook registered as prestart hook")
     click.echo("3. runc run (output of the container follows)\n")
-    result = bed.run(bundle, "gpuhook-demo")
+    result = bed.run(bundle, container_id)
     click.echo(result.stdout.rstrip())
     if result.returncode != 0:
         click.echo(result.stderr.rstrip(), err=True)
@@ -87,3 +94,4 @@ def demo(workdir, visible):
         click.echo(json.dumps({k: last[k] for k in keep if k in last}, indent=2))
     except (OSError, IndexError, ValueError):
         click.echo("(no log line found)")
+    click.echo(f"\n(everything is in {workdir}; remove it with: rm -rf {workdir})")

@@ -42,7 +42,7 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
     for line in install.apply(plan):
         click.echo(line)
     for note in plan.notes:
-        click.echo(f"note: {note}")
+        click.echo(note if note.startswith("warning: ") else f"note: {note}")
 
 
 @click.command(name="install", help=(
@@ -62,20 +62,25 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
 @OUTPUT
 @CONTAINERD_CONFIG
 @click.option("--base-spec", metavar="FILE",
-              help="containerd: start from this spec instead of `ctr oci spec` (or the existing --output).")
+              help="containerd: start from this spec, kept as it is, instead of the running containerd's "
+                   "default (`ctr oci spec` of the ctr beside it, less what CRI drops without a base spec).")
 @click.option("--python", metavar="PATH",
               help="Interpreter the runtime starts (absolute, not a shim) [default: the running one].")
 @click.option("--config", "config_path", metavar="FILE",
               help=f"Configuration file the hook reads, passed as --config [default: ${cfg.ENV_VAR}, "
                    f"else the hook reads {cfg.DEFAULT_PATH}].")
 @BIN_DIR
+@click.option("--data-root", metavar="DIR", help=(
+    f"docker: dockerd's data-root, where the hook reads each container's --gpus request "
+    f"[default: data-root in {install.DAEMON_JSON}, else {install.DEFAULT_DATA_ROOT}]."))
 @HOST_ROOT
 @DRY_RUN
 def install_command(target, bundle, hooks_dir, annotated, spec_path, containerd_config, base_spec, python,
-                    config_path, bin_dir, host_root, dry_run):
+                    config_path, bin_dir, data_root, host_root, dry_run):
     plan = install.plan_install(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
                                 containerd_config=containerd_config, base_spec=base_spec, python=python,
-                                config_path=config_path, annotated=annotated, bin_dir=bin_dir, host_root=host_root)
+                                config_path=config_path, annotated=annotated, bin_dir=bin_dir, host_root=host_root,
+                                data_root=data_root)
     _render(plan, dry_run)
 
 

@@ -35,6 +35,29 @@ def plugin(config_path, device_plugin_dir, standalone):
             signal.signal(sig, lambda *_: served.stop.set())
         served.run()
         sys.exit(0)
+    _check_plugin_installed()
     from gpuhook.plugin import server
 
     sys.exit(server.main(config, device_plugin_dir))
+
+
+def _check_plugin_installed() -> None:
+    """Say, in words that fit how this gpuhook was installed, what the device plugin lacks:
+    its gRPC stubs are generated at build time in a checkout (scripts/setup) and in the
+    Kubernetes image, but the deb and rpm do not ship them (docs/packaging.md)."""
+    from gpuhook.errors import InputError
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(package, "plugin", "generated", "deviceplugin_pb2_grpc.py")):
+        checkout = os.path.dirname(package)
+        if os.path.exists(os.path.join(checkout, "scripts", "setup")):
+            raise InputError("the device plugin's gRPC stubs are missing",
+                             f"run {checkout}/scripts/setup, which generates them")
+        raise InputError("this gpuhook installation has no device plugin (the deb and rpm do not ship its gRPC "
+                         "stubs)", "run the plugin from gpuhook's container image (deploy/kubernetes in gpuhook's "
+                         "source); `gpuhook plugin --standalone`, the health daemon alone, works without it")
+    try:
+        import grpc  # noqa: F401
+    except ImportError:
+        raise InputError("the device plugin needs grpcio, which is not installed",
+                         "install python3-grpcio (or: pip install grpcio)") from None

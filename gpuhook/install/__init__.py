@@ -13,8 +13,9 @@ the operator's view):
   because oci-hooks passes the same args to every stage a file lists, and our args name the
   stage. The admin dir /etc/containers/oci/hooks.d overrides the packaged
   /usr/share/containers/oci/hooks.d file of the same name, so the two never both run.
-- ``containerd``: a base runtime spec (containerd's default spec from ``ctr oci spec`` plus
-  our hooks) and an edit of containerd's config.toml that points CRI's runc runtime at it. The
+- ``containerd``: a base runtime spec (the running containerd's default spec, from the ``ctr``
+  beside it, without the defaults CRI drops when there is no base spec, plus our hooks) and an
+  edit of containerd's config.toml that points CRI's runc runtime at it. The
   edit goes into config.toml itself, not a conf.d drop-in: containerd 1.6 replaces a whole
   plugin section with the imported one, so a drop-in would silently reset Debian's own CRI
   settings (cni bin_dir) to the built-in defaults (checked with ``containerd config dump``).
@@ -88,6 +89,7 @@ from gpuhook.install.common import (  # noqa: F401
 )
 from gpuhook.install.containerd import (  # noqa: F401
     ADDED_MARK,
+    CRI_DROPS,
     CRI_PLUGIN,
     CRI_RUNTIME_PLUGIN_V3,
     RUNC_RUNTIME_TYPE,
@@ -101,15 +103,19 @@ from gpuhook.install.containerd import (  # noqa: F401
     _runc_table,
     _set_in,
     _table_header,
-    default_spec_from_ctr,
+    cdi_specs_running_gpuhook,
+    config_version,
     plan_containerd,
     plan_containerd_removal,
     runc_table_name,
     set_base_runtime_spec,
     unset_base_runtime_spec,
+    without_cri_drops,
 )
 from gpuhook.install.docker import (  # noqa: F401
+    DAEMON_JSON,
     DEFAULT_BIN_DIR,
+    DEFAULT_DATA_ROOT,
     DOCKER_HOOK_NAME,
     launcher_text,
     plan_docker,
@@ -135,6 +141,7 @@ _OPTION_TARGETS = {
     "base_spec": ("--base-spec", ("containerd",)),
     "bundle": ("BUNDLE", ("runc-bundle",)),
     "bin_dir": ("--bin-dir", ("docker",)),
+    "data_root": ("--data-root", ("docker",)),
     "host_root": ("--host-root", ("podman", "crio", "containerd")),
 }
 
@@ -175,12 +182,13 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
                  spec_path: str | None = None, containerd_config: str | None = None,
                  base_spec: str | None = None, python: str | None = None, config_path: str | None = None,
                  annotated: bool = False, environ: dict | None = None, bin_dir: str | None = None,
-                 host_root: str | None = None) -> InstallPlan:
+                 host_root: str | None = None, data_root: str | None = None) -> InstallPlan:
     """What `gpuhook install TARGET` would change, for the gpuhook running this code (or,
     with `host_root`, for a copy of it on the node whose / is mounted there)."""
     _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
                             "containerd_config": containerd_config, "base_spec": base_spec,
-                            "annotated": annotated, "bin_dir": bin_dir, "host_root": host_root})
+                            "annotated": annotated, "bin_dir": bin_dir, "host_root": host_root,
+                            "data_root": data_root})
     if target == "runc-bundle":
         _bundle_config(bundle)  # a usage error comes before any other check
     if host_root:
@@ -193,7 +201,7 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
         return plan_containerd(hook, spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG,
                                base_spec)
     if target == "docker":
-        return plan_docker(hook, bin_dir or DEFAULT_BIN_DIR)
+        return plan_docker(hook, bin_dir or DEFAULT_BIN_DIR, data_root)
     return plan_bundle(bundle, hook)
 
 

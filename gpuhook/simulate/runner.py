@@ -77,6 +77,9 @@ class Testbed:
         self.wrapper = list(wrapper)
         self.state_root = f"{self.workdir}/runc-state"
         os.makedirs(self.state_root, exist_ok=True)
+        # Each container's cgroup is this testbed's own (runc's default is /<id>, which two
+        # test runs, or two demos, on one host would share): a leaf runc removes on delete.
+        self.cgroup_prefix = f"gpuhook-{os.path.basename(self.workdir)[:40]}-{os.urandom(4).hex()}"
         self._template = None
         self._lock = threading.Lock()
 
@@ -131,11 +134,16 @@ class Testbed:
         if rootfs is None:
             rootfs = self.rootfs(f"{path}/rootfs")
         spec["root"] = {"path": rootfs, "readonly": False}
+        spec.setdefault("linux", {})["cgroupsPath"] = self.cgroup_path(name)
         if edit is not None:
             edit(spec)
         with open(f"{path}/config.json", "w") as f:
             json.dump(spec, f, indent=2)
         return path
+
+    def cgroup_path(self, name: str) -> str:
+        """The cgroupsPath bundle `name` gets (its edit may set another)."""
+        return f"/{self.cgroup_prefix}-{name}"
 
     def run(self, bundle: str, container_id: str, timeout: float = 60, runc_args=()) -> RunResult:
         """`runc run` the bundle to completion; always deletes the container afterwards."""

@@ -5,6 +5,7 @@ Imported by the runtime tests as `helpers.runtimes` (tests/ is on sys.path throu
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -148,6 +149,34 @@ def registered(gpus, container) -> bool:
     return registry.load(state_dir, container) is not None
 
 
+# podman 4.3 reads CDI specs from /etc/cdi and /var/run/cdi only (no option names others). To
+# give it a CDI dir of a test's own without writing the host's, `podman run` starts in a mount
+# namespace of its own whose /run is a tmpfs holding the host's /run entries bound back one by
+# one, plus the test's dir at /run/cdi (over the host's, if the host has one). Arguments:
+# CDI_DIR OLD_RUN_MOUNTPOINT COMMAND...
+PRIVATE_CDI_RUN = r"""
+cdi=$1 old=$2; shift 2
+mount --rbind /run "$old"
+mount -t tmpfs -o mode=0755 tmpfs /run
+for entry in "$old"/* "$old"/.[!.]*; do
+  [ -e "$entry" ] || [ -L "$entry" ] || continue
+  name=${entry##*/}
+  if [ -L "$entry" ]; then cp -P "$entry" "/run/$name"
+  elif [ -d "$entry" ]; then mkdir "/run/$name" && mount --rbind "$entry" "/run/$name"
+  else : > "/run/$name" && mount --bind "$entry" "/run/$name"; fi
+done
+mkdir -p /run/cdi && mount --bind "$cdi" /run/cdi
+exec "$@"
+"""
+
+
+def with_private_cdi_dir(argv: list, cdi_dir: str) -> list:
+    """`argv` run where /var/run/cdi is `cdi_dir` and the host's /run is otherwise as it is."""
+    old = f"{cdi_dir}.host-run"
+    os.makedirs(old, exist_ok=True)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-ec", PRIVATE_CDI_RUN, "sh", cdi_dir, old, *argv]
+
+
 class Podman:
     """podman with storage of its own under `workdir`, starting containers from a rootfs.
 
@@ -243,10 +272,13 @@ class Containerd:
     otherwise share with a system daemon (sockets, /opt/containerd) is private.
     """
 
-    def __init__(self, workdir: str, containerd: str = "containerd", ctr: str = "ctr"):
+    def __init__(self, workdir: str, containerd: str = "containerd", ctr: str = "ctr", nofile: int | None = None):
+        """`nofile`: the daemon's RLIMIT_NOFILE (soft and hard), which its containers inherit
+        unless their spec sets one."""
         self.workdir = os.path.abspath(workdir)
         self.containerd = shutil.which(containerd) or containerd
         self.ctr_path = shutil.which(ctr) or ctr
+        self.nofile = nofile
         self.config_path = f"{self.workdir}/config.toml"
         self.address = f"{self.workdir}/containerd.sock"
         self.log_path = f"{self.workdir}/containerd.log"
@@ -289,8 +321,11 @@ class Containerd:
         """Start the daemon and wait until it answers on its socket."""
         log = open(self.log_path, "ab")
         try:
+            limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))) \
+                if self.nofile else None
             self._process = subprocess.Popen([self.containerd, "--config", self.config_path], env=RUN_ENV,
-                                             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd="/")
+                                             stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd="/",
+                                             preexec_fn=limit)
         except FileNotFoundError:
             raise TestbedError(f"{self.containerd} is not installed (apt-get install containerd)") from None
         finally:
@@ -304,6 +339,10 @@ class Containerd:
             time.sleep(0.1)
         self.stop()
         raise TestbedError(f"containerd did not answer within {timeout}s: {self._log_tail()}")
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     def stop(self) -> None:
         """Stop the daemon (SIGTERM, then SIGKILL) and reap it; a no-op when not running."""

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import host_mounts, run_hook_process, sim_config_values, write_config
+from conftest import PRIVATE_VAR_LOG, host_mounts, run_hook_process, sim_config_values, write_config
 
 GPU_ENV = ["NVIDIA_VISIBLE_DEVICES=0"]
 
@@ -201,8 +201,11 @@ def world(tmp_path, sim_host):
         elif case.config is not None:
             config_path = str(tmp_path / "c2.toml")
             data = case.config if isinstance(case.config, bytes) else case.config.encode()
-            (tmp_path / "c2.toml").write_bytes(data)
-        return run_hook_process(["prestart", "--config", config_path], raw_state)
+            # What the hook writes goes under this test's own dir (never /run/gpuhook, /var/log).
+            own = f'state-dir = "{tmp_path}/run"\nlog-file = "{tmp_path}/c2.log"\n'.encode()
+            (tmp_path / "c2.toml").write_bytes(own + data)
+        wrapper = PRIVATE_VAR_LOG if case.config is not None and case.config != "DRIVERLESS" else ()
+        return run_hook_process(["prestart", "--config", config_path], raw_state, wrapper=wrapper)
 
     return run, bundle
 

@@ -14,11 +14,10 @@ import yaml
 
 from conftest import REPO, require_root_tools
 from gpuhook.simulate import host as simhost
-from helpers.runtimes import Podman
+from helpers.runtimes import Podman, with_private_cdi_dir
 
 pytestmark = pytest.mark.root
 
-CDI_RUN_DIR = "/var/run/cdi"  # podman 4.3 reads /etc/cdi and /var/run/cdi only
 
 
 def generate(config, *args) -> subprocess.CompletedProcess:
@@ -84,9 +83,10 @@ def test_unknown_capabilities_are_one_line(sim_host):
 
 def test_podman_with_the_generated_spec_gives_exactly_the_device_checked_and_in_the_ld_cache(sim_host, probe,
                                                                                            tmp_path):
-    require_root_tools("podman", "runc")
-    os.makedirs(CDI_RUN_DIR, exist_ok=True)
-    spec_file = f"{CDI_RUN_DIR}/gpuhook-test-{os.getpid()}.json"
+    require_root_tools("podman", "runc", "unshare")
+    cdi_dir = tmp_path / "cdi"  # podman sees it as /var/run/cdi (helpers.runtimes.with_private_cdi_dir)
+    cdi_dir.mkdir()
+    spec_file = str(cdi_dir / "gpuhook.json")
     from conftest import sim_config_values, write_config
 
     log = tmp_path / "gpuhook.log"
@@ -108,9 +108,9 @@ def test_podman_with_the_generated_spec_gives_exactly_the_device_checked_and_in_
                                          f"/bin/probe /dev/nvidia0 /dev/nvidia1 {libcuda}; "
                                          "/bin/busybox grep -c libcuda.so.1 /etc/ld.so.cache"])
         argv[argv.index("run") + 1:argv.index("run") + 1] = ["--device", "gpuhook.example/gpu=1"]
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, cwd="/")
+        result = subprocess.run(with_private_cdi_dir(argv, str(cdi_dir)), capture_output=True, text=True,
+                                timeout=120, stdin=subprocess.DEVNULL, cwd="/")
     finally:
-        os.unlink(spec_file)
         podman.close()
     assert result.returncode == 0, result.stderr
     probes = {p["path"]: p for p in map(json.loads, (x for x in result.stdout.splitlines() if x.startswith("{")))}

@@ -26,7 +26,7 @@ from gpuhook.devrules import program
 from gpuhook.devrules.devices import DeviceRule, parse_v1_line
 from gpuhook.errors import ApplyError
 
-from conftest import REPO, require, require_root_tools
+from conftest import REPO, require, require_root_tools, sim_config_values, write_config
 from helpers.bpfdata import RULE_SETS, golden
 from helpers.runtimes import STRICT_POLICY, start_with_runtime_node
 
@@ -221,7 +221,16 @@ def test_one_program_holds_runcs_rules_then_ours_and_runc_update_changes_nothing
 
 
 def test_running_the_hook_twice_leaves_the_programs_rules_unchanged(v2ns, bed, gpus, runc_rules):
-    with Running(v2ns, bed, gpus, "v2-twice", env=["NVIDIA_VISIBLE_DEVICES=0"], hook_count=2) as box:
+    # A second gpuhook with a state dir of its own (the same one would find the start served:
+    # gpuhook.served) grants again on the same container.
+    other = write_config(f"{bed.workdir}/other.toml", sim_config_values(gpus.sim, gpus.log),
+                         **{"state-dir": f"{bed.workdir}/other-run"})
+
+    def second_gpuhook(spec):
+        spec["hooks"]["prestart"][1] = testbed.hook_entry(other)
+
+    with Running(v2ns, bed, gpus, "v2-twice", env=["NVIDIA_VISIBLE_DEVICES=0"], hook_count=2,
+                 edit=second_gpuhook) as box:
         assert box.started.returncode == 0, box.output
         (shown,) = box.show()["programs"]
         assert rules_of(shown) == planned_rules(gpus.sim, 0) + runc_rules
@@ -430,12 +439,12 @@ def test_cgroup_show_prints_the_rules_table_and_marks_ours(v2ns, bed, gpus, runc
         done = v2ns.run([sys.executable, "-m", "gpuhook", "cgroup", "show", "--pid", str(box.pid)])
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("cgroup v2  /sys/fs/cgroup/") and f"(cgroup path /{box.id})" in lines[0]
+    assert lines[0].startswith("cgroup v2  /sys/fs/cgroup/") and f"(cgroup path {bed.cgroup_path(box.id)})" in lines[0]
     assert lines[1].startswith("program ") and "gpuhook_dev" in lines[1] and "attached here" in lines[1]
     rows = [line.split() for line in lines[3:-1]]
     assert [row[5] if len(row) > 5 else "" for row in rows] == ["gpuhook"] * 4 + [""] * len(runc_rules)
     assert rows[-1][:5] == [str(4 + len(runc_rules)), "deny", "a", "*:*", "rwm"]
-    assert lines[-1] == f"systemd: the cgroup /{box.id} is not a scope of the system's systemd"
+    assert lines[-1] == f"systemd: the cgroup {bed.cgroup_path(box.id)} is not a scope of the system's systemd"
 
 
 def test_cgroup_show_reads_devices_list_on_v1(tmp_path):

@@ -153,4 +153,4 @@ def test_dry_run_writes_no_cache(tmp_path, sim_host):
                    "--config", str(config))
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "state").exists()
-    assert not os.path.exists(cache.config_cache_path(str(config)))
+    assert not os.path.exists(cache.config_cache_path(f"{tmp_path}/state", str(config)))

@@ -23,13 +23,15 @@ from helpers.runtimes import gpuhook_cli
 pytestmark = pytest.mark.root
 
 IMAGE = "gpuhook-busybox:test"
+IMAGE_ALL = "gpuhook-busybox-all:test"
 
 
 class Dockerd:
     """A dockerd of its own; `docker(...)` runs the matching client against it."""
 
-    def __init__(self, bin_dir: str):
-        self.root = tempfile.mkdtemp(prefix="gpuhook-docker-", dir="/tmp")  # socket paths stay short
+    def __init__(self, bin_dir: str, root: str):
+        """`root`: a directory of its own (short, for the socket path); `root`/data is the data root."""
+        self.root = root
         self.socket = f"{self.root}/docker.sock"
         env = {"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin"}
         self.log = open(f"{self.root}/dockerd.log", "wb")
@@ -74,8 +76,9 @@ def docker(sim_host, probe, tmp_path_factory):
     work = tmp_path_factory.mktemp("docker")
     config = write_config(str(work / "config.toml"), sim_config_values(sim_host, str(work / "gpuhook.log")))
     bin_dir = work / "bin"
-    gpuhook_cli("install", "docker", "--bin-dir", str(bin_dir), "--config", config)
-    daemon = Dockerd(str(bin_dir))
+    root = tempfile.mkdtemp(prefix="gpuhook-docker-", dir="/tmp")  # socket paths stay short
+    gpuhook_cli("install", "docker", "--bin-dir", str(bin_dir), "--config", config, "--data-root", f"{root}/data")
+    daemon = Dockerd(str(bin_dir), root)
     try:
         image = work / "busybox.tar"
         with tarfile.open(image, "w") as tar:
@@ -83,18 +86,25 @@ def docker(sim_host, probe, tmp_path_factory):
             tar.add(probe, "bin/probe")
         with open(image, "rb") as f:
             daemon.docker("import", "-", IMAGE, stdin=f.read())
-        daemon.sim, daemon.gpuhook_log = sim_host, work / "gpuhook.log"
+        with open(image, "rb") as f:  # an image that asks for every GPU itself
+            daemon.docker("import", "--change", "ENV NVIDIA_VISIBLE_DEVICES=all", "-", IMAGE_ALL, stdin=f.read())
+        daemon.sim, daemon.gpuhook_log, daemon.state_dir = sim_host, work / "gpuhook.log", str(work / "run")
         yield daemon
     finally:
         daemon.stop()
 
 
-def run(docker, *flags) -> dict:
+def run(docker, *flags, image=IMAGE) -> dict:
     sim = docker.sim
     mknod = f"/bin/busybox mknod /dev/gpu0-by-hand c {sim['majors']['nvidia']} {sim['gpus'][0]['minor']}"
-    done = docker.docker("run", "--rm", "--network", "none", *flags, IMAGE, "/bin/busybox", "sh", "-c",
+    done = docker.docker("run", "--rm", "--network", "none", *flags, image, "/bin/busybox", "sh", "-c",
                          f"{mknod}; /bin/probe /dev/nvidia0 /dev/nvidia1 /dev/nvidia2 /dev/nvidia3 /dev/gpu0-by-hand")
     return {p["path"]: p for p in map(json.loads, done.stdout.decode().splitlines())}
+
+
+def log_records(docker) -> list:
+    text = docker.gpuhook_log.read_text() if docker.gpuhook_log.exists() else ""
+    return [json.loads(line) for line in text.splitlines()]
 
 
 def present(probes) -> set:
@@ -114,11 +124,46 @@ def test_gpus_all_gives_all(docker):
 
 
 def test_no_flag_gives_nothing_whatever_the_image_says(docker):
-    before = docker.gpuhook_log.read_text() if docker.gpuhook_log.exists() else ""
+    before = len(log_records(docker))
     probes = run(docker, "-e", "NVIDIA_VISIBLE_DEVICES=all")
     assert present(probes) == set() and probes["/dev/gpu0-by-hand"]["read"] == "EPERM"
-    after = docker.gpuhook_log.read_text() if docker.gpuhook_log.exists() else ""
-    assert after == before  # Docker registered no hook: gpuhook never ran
+    # Docker registered no hook: gpuhook never ran (poststops of earlier tests' containers may come)
+    assert [r for r in log_records(docker)[before:] if r["stage"] != "poststop"] == []
+
+
+@pytest.mark.parametrize("flag", ["0", "count=0"])
+def test_gpus_0_gives_nothing_even_when_the_image_says_all(docker, flag):
+    """dockerd registers the hook for --gpus 0 but appends no NVIDIA_VISIBLE_DEVICES, so the
+    image's `all` was the only value there: only the daemon's request counts."""
+    before = len(log_records(docker))
+    probes = run(docker, "--gpus", flag, image=IMAGE_ALL)
+    assert present(probes) == set() and probes["/dev/gpu0-by-hand"]["read"] == "EPERM"
+    (start,) = [r for r in log_records(docker)[before:] if r["stage"] == "prestart"]
+    assert start["decision"] == "untouched" and start["gpus"] == []
+
+
+def test_gpus_device_1_on_an_image_that_says_all_gives_gpu_1_only(docker):
+    probes = run(docker, "--gpus", "device=1", image=IMAGE_ALL)
+    assert present(probes) == {"/dev/nvidia1"} and probes["/dev/gpu0-by-hand"]["read"] == "EPERM"
+
+
+def test_a_gpu_container_is_cleaned_up_after_it_stops_though_dockerd_registers_no_poststop(docker):
+    from gpuhook.health import registry
+
+    before = len(log_records(docker))
+    probes = run(docker, "--gpus", "device=2")
+    assert present(probes) == {"/dev/nvidia2"}
+    (start,) = [r for r in log_records(docker)[before:] if r["stage"] == "prestart"]
+    assert start["decision"] == "gpus injected" and isinstance(start["registered"], dict)
+    deadline = time.monotonic() + 30
+    stops = lambda: [r for r in log_records(docker)[before:]  # noqa: E731
+                     if r["stage"] == "poststop" and r["container"] == start["container"]]
+    while not stops():
+        assert time.monotonic() < deadline, log_records(docker)[before:]
+        time.sleep(0.2)
+    (stop,) = stops()
+    assert stop["container"] == start["container"] and stop["decision"] == "cleaned up", stop
+    assert registry.load(docker.state_dir, start["container"]) is None
 
 
 def test_install_docker_keeps_a_foreign_hook_and_uninstall_restores_it(tmp_path, sim_host):

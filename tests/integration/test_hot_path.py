@@ -68,7 +68,7 @@ def test_no_gpu_path_imports_nothing_beyond_the_bare_interpreter(tmp_path, case,
 def test_a_gpu_request_does_take_the_full_path(tmp_path):
     """The converse, so the test above cannot pass by never parsing anything."""
     state = bundle(tmp_path, ("NVIDIA_VISIBLE_DEVICES=0",))
-    (tmp_path / "empty.toml").write_text(f'proc-root = "{tmp_path}"\nlog-file = ""\n')
+    (tmp_path / "empty.toml").write_text(f'proc-root = "{tmp_path}"\nlog-file = ""\nstate-dir = "{tmp_path}/run"\n')
     done = run_hook_process(["prestart", "--config", str(tmp_path / "empty.toml")], state,
                             python_flags=("-X", "importtime"))
     assert done.returncode != 0  # there is no driver under that proc-root

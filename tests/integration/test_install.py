@@ -564,6 +564,7 @@ def test_containerd_default_spec_comes_from_ctr(tmp_path):
     apply_install("containerd", **paths)
     spec = json.loads(open(paths["spec_path"]).read())
     default = json.loads(subprocess.run(["ctr", "oci", "spec"], capture_output=True, check=True).stdout)
+    del default["process"]["rlimits"]  # CRI drops it without a base spec, and keeps a base spec's
     assert install.without_hook(spec) == default
     assert install.has_gpuhook(spec)
 
@@ -599,41 +600,93 @@ V3_CONFIG = """version = 3
 """
 
 
-@pytest.mark.parametrize("text", [V3_CONFIG, "version = 3\n"])
-def test_containerd_2_config_version_3_is_edited_in_the_runtime_plugin_and_restored_exactly(tmp_path, text):
-    """containerd 2.x reads config version 3, where CRI's runc runtime is under
-    io.containerd.cri.v1.runtime. gpuhook refused it with hand instructions for version 2."""
+# What `containerd config default` of 2.3 prints (config version 4: server settings in plugins).
+V4_CONFIG = """version = 4
+root = '/var/lib/containerd'
+state = '/run/containerd'
+
+[plugins]
+  [plugins.'io.containerd.cri.v1.runtime']
+    enable_cdi = true
+    [plugins.'io.containerd.cri.v1.runtime'.containerd]
+      default_runtime_name = 'runc'
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes]
+        [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+          runtime_type = 'io.containerd.runc.v2'
+          [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+            SystemdCgroup = false
+  [plugins.'io.containerd.server.v1.grpc']
+    address = '/run/containerd/containerd.sock'
+"""
+
+
+@pytest.mark.parametrize("text", [V3_CONFIG, "version = 3\n", V4_CONFIG, "version = 4\n"],
+                         ids=["v3", "v3-empty", "v4", "v4-empty"])
+def test_containerd_2_config_versions_3_and_4_are_edited_in_the_runtime_plugin_and_restored_exactly(tmp_path, text):
+    """containerd 2.x reads config versions 3 and 4 (2.3's default), where CRI's runc runtime
+    is under io.containerd.cri.v1.runtime. gpuhook refused version 4 with hand instructions
+    for the version-2 table, which containerd 2.x ignores."""
     import tomllib
 
     paths = containerd_paths(tmp_path)
     write(paths["containerd_config"], text)
-    apply_install("containerd", **paths)
+    done = gpuhook_cli("install", "containerd", "--output", paths["spec_path"], "--containerd-config",
+                       paths["containerd_config"], "--base-spec", paths["base_spec"])
+    version = tomllib.loads(text)["version"]
+    assert f'[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc] (config version {version})' \
+        in done.stdout
     doc = tomllib.loads(open(paths["containerd_config"]).read())
     runc = doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["runc"]
     assert runc["base_runtime_spec"] == paths["spec_path"] and runc["runtime_type"] == "io.containerd.runc.v2"
-    assert "io.containerd.grpc.v1.cri" not in doc["plugins"] and doc["version"] == 3
-    if text == V3_CONFIG:
+    assert "io.containerd.grpc.v1.cri" not in doc["plugins"] and doc["version"] == version
+    if text in (V3_CONFIG, V4_CONFIG):
         assert runc["options"] == {"SystemdCgroup": False}
     apply_uninstall("containerd", spec_path=paths["spec_path"], containerd_config=paths["containerd_config"])
     assert open(paths["containerd_config"]).read() == text
 
 
-@pytest.mark.parametrize("text,message", [
-    ('[plugins.cri]\nsandbox_image = "x"\n', "containerd config version 1: gpuhook edits version 2"),
-    ("version = 4\n", "containerd config version 4"),
-    ('version = "3"\n', "containerd config version 3:"),
-    ("version = 2\n[plugins\n", "invalid TOML"),
+@pytest.mark.parametrize("text,message,hint", [
+    ("version = 5\n", "containerd config version 5: gpuhook edits versions 1, 2, 3, 4",
+     "by hand to CRI's runc runtime table of config version 5"),
+    ('version = "3"\n', "containerd config version 3: gpuhook edits versions", "`version` must be a number"),
+    ("version = 2\n[plugins\n", "invalid TOML", ""),
     ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\nruntimes.runc.runtime_type = "x"\n',
-     "cannot add base_runtime_spec safely"),
-])
-def test_containerd_configs_gpuhook_cannot_edit_are_errors_that_say_what_to_add(tmp_path, text, message):
+     "cannot add base_runtime_spec safely",
+     '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc] (config version 2)'),
+    ('version = 4\n[plugins."io.containerd.cri.v1.runtime".containerd]\nruntimes.runc.runtime_type = "x"\n',
+     "cannot add base_runtime_spec safely",
+     '[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc] (config version 4)'),
+    ('[plugins.cri.containerd]\nruntimes.runc.runtime_type = "x"\n', "cannot add base_runtime_spec safely",
+     "[plugins.cri.containerd.runtimes.runc] (config version 1)"),
+], ids=["v5", "v-string", "bad-toml", "v2-dotted", "v4-dotted", "v1-dotted"])
+def test_containerd_configs_gpuhook_cannot_edit_are_errors_that_name_the_table_of_their_version(
+        tmp_path, text, message, hint):
     paths = containerd_paths(tmp_path)
     write(paths["containerd_config"], text)
     before = snapshot(tmp_path)
     done = gpuhook_cli("install", "containerd", "--output", paths["spec_path"], "--containerd-config",
                        paths["containerd_config"], "--base-spec", paths["base_spec"], check=False)
-    one_line_error(done, message)
+    one_line_error(done, message, hint)
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.root
+def test_install_containerd_warns_when_a_cdi_spec_also_runs_gpuhook(tmp_path, sim_host):
+    """A container given a device of gpuhook's CDI spec would run gpuhook from that spec
+    (createRuntime) and from the base spec (prestart)."""
+    cdi_dir = tmp_path / "cdi"
+    gpuhook_cli("cdi", "generate", "--config", sim_host["config"], "--output", str(cdi_dir / "gpuhook.json"))
+    paths = containerd_paths(tmp_path)
+    write(paths["containerd_config"], DEBIAN_CONFIG.replace(
+        '  [plugins."io.containerd.grpc.v1.cri"]\n',
+        f'  [plugins."io.containerd.grpc.v1.cri"]\n    enable_cdi = true\n    cdi_spec_dirs = ["{cdi_dir}"]\n'))
+    args = ["install", "containerd", "--output", paths["spec_path"], "--containerd-config", paths["containerd_config"],
+            "--base-spec", paths["base_spec"]]
+    done = gpuhook_cli(*args)
+    assert (f"warning: the CDI spec {cdi_dir}/gpuhook.json also runs gpuhook: a container given its devices runs it "
+            "twice") in done.stdout
+    os.unlink(cdi_dir / "gpuhook.json")
+    assert "warning" not in gpuhook_cli(*args).stdout
 
 
 # --- dry runs are the exact change ---------------------------------------------------------

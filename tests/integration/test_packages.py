@@ -277,6 +277,13 @@ def test_installed_deb_runs_podman_containers_and_removes_cleanly(installed_deb,
     where = run("/usr/bin/python3", "-c", "import gpuhook, gpuhook._vendor.pynvml as p; print(gpuhook.__file__, p.__file__)")
     assert where.stdout.split() == [f"{SITE}/gpuhook/__init__.py", f"{SITE}/gpuhook/_vendor/pynvml.py"]
     assert os.path.exists(f"{SITE}/gpuhook/__pycache__/entry.cpython-{sys.version_info[0]}{sys.version_info[1]}.pyc")
+    # The deb ships no device plugin stubs: the error says what a deb user can do, and names
+    # no source-tree path or tool (scripts/setup, build_stubs.py) the package does not have.
+    plugin = run("/usr/bin/gpuhook", "plugin", "--device-plugin-dir", str(tmp_path / "device-plugins"), check=False)
+    assert plugin.returncode == 2 and plugin.stderr.count("\n") == 1, plugin.stderr
+    assert plugin.stderr.startswith("gpuhook: this gpuhook installation has no device plugin"), plugin.stderr
+    assert "gpuhook plugin --standalone" in plugin.stderr
+    assert "scripts/setup" not in plugin.stderr and "build_stubs" not in plugin.stderr
 
     # The packaged hooks.d files read the packaged /etc/gpuhook/config.toml: point it at the
     # simulated host (this also makes it a modified conffile for the removal check below).
@@ -326,8 +333,16 @@ def test_installed_deb_runs_podman_containers_and_removes_cleanly(installed_deb,
     with open(cfg.DEFAULT_PATH) as f:
         assert f.read() == modified  # a conffile: kept, changes and all
 
-    run("dpkg", "--purge", "gpuhook")
+    # Purge removes the default state dir too. Run in a mount namespace of its own with a tmpfs
+    # on /run, holding what the packaged hook leaves there, so the host's /run is not touched.
+    purge = ("mount -t tmpfs tmpfs /run && mkdir -p /run/gpuhook/config-cache && "
+             "touch /run/gpuhook/config-cache/%etc%gpuhook%config.toml.json /run/gpuhook/inventory.json && "
+             "dpkg --purge gpuhook >/dev/null && ls -A /run")
+    left = run("unshare", "--mount", "--propagation", "private", "sh", "-ec", purge).stdout.split()
+    assert "gpuhook" not in left
     assert dpkg_status() in ("", "unknown ok not-installed") and not os.path.exists(os.path.dirname(cfg.DEFAULT_PATH))
+    # The hook wrote its parsed config's cache under the state-dir its config names, not in /run/gpuhook.
+    assert os.path.isdir(f"{os.path.dirname(gpus.log)}/run/config-cache")
 
 
 CHECK_REPO_DEPS = os.path.join(REPO, "packaging", "rpm", "check-repo-deps")

@@ -9,7 +9,9 @@ import subprocess
 
 import pytest
 
-from conftest import LIBDIR, host_mounts
+from conftest import LIBDIR, host_mounts, sim_config_values, write_config
+
+from gpuhook.simulate import runner as testbed
 
 pytestmark = pytest.mark.root
 
@@ -192,12 +194,13 @@ def test_debian_family_image_gets_the_multiarch_library_dir(gpus):
 
 
 def test_hook_run_twice_is_idempotent(gpus):
-    entry = None
+    # A second gpuhook with a state dir of its own (the same one would find the start served:
+    # gpuhook.served) applies again on the same container.
+    other = write_config(f"{gpus.workdir}/other.toml", sim_config_values(gpus.sim, gpus.log),
+                         **{"state-dir": f"{gpus.workdir}/other-run"})
 
     def twice(spec):
-        nonlocal entry
-        entry = spec["hooks"]["prestart"][0]
-        spec["hooks"]["prestart"] = [entry, entry]
+        spec["hooks"]["prestart"] = [spec["hooks"]["prestart"][0], testbed.hook_entry(other)]
 
     result = gpus.run("twice", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=twice, paths=EXTRA)
     assert result.returncode == 0, result.stderr

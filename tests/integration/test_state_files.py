@@ -70,15 +70,15 @@ def test_a_directory_another_user_made_is_not_used(tmp_path):
         cache.ensure_dir(str(link))
 
 
-def test_a_forged_config_cache_entry_is_not_trusted(tmp_path, monkeypatch):
+def test_a_forged_config_cache_entry_is_not_trusted(tmp_path):
     """The parsed config is cached by the config file's identity alone; a forged entry
     would turn every policy off (or point ldconfig anywhere). It must be ours to count."""
     require_root_tools()
-    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "config-cache"))
+    state = tmp_path / "state"
     config_file = tmp_path / "config.toml"
-    config_file.write_text("accept-volume-mounts = false\n")
+    config_file.write_text(f'accept-volume-mounts = false\nstate-dir = "{state}"\n')
     assert cfg.load(str(config_file)).accept_volume_mounts is False  # parsed, then cached
-    entry = cache.config_cache_path(str(config_file))
+    entry = cache.config_cache_path(str(state), str(config_file))
     doc = cache.read(entry)
     doc["data"]["accept-volume-mounts"] = True
     with open(entry, "w") as f:
@@ -87,3 +87,37 @@ def test_a_forged_config_cache_entry_is_not_trusted(tmp_path, monkeypatch):
         json.dump(doc, f)
     os.chown(entry, NOBODY, NOBODY)  # a local user's forgery
     assert cfg.load(str(config_file)).accept_volume_mounts is False
+
+
+def test_the_config_cache_lives_under_the_state_dir_the_config_names(tmp_path):
+    """Not in /run/gpuhook whatever state-dir says: two test runs, or two gpuhooks with their
+    own state dirs, never share it, and a state dir taken away takes its cache along."""
+    require_root_tools()
+    state = tmp_path / "state"
+    config_file = tmp_path / "config.toml"
+    config_file.write_text(f'log-file = "{tmp_path}/one.log"\nstate-dir = "{state}"\n')
+    cfg.load(str(config_file))
+    name = str(config_file).replace("%", "%25").replace("/", "%") + ".json"
+    assert os.listdir(state / "config-cache") == [name]
+    assert not os.path.exists(f"/run/gpuhook/config-cache/{name}")
+    assert stat.S_IMODE(os.stat(state / "config-cache").st_mode) == 0o700
+
+
+def test_a_cache_entry_is_used_only_under_the_state_dir_it_was_parsed_for(tmp_path):
+    """Where the cache is comes from the config file's own bytes; an entry found there counts
+    only when the file it was parsed from named that same state-dir. An entry of this very
+    file (same identity) that says another state-dir is not taken."""
+    require_root_tools()
+    config_file = tmp_path / "config.toml"
+    config_file.write_text(f'log-file = "{tmp_path}/real.log"\nstate-dir = "{tmp_path}/a"\n')
+    identity = cache.file_identity(os.stat(config_file))
+    planted = {"identity": identity, "source": str(config_file),
+               "data": {"log-file": f"{tmp_path}/planted.log", "state-dir": f"{tmp_path}/b"}}
+    cache.write_atomic(cache.config_cache_path(f"{tmp_path}/a", str(config_file)), planted)
+    assert cfg.load(str(config_file)).log_file == f"{tmp_path}/real.log"
+    # The same entry naming its own place is taken (the hit the cache is for).
+    planted["data"]["state-dir"] = f"{tmp_path}/a"
+    cache.write_atomic(cache.config_cache_path(f"{tmp_path}/a", str(config_file)), planted)
+    assert cfg.load(str(config_file)).log_file == f"{tmp_path}/planted.log"
+
+

@@ -24,7 +24,7 @@ def test_explicit_file_must_exist(tmp_path):
 
 def test_environment_variable_names_the_file(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('driver-root = "/run/nvidia/driver"\n')
+    path.write_text(f'driver-root = "/run/nvidia/driver"\nstate-dir = "{tmp_path}/run"\n')
     c = cfg.load(None, {cfg.ENV_VAR: str(path)})
     assert c.driver_root == "/run/nvidia/driver" and c.source == str(path)
     assert cfg.load(str(path), {cfg.ENV_VAR: "/elsewhere"}).driver_root == "/run/nvidia/driver"
@@ -78,48 +78,43 @@ def test_readme_documents_every_key_with_its_default():
 
 
 def test_parsed_config_is_cached_and_invalidated_by_any_change(tmp_path, monkeypatch):
-    from gpuhook import cache
-
-    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "cache"))
+    state = tmp_path / "state"
     path = tmp_path / "c.toml"
-    path.write_text('proc-root = "/one"\n')
+    path.write_text(f'proc-root = "/one"\nstate-dir = "{state}"\n')
     assert cfg.load(str(path)).proc_root == "/one"
-    (cached,) = os.listdir(tmp_path / "cache")
+    (cached,) = os.listdir(state / "config-cache")
     # A cache hit never parses TOML: make parsing impossible and load again.
     monkeypatch.setattr(cfg, "_parse_toml", lambda raw, target: (_ for _ in ()).throw(AssertionError("parsed")))
     assert cfg.load(str(path)).proc_root == "/one"
     monkeypatch.undo()
-    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "cache"))
-    path.write_text('proc-root = "/two"\n')  # same size, new content
+    path.write_text(f'proc-root = "/two"\nstate-dir = "{state}"\n')  # same size, new content
     assert cfg.load(str(path)).proc_root == "/two"
-    (tmp_path / "cache" / cached).write_text("{damaged")
+    (state / "config-cache" / cached).write_text("{damaged")
     assert cfg.load(str(path)).proc_root == "/two"
 
 
-def test_a_bad_config_is_never_cached(tmp_path, monkeypatch):
-    from gpuhook import cache
-
-    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "cache"))
+def test_a_bad_config_is_never_cached(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text("nonsense-key = 1\n")
+    path.write_text(f'nonsense-key = 1\nstate-dir = "{tmp_path}/state"\n')
     for _ in range(2):
         with pytest.raises(ConfigError, match="unknown key"):
             cfg.load(str(path))
-    assert not (tmp_path / "cache").exists() or os.listdir(tmp_path / "cache") == []
+    assert not (tmp_path / "state").exists()
 
 
-def test_cache_of_deleted_configs_is_pruned(tmp_path, monkeypatch):
+def test_cache_of_deleted_configs_is_pruned(tmp_path):
     from gpuhook import cache
 
-    monkeypatch.setattr(cache, "CONFIG_CACHE_DIR", str(tmp_path / "cache"))
+    state = tmp_path / "state"
     for i in range(70):
-        (tmp_path / f"c{i}.toml").write_text("")
+        (tmp_path / f"c{i}.toml").write_text(f'state-dir = "{state}"\n')
         cfg.load(str(tmp_path / f"c{i}.toml"))
         (tmp_path / f"c{i}.toml").unlink()
-    (tmp_path / "live.toml").write_text("")
+    (tmp_path / "live.toml").write_text(f'state-dir = "{state}"\n')
     cfg.load(str(tmp_path / "live.toml"))
-    left = os.listdir(tmp_path / "cache")
-    assert len(left) < 64 and os.path.basename(cache.config_cache_path(str(tmp_path / "live.toml"))) in left
+    left = os.listdir(state / "config-cache")
+    assert len(left) < 64
+    assert os.path.basename(cache.config_cache_path(str(state), str(tmp_path / "live.toml"))) in left
 
 
 def test_every_key_is_a_declared_attribute_of_its_table():
