@@ -47,9 +47,12 @@ def prestart(state, spec, config, deadline: float, record: dict | None = None) -
     plan, host = plan_start(state, spec, config)
     if plan.empty:
         return plan, None
-    from gpuhook import apply, survey
+    from gpuhook import apply, leftovers, survey
 
     survey.write_caches(config, host)
+    # What an earlier start on this rootfs could not take back is taken back first; while its
+    # worker is still stuck in the kernel, the start is refused (gpuhook.leftovers).
+    leftovers.reap(config.state_dir, {} if record is None else record, rootfs=plan.rootfs)
     names = journal.k8s_names({**spec.annotations, **state.annotations})
     return plan, apply.run(plan, state, config, deadline, names, {} if record is None else record)
 
@@ -66,8 +69,9 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
         record.update(journal.k8s_names({**spec.annotations, **state.annotations}))
     except GpuhookError:
         record.update(journal.k8s_names(state.annotations))
-    from gpuhook import grants
+    from gpuhook import grants, leftovers
 
+    leftovers.reap(config.state_dir, record, container_id=state.id)
     record["grants"] = grants.release(config.state_dir, state.id)
     if config.health.mode == "off":
         record["decision"] = "nothing to do at this stage (health mode off)"
