@@ -207,6 +207,7 @@ def begin(plan, deadline: float, pending: "Pending") -> "Pending":
         proc_files = read_proc_files(plan.proc_mask) if plan.proc_mask else {}
         pending.place = hierarchy.placement(plan.pid)
         pending.worker = workerproc.take()
+        pending.worker.context = (plan.rootfs, plan.container_id)
         pending.worker.send_order(actions.encode_order(
             plan, _identity(ns_fd), None if pending.user_fd is None else _identity(pending.user_fd), proc_files,
             deadline - CLEANUP_MARGIN))

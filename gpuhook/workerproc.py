@@ -49,6 +49,7 @@ SIGKILL = 9  # as signal.SIGKILL, without importing signal (and enum) on the hoo
 
 _early = None  # the worker gpuhook.entry forked ahead of the planning, until taken
 _exiting: list = []  # committed workers on their way out, reaped by `discard`
+live: list = []  # every worker this process forked (a hook forks one or two): gpuhook.hook.Backstop stops them
 
 
 class Journal:
@@ -125,6 +126,7 @@ class Worker:
         self.unsettled = False  # it was killed while it may still have had changes made
         self.stuck = False  # it did not end after SIGKILL: a call in the kernel holds it
         self.left: list = []  # what it reported leaving stuck itself (an ldconfig sandbox)
+        self.context = None  # (rootfs, container id) of its order, for gpuhook.leftovers
 
     def send_order(self, order: bytes) -> None:
         try:
@@ -313,7 +315,9 @@ def start() -> Worker:
             os._exit(code)
     os.close(order_r)
     os.close(result_w)
-    return Worker(pid, order_w, result_r, progress)
+    worker = Worker(pid, order_w, result_r, progress)
+    live.append(worker)
+    return worker
 
 
 def start_early() -> None:
