@@ -164,6 +164,7 @@ def _settle_worker(worker, plan, config, record: dict, err: BaseException) -> No
     (gpuhook.leftovers); the error's hint says so in a few words."""
     if worker is None:
         return
+    worker.settling = True  # the hook's backstop leaves it to this thread
     try:
         if worker.left:
             record["left_behind_processes"] = worker.left
@@ -175,6 +176,7 @@ def _settle_worker(worker, plan, config, record: dict, err: BaseException) -> No
                 err.hint = "; ".join(filter(None, [err.hint, note]))
     finally:
         worker.release()
+        worker.settling = False
 
 
 def _record_grant(plan, state, config, outcome, record: dict) -> None:

@@ -25,7 +25,7 @@ from gpuhook import request as req
 from gpuhook.errors import INTERNAL_ERROR, DeadlineError, GpuhookError, InputError, from_os_error, printable
 from gpuhook.plan import empty_plan, make_plan
 
-BACKSTOP_GRACE = 0.5  # seconds past the deadline at which the backstop ends the hook itself
+BACKSTOP_GRACE = 0.6  # seconds past the deadline at which the backstop ends the hook itself
 FINAL_GRACE = 0.9  # ... and at which it ends it even when the main thread was writing its own line
 
 
@@ -70,13 +70,17 @@ class Backstop:
             if left <= 0:
                 break
             time.sleep(min(left, 0.5))  # the deadline moves once the config is read
+        code = 0 if self.stage == "poststop" else DeadlineError.exit_code
         if not self.lock.acquire(blocking=False):  # the main thread is writing its line
             time.sleep(max(0.0, self.deadline + FINAL_GRACE - time.monotonic()))
-            os._exit((self.code or 0) & 0xFF)
-        code = 0 if self.stage == "poststop" else DeadlineError.exit_code
+            os._exit((code if self.code is None else self.code) & 0xFF)
         try:
             record = dict(self.record)
-            message = f"hook deadline passed during {self._where()} ({self.seconds:g} s): gpuhook stopped"
+            try:
+                where = self._where()
+            except Exception:  # noqa: BLE001 - the line comes first
+                where = self.phase
+            message = f"hook deadline passed during {where} ({self.seconds:g} s): gpuhook stopped"
             try:
                 note = self._stop_workers(record)
             except Exception as err:  # noqa: BLE001 - the line and the record come first
@@ -99,11 +103,14 @@ class Backstop:
         return self.phase
 
     def _stop_workers(self, record: dict) -> str:
-        """Kill a worker still at work; its leftovers are taken back or recorded."""
+        """Kill a worker still at work; its leftovers are taken back or recorded. One the
+        main thread is already settling (gpuhook.apply) is left to it, for a moment."""
         workers = sys.modules.get("gpuhook.workerproc")
         notes = []
         for worker in list(workers.live) if workers is not None else ():
-            if worker.reaped or worker.stuck or worker.committed:
+            while worker.settling and time.monotonic() < self.deadline + FINAL_GRACE:
+                time.sleep(0.01)
+            if worker.reaped or worker.stuck or worker.committed or worker.progress.closed:
                 continue
             worker.close()
             if worker.unsettled and worker.context and self.state_dir:

@@ -40,7 +40,7 @@ from gpuhook.errors import ApplyError, DeadlineError
 
 PROGRESS_BYTES = 4096  # the shared page the worker names its current step in
 JOURNAL_BYTES = 60 << 10  # after it: the worker's journal of what it made (`Journal`)
-REAP_GRACE = 0.5  # seconds a killed worker gets to be gone before it counts as stuck
+REAP_GRACE = 0.2  # seconds a killed worker gets to be gone before it counts as stuck
 ORDER_LIMIT = 16 << 20  # an order is a few KiB; a bigger length prefix is a bug
 REPORT_LIMIT = 16 << 20
 COMMIT = b"c"
@@ -127,6 +127,7 @@ class Worker:
         self.stuck = False  # it did not end after SIGKILL: a call in the kernel holds it
         self.left: list = []  # what it reported leaving stuck itself (an ldconfig sandbox)
         self.context = None  # (rootfs, container id) of its order, for gpuhook.leftovers
+        self.settling = False  # the hook is taking back (or recording) what it left
 
     def send_order(self, order: bytes) -> None:
         try:
