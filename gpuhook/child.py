@@ -47,17 +47,34 @@ def kill_group(pid: int, grace: float = KILL_GRACE) -> bool:
             target()
         except (ProcessLookupError, PermissionError):
             pass
-    end = time.monotonic() + grace
-    while True:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
+    return reap(pid, grace)
+
+
+def reap(pid: int, seconds: float) -> bool:
+    """Reap the child `pid` if it ends within `seconds`: woken by its pidfd the moment it
+    does (short polls on kernels before 5.3). Returns whether it was reaped."""
+    end = time.monotonic() + seconds
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        pidfd = -1
+    try:
+        while True:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    return True
+            except ChildProcessError:
                 return True
-        except ChildProcessError:
-            return True
-        left = end - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(0.005, left))
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            if pidfd >= 0:
+                select.select([pidfd], [], [], left)
+            else:
+                time.sleep(min(0.001, left))
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
 
 
 def run(argv: list[str], timeout: float, env: dict | None = None, executable=None,

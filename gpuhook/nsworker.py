@@ -208,7 +208,6 @@ class _Work:
         self.root = -1
         self.changes = safepath.Changes(journal)
         self.mounted: list = []  # (container path, fd of the mount or -1), in the order made
-        self.own_mounts: dict = {}  # mount id -> container path of each bind made (for the ldconfig sandbox)
         self.notes: list[str] = []
         self.count = 0
         self.sources: dict = {}  # host path -> O_PATH fd, opened in the host's namespace
@@ -517,7 +516,6 @@ class _Work:
             use_new_mount_api = False
             return False
         self.mounted.append((target_path, tree))
-        self.own_mounts[mountinfo.mount_id(tree)] = target_path
         return True
 
     def _bind_and_remount(self, src: int, src_st, target: int, target_path: str, options) -> None:
@@ -530,7 +528,6 @@ class _Work:
             st = os.fstat(now)
             if (st.st_dev, st.st_ino) != (src_st.st_dev, src_st.st_ino):
                 raise OSError(errno.EBUSY, "changed under us while mounting", target_path)
-            self.own_mounts[mountinfo.mount_id(now)] = target_path
             linux.mount(None, linux.fd_path(now), None, linux.MS_PRIVATE)
             linux.mount(None, linux.fd_path(now), None, linux.MS_BIND | linux.MS_REMOUNT | _flags(options))
         finally:
@@ -658,10 +655,15 @@ class _Work:
 
         self.parent(LD_CACHE)  # /etc is made (or found) on the rootfs first: an error names it now
         # The sandbox keeps the driver's files gpuhook bound in (libraries, binaries,
-        # firmware) and no other mount: not the IPC endpoints, not the device binds.
-        files = {m.target for m in self.plan.mounts if m.kind == "file"}
-        ids = {mount for mount, target in self.own_mounts.items() if target in files}
-        own = {m.point for m in mountinfo.read() if m.id in ids}
+        # firmware) and no other mount: not the IPC endpoints, not the device binds. They
+        # are named by mount point, as /proc/self/mountinfo shows it: the path of the
+        # directory fd the worker resolved, and the file name. (Whatever else sits at such
+        # a point lies below gpuhook's mount and is hidden by it.)
+        own = set()
+        for mount in self.plan.mounts:
+            fd = self.dirs.get(safepath.split(mount.target)[0]) if mount.kind == "file" else None
+            if fd is not None:
+                own.add(os.readlink(linux.fd_path(fd)).rstrip("/") + "/" + safepath.split(mount.target)[1])
         try:
             self.cache, self.ldconfig_output = ldsandbox.build_cache(
                 self.plan.rootfs, self.root, self.ldconfig_fd, self.plan.ldcache.directories, self.deadline,

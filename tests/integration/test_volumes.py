@@ -26,6 +26,7 @@ from conftest import (LIBDIR, GpuContainers, assert_rootfs_clean, require_root_t
 from helpers.hangfs import StalledFuse
 from test_bad_input import snapshot
 
+from gpuhook import ldcache
 from gpuhook.simulate import host as simhost
 
 pytestmark = pytest.mark.root
@@ -195,6 +196,9 @@ def test_ldconfig_never_reads_a_stalled_volume(gpus, stalled_volume):
     assert took < 5, took
     assert result.returncode == 0, result.stderr
     assert result.probes()[f"{LIBDIR}/libcuda.so.1"]["type"] == "reg"
+    # The sandbox left the volume out and kept gpuhook's own mounts: the driver is in the cache.
+    names = {entry.soname for entry in ldcache.read(f"{result.rootfs}/etc/ld.so.cache")}
+    assert "libcuda.so.1" in names and "libnvidia-ml.so.1" in names
 
 
 @pytest.fixture(scope="module")
