@@ -12,6 +12,7 @@ cgroup grant ran meanwhile and may have failed); otherwise it undoes it too.
 
 import errno
 import os
+import select
 import stat
 import time
 
@@ -158,7 +159,11 @@ def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, 
                             "ldconfig_output": work.ldconfig_output, "left": work.left})
         return 1
     try:
-        decision = os.read(decisions, 1)
+        # The hook commits before its own deadline or not at all (its backstop ends it by
+        # then, gpuhook.hook.FINAL_GRACE): a hook that is still alive but cannot act past
+        # that (stuck in the kernel) gets no wait without bound either.
+        last = deadline + workerproc.COMMIT_WAIT - time.monotonic()
+        decision = os.read(decisions, 1) if select.select([decisions], [], [], max(0.0, last))[0] else b""
     except OSError:
         decision = b""
     if decision == workerproc.COMMIT:

@@ -41,6 +41,10 @@ from gpuhook.errors import ApplyError, DeadlineError
 PROGRESS_BYTES = 4096  # the shared page the worker names its current step in
 JOURNAL_BYTES = 60 << 10  # after it: the worker's journal of what it made (`Journal`)
 REAP_GRACE = 0.2  # seconds a killed worker gets to be gone before it counts as stuck
+# How long past its own deadline (the hook's, less apply.CLEANUP_MARGIN) a worker waits for
+# COMMIT or ABORT before it undoes its work itself: well after the hook is gone whatever
+# happened (its backstop ends it within a second of its deadline).
+COMMIT_WAIT = 4.0
 ORDER_LIMIT = 16 << 20  # an order is a few KiB; a bigger length prefix is a bug
 REPORT_LIMIT = 16 << 20
 COMMIT = b"c"

@@ -67,3 +67,54 @@ def test_a_hook_held_past_its_deadline_is_ended_by_the_backstop(bed, slow_nvml_h
     assert record["decision"] == "failed" and record["backstop"] is True
     assert record["container"] == "slow-nvml" and record["error"] == hook_line(result)[len("gpuhook: "):]
     assert_rootfs_clean(result.rootfs)
+
+
+WORKER_SCRIPT = r"""
+import json, mmap, os, subprocess, sys, time
+sys.path.insert(0, {repo!r})
+from gpuhook import nsworker, workerproc
+from gpuhook.plan import BindMount, Plan
+
+workerproc.COMMIT_WAIT = 0.5
+root = {root!r}
+subprocess.run(["mount", "--bind", root, root], check=True)  # a rootfs is a mount point
+lib = BindMount({source!r}, "/usr/lib64/libcuda.so.1", "file", ("ro", "nosuid", "nodev"))
+plan = Plan("c", os.getpid(), root, "gpus", "env", frozenset(), (), (), (lib,), (), (), None, None, ())
+ns = os.open("/proc/self/ns/mnt", os.O_RDONLY)
+out_r, out_w = os.pipe()
+decide_r, decide_w = os.pipe()  # the "hook" keeps its end open and never says a word
+progress = mmap.mmap(-1, workerproc.PROGRESS_BYTES + workerproc.JOURNAL_BYTES)
+started = time.monotonic()
+code = nsworker.run(plan, ns, None, {{}}, started + 0.5, out_w, progress, decide_r)
+took = time.monotonic() - started
+os.close(out_w)
+reports = os.read(out_r, 65536).decode().splitlines()
+print(json.dumps({{"code": code, "took": took, "reports": reports, "left": os.listdir(root + "/usr")}}))
+"""
+
+
+def test_a_worker_the_hook_never_answers_undoes_its_work_by_itself(tmp_path):
+    """After its report the worker waits for COMMIT or ABORT; a hook that is alive but can no
+    longer act (stuck in the kernel) never sends either. The worker waits a bounded time past
+    its deadline (workerproc.COMMIT_WAIT), then takes its work back, as it does on ABORT."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, host_mounts
+
+    require_root_tools("unshare")
+    source = tmp_path / "libcuda.so.550"
+    source.write_text("the host's library\n")
+    root = tmp_path / "rootfs"
+    (root / "usr").mkdir(parents=True)
+    before = host_mounts()
+    script = WORKER_SCRIPT.format(repo=REPO, root=str(root), source=str(source))
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["code"] == 0 and 0.9 < out["took"] < 3, out
+    assert json.loads(out["reports"][0])["ok"] is True and json.loads(out["reports"][1]) == {"undone": []}
+    assert out["left"] == []  # the library's mount point and its directory are gone again
+    assert host_mounts() == before
