@@ -64,7 +64,9 @@ def settle(worker, rootfs: str, container_id: str, state_dir: str, record: dict)
 def reap(state_dir: str, record: dict, container_id: str | None = None, rootfs: str | None = None) -> None:
     """Take back the leftovers recorded for `container_id`, or for the rootfs `rootfs`, whose
     worker is gone. A record whose worker is still stuck stays; for `rootfs` (a start about to
-    use it) that refuses the start: HostError. Notes what it did in `record`."""
+    use it) that refuses the start: HostError. A record whose worker is gone and whose rootfs
+    is gone too (a snapshot the runtime removed) is dropped: nothing is left to take back.
+    Notes what it did in `record`."""
     where = directory(state_dir)
     try:
         names = sorted(os.listdir(where))[:MAX_RECORDS]
@@ -76,31 +78,31 @@ def reap(state_dir: str, record: dict, container_id: str | None = None, rootfs: 
         left = cache.read(path)
         if not isinstance(left, dict) or not isinstance(left.get("entries"), list):
             continue
-        if container_id is not None and left.get("container") != container_id:
-            continue
-        if rootfs is not None and (identity is None or left.get("rootfs_identity") != identity):
-            continue
+        ours = (container_id is not None and left.get("container") == container_id) or \
+            (identity is not None and left.get("rootfs_identity") == identity)
         pid, start = left.get("worker"), left.get("worker_start_time")
         if left.get("boot_id") == cache.boot_id() and isinstance(pid, int) and isinstance(start, int) and \
                 procstat.is_alive(pid, start):
-            if rootfs is not None:
+            if ours and rootfs is not None:
                 from gpuhook.errors import HostError
 
                 raise HostError(f"an earlier start on this rootfs (container {left.get('container')}) left its "
                                 f"namespace worker (pid {pid}) stuck in the kernel; its leftovers are recorded in "
                                 f"{path} and taken back once it is gone")
-            record.setdefault("leftovers", []).append(f"{name}: worker {pid} still stuck; kept")
+            if ours:
+                record.setdefault("leftovers", []).append(f"{name}: worker {pid} still stuck; kept")
             continue
-        problems = []
-        if isinstance(left.get("rootfs"), str) and _identity(left["rootfs"]) == left.get("rootfs_identity"):
-            problems = take_back(left["rootfs"], left["entries"])
+        there = isinstance(left.get("rootfs"), str) and _identity(left["rootfs"]) == left.get("rootfs_identity")
+        if not ours and there:
+            continue  # another container's: its poststop or the next start on its rootfs takes it back
+        problems = take_back(left["rootfs"], left["entries"]) if there else []
         try:
             os.unlink(path)
         except OSError as err:
             problems.append(f"cannot remove the record: {err.strerror}")
         record.setdefault("leftovers", []).append(
-            {"container": left.get("container"), "taken back": [_shown(e) for e in left["entries"]],
-             "problems": problems})
+            {"container": left.get("container"), "taken back": [_shown(e) for e in left["entries"]] if there else [],
+             "rootfs": "there" if there else "gone", "problems": problems})
 
 
 def take_back(rootfs: str, entries: list) -> list:

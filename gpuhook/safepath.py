@@ -198,8 +198,13 @@ class Changes:
         self.journal = journal
 
     def _append(self, kind: str, parent_fd: int, name: str, extra: str, path: str) -> None:
-        token = self.journal.add(kind, path or name, parent_fd, name, extra) if self.journal is not None else None
-        self.entries.append((kind, os.dup(parent_fd), name, extra, token))
+        self.entries.append((kind, os.dup(parent_fd), name, extra, None))
+        if self.journal is not None:
+            try:
+                token = self.journal.add(kind, path or name, parent_fd, name, extra)
+            except (OSError, ValueError):  # never at the cost of the undo entry itself
+                token = None
+            self.entries[-1] = (kind, self.entries[-1][1], name, extra, token)
 
     def add(self, kind: str, parent_fd: int, name: str, path: str = "") -> None:
         """`name` (container path `path`) was created in the directory `parent_fd`."""
