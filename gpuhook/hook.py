@@ -47,6 +47,7 @@ class Backstop:
         self.log = (cfg.default("log-file"), "file", "/dev/log")
         self.state_dir = None
         self.code = None
+        self.returned = False  # run_hook has returned: nothing is left for the backstop to do
         self.lock = _thread.allocate_lock()  # whoever holds it ends the hook
         _thread.start_new_thread(self._watch, ())
 
@@ -70,10 +71,14 @@ class Backstop:
             if left <= 0:
                 break
             time.sleep(min(left, 0.5))  # the deadline moves once the config is read
+            if self.returned:
+                return
         code = 0 if self.stage == "poststop" else DeadlineError.exit_code
         if not self.lock.acquire(blocking=False):  # the main thread is writing its line
             time.sleep(max(0.0, self.deadline + FINAL_GRACE - time.monotonic()))
-            os._exit((code if self.code is None else self.code) & 0xFF)
+            if not self.returned:  # still writing it (a log on a stalled filesystem): end it now
+                os._exit((code if self.code is None else self.code) & 0xFF)
+            return
         try:
             record = dict(self.record)
             try:
@@ -241,4 +246,5 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         workers = sys.modules.get("gpuhook.workerproc")
         if workers is not None:  # reap the committed worker, which exited meanwhile
             workers.discard()
+        backstop.returned = True
     return code
