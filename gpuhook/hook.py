@@ -49,7 +49,10 @@ class Backstop:
         self.code = None
         self.returned = False  # run_hook has returned: nothing is left for the backstop to do
         self.lock = _thread.allocate_lock()  # whoever holds it ends the hook
-        _thread.start_new_thread(self._watch, ())
+        try:
+            _thread.start_new_thread(self._watch, ())
+        except RuntimeError:  # no thread now (EAGAIN): every step is still bounded on its own
+            pass
 
     def configure(self, config, started: float) -> None:
         self.deadline = started + config.deadline_seconds
