@@ -52,7 +52,7 @@ def encode_order(plan, mntns: tuple, userns: tuple | None, proc_files: dict, dea
     `mntns` and `userns` are the (st_dev, st_ino) of the namespaces the parent opened: the
     worker opens them again by pid and must find the same ones."""
     return marshal.dumps((
-        plan.pid, plan.rootfs, plan.userns, plan.proc_in_rootfs,
+        plan.pid, plan.rootfs, plan.userns, plan.proc_in_rootfs, plan.dev_tmpfs,
         [tuple(n) for n in plan.nodes], [tuple(m) for m in plan.mounts], [tuple(s) for s in plan.symlinks],
         None if plan.proc_mask is None else tuple(plan.proc_mask),
         None if plan.ldcache is None else tuple(plan.ldcache),
@@ -60,7 +60,7 @@ def encode_order(plan, mntns: tuple, userns: tuple | None, proc_files: dict, dea
     ))
 
 
-class Order(record("Order", "pid rootfs userns proc_in_rootfs nodes mounts symlinks proc_mask ldcache")):
+class Order(record("Order", "pid rootfs userns proc_in_rootfs dev_tmpfs nodes mounts symlinks proc_mask ldcache")):
     """What the worker carries out: the plan's fields of the same names."""
 
     __slots__ = ()
@@ -69,9 +69,9 @@ class Order(record("Order", "pid rootfs userns proc_in_rootfs nodes mounts symli
 def decode_order(data: bytes) -> tuple:
     """(Order, mount namespace id, user namespace id or None, /proc/driver/nvidia files,
     deadline) from `encode_order`'s bytes."""
-    (pid, rootfs, userns, proc_in_rootfs, nodes, mounts, symlinks, proc_mask, ldcache,
+    (pid, rootfs, userns, proc_in_rootfs, dev_tmpfs, nodes, mounts, symlinks, proc_mask, ldcache,
      mntns, user_ns, proc_files, deadline) = marshal.loads(data)
-    order = Order(pid, rootfs, userns, proc_in_rootfs, tuple(DeviceNode(*n) for n in nodes),
+    order = Order(pid, rootfs, userns, proc_in_rootfs, dev_tmpfs, tuple(DeviceNode(*n) for n in nodes),
                   tuple(BindMount(*m) for m in mounts), tuple(Symlink(*s) for s in symlinks),
                   None if proc_mask is None else ProcMask(*proc_mask),
                   None if ldcache is None else LdCacheUpdate(*ldcache))

@@ -117,13 +117,16 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
     way: the health registry entry, with the container's Kubernetes `names`
     (journal.k8s_names), before the commit (taken back if the start fails), and the cgroup
     v1 grant record (gpuhook.grants) after it. A failed health step undoes the rest: the
-    container never gets a GPU that failed its check. `record` (the hook's log record)
-    receives the decisions; nothing is read from it."""
+    container never gets a GPU that failed its check. A worker that had to be killed before
+    it undid its work leaves what its journal says: gpuhook.leftovers takes it back (or
+    records it). `record` (the hook's log record) receives the decisions; nothing is read
+    from it."""
     if plan.empty:
         return Applied("", [], [], 0)
     health = entry = None
-    pending = begin(plan, deadline)
+    pending = Pending()
     try:
+        begin(plan, deadline, pending)
         if plan.health is not None:
             # Only now, and only for GPUs: with health off nothing of NVML, threads or
             # gpuhook.health is imported.
@@ -146,9 +149,34 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
         # The grant record is written while the committed worker closes its files and exits.
         if outcome.cgroup_mode == hierarchy.V1 and plan.rules:
             _record_grant(plan, state, config, outcome, record)
-    finally:
-        pending.close()
+    except BaseException as err:
+        _settle_worker(pending.close(), plan, config, record, err)
+        raise
+    worker = pending.close()
+    if worker is not None:
+        worker.release()
     return outcome
+
+
+def _settle_worker(worker, plan, config, record: dict, err: BaseException) -> None:
+    """After a failed start: what the worker reported leaving stuck goes to the log, and a
+    worker killed before it undid its work has its leftovers taken back or recorded
+    (gpuhook.leftovers); the error's hint says so in a few words."""
+    if worker is None:
+        return
+    worker.settling = True  # the hook's backstop leaves it to this thread
+    try:
+        if worker.left:
+            record["left_behind_processes"] = worker.left
+        if worker.unsettled:
+            from gpuhook import leftovers
+
+            note = leftovers.settle(worker, plan.rootfs, plan.container_id, config.state_dir, record)
+            if note and isinstance(err, GpuhookError):
+                err.hint = "; ".join(filter(None, [err.hint, note]))
+    finally:
+        worker.release()
+        worker.settling = False
 
 
 def _record_grant(plan, state, config, outcome, record: dict) -> None:
@@ -164,23 +192,24 @@ def _record_grant(plan, state, config, outcome, record: dict) -> None:
         record["grant_record"] = f"not recorded: {err}"
 
 
-def begin(plan, deadline: float) -> "Pending":
-    """Set both halves of a start going: the namespace worker (gpuhook.workerproc, usually
-    forked before the planning began) gets its order and works in the container while this
-    process grants the cgroup rules. Raises after undoing when the grant fails."""
+def begin(plan, deadline: float, pending: "Pending") -> "Pending":
+    """Set both halves of a start going in `pending`: the namespace worker
+    (gpuhook.workerproc, usually forked before the planning began) gets its order and works
+    in the container while this process grants the cgroup rules. Raises after undoing when
+    the grant fails."""
     if plan.pid <= 0:
         raise InputError("state: no container pid; gpuhook runs as a prestart or createRuntime hook")
     # The namespaces stay open until the worker has reported: it opens them again by pid and
     # compares their identity, which only a namespace held alive here makes unambiguous (a
     # freed namespace's inode number can be given to a new one).
-    ns_fd = open_container_mntns(plan.pid)
-    pending = Pending(ns_fd)
+    pending.ns_fd = ns_fd = open_container_mntns(plan.pid)
     try:
         if plan.userns:
             pending.user_fd = open_container_userns(plan.pid)
         proc_files = read_proc_files(plan.proc_mask) if plan.proc_mask else {}
         pending.place = hierarchy.placement(plan.pid)
         pending.worker = workerproc.take()
+        pending.worker.context = (plan.rootfs, plan.container_id)
         pending.worker.send_order(actions.encode_order(
             plan, _identity(ns_fd), None if pending.user_fd is None else _identity(pending.user_fd), proc_files,
             deadline - CLEANUP_MARGIN))
@@ -190,7 +219,6 @@ def begin(plan, deadline: float) -> "Pending":
     except BaseException as err:
         if pending.worker is not None:
             _add_undo_problems(err, pending.worker.abort(deadline))
-        pending.close()
         raise
     return pending
 
@@ -199,8 +227,8 @@ class Pending:
     """A start whose two halves are under way: the worker's, ordered, and the cgroup grant,
     made. `finish` commits both, `abort` undoes both; `close` in any case."""
 
-    def __init__(self, ns_fd: int):
-        self.ns_fd = ns_fd
+    def __init__(self):
+        self.ns_fd = None
         self.user_fd = None
         self.place = None
         self.added: list = []
@@ -221,18 +249,21 @@ class Pending:
         """Undo both halves while `err` unwinds; what could not be undone joins its hint."""
         _add_undo_problems(err, self.worker.abort(deadline) + _revoke(self.place, self.added))
 
-    def close(self) -> None:
+    def close(self):
         """End the worker (a committed one is reaped by workerproc.discard, once the hook's
-        log line is written) and close the namespaces."""
-        if self.worker is not None and self.worker.committed:
-            workerproc.reap_later(self.worker)
-        elif self.worker is not None:
-            self.worker.close()
-        self.worker = None
+        log line is written) and close the namespaces. Returns an uncommitted worker, ended
+        (or given up on: `stuck`), whose shared memory the caller releases; else None."""
+        worker, self.worker = self.worker, None
+        if worker is not None and worker.committed:
+            workerproc.reap_later(worker)
+            worker = None
+        elif worker is not None:
+            worker.close()
         for fd in (self.ns_fd, self.user_fd):
             if fd is not None:
                 os.close(fd)
         self.ns_fd = self.user_fd = None
+        return worker
 
 
 def _add_undo_problems(err: BaseException, problems: list) -> None:

@@ -20,28 +20,61 @@ from gpuhook.linux import SIGKILL
 MINIMAL_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
+KILL_GRACE = 0.3  # seconds a killed child gets to end before it counts as stuck in the kernel
+
+
 class Result:
-    def __init__(self, status: int | None, output: bytes, timed_out: bool, seconds: float):
+    def __init__(self, status: int | None, output: bytes, timed_out: bool, seconds: float, pid: int = 0,
+                 stuck: bool = False):
         self.status = status  # exit code, or -signal; None if it had to be killed
         self.output = output  # stdout and stderr together, capped
         self.timed_out = timed_out
         self.seconds = seconds
+        self.pid = pid
+        self.stuck = stuck  # killed, it did not end: a call in the kernel holds it (not waited for)
 
     def tail(self, limit: int = 300) -> str:
         text = self.output.decode("utf-8", "replace").strip()
         return " ".join(text.splitlines()[-3:])[-limit:]
 
 
-def kill_group(pid: int) -> None:
+def kill_group(pid: int, grace: float = KILL_GRACE) -> bool:
+    """SIGKILL the child `pid` and its process group, and reap it. A process stuck in the
+    kernel (a filesystem that never answers) does not end on SIGKILL: it is waited for
+    `grace` seconds at most, never without bound. Returns whether it was reaped."""
     for target in (lambda: os.killpg(pid, SIGKILL), lambda: os.kill(pid, SIGKILL)):
         try:
             target()
         except (ProcessLookupError, PermissionError):
             pass
+    return reap(pid, grace)
+
+
+def reap(pid: int, seconds: float) -> bool:
+    """Reap the child `pid` if it ends within `seconds`: woken by its pidfd the moment it
+    does (short polls on kernels before 5.3). Returns whether it was reaped."""
+    end = time.monotonic() + seconds
     try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        pidfd = -1
+    try:
+        while True:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    return True
+            except ChildProcessError:
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            if pidfd >= 0:
+                select.select([pidfd], [], [], left)
+            else:
+                time.sleep(min(0.001, left))
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
 
 
 def run(argv: list[str], timeout: float, env: dict | None = None, executable=None,
@@ -120,11 +153,12 @@ def run(argv: list[str], timeout: float, env: dict | None = None, executable=Non
         if pidfd >= 0:
             os.close(pidfd)
     timed_out = status is None
+    stuck = False
     if timed_out:
-        kill_group(pid)
+        stuck = not kill_group(pid)
     else:
         try:  # the leader exited; anything it left in its group goes too
             os.killpg(pid, SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    return Result(status, b"".join(chunks), timed_out, time.monotonic() - start)
+    return Result(status, b"".join(chunks), timed_out, time.monotonic() - start, pid, stuck)

@@ -12,16 +12,18 @@ So ldconfig runs here in a sandbox where those paths do not exist, rather than i
 they are forbidden:
 
 1. a new mount namespace, everything private (nothing propagates in or out);
-2. a read-only, nosuid, nodev, noexec copy of the rootfs and its submounts, with every procfs
-   and sysfs mount in it detached, and an empty tmpfs (size-limited) for the one file
-   ldconfig may write;
+2. a read-only, nosuid, nodev, noexec copy of the rootfs holding gpuhook's own mounts (the
+   driver's files) and nothing else: every other submount (procfs, sysfs, the runtime's /dev,
+   the pod's volumes, which may be filesystems that never answer) is detached, and an empty
+   tmpfs (size-limited) is mounted for the one file ldconfig may write;
 3. pivot_root into that copy, the old root detached: the host's tree is no longer in the
    namespace, and there is no procfs to leave it by; both are verified from the mount table
    before ldconfig starts;
 4. ldconfig itself (opened by the hook on the host before it joined any namespace, executed by
    fd, statically linked so no loader from the image is involved) runs with no capabilities
    at all, no_new_privs, an empty environment, and hard limits on memory, CPU time, file size
-   and open files, under the hook's wall-clock deadline;
+   and open files, under the hook's wall-clock deadline; a process that does not end after
+   its SIGKILL (stuck in the kernel) is not waited for, but reported (`SandboxError.left`);
 5. the cache it built is read from the tmpfs by fd, checked, and handed back; the caller
    installs it into the rootfs by directory fd (safepath.replace_file). ldconfig's output is returned for gpuhook's
    log, never for the container's user.
@@ -50,16 +52,18 @@ CACHE_MAGICS = (b"glibc-ld.so.cache1.1", b"ld.so-1.7.0")
 PT_INTERP = 3
 DETACH_ROUNDS = 32
 UMOUNT_NOFOLLOW = 0x8  # umount2(2): do not follow a final symlink
-KILL_MARGIN = 0.3  # seconds before the deadline the sandbox stops ldconfig itself
+KILL_GRACE = 0.3  # seconds a killed process gets to end before it counts as stuck in the kernel
+KILL_MARGIN = 0.3 + 2 * KILL_GRACE  # the sandbox stops ldconfig itself this long before the deadline
 
 
 class SandboxError(Exception):
     """ldconfig could not be run safely or did not build a cache. `output` is what ldconfig
     printed (for gpuhook's log only)."""
 
-    def __init__(self, message: str, output: str = ""):
+    def __init__(self, message: str, output: str = "", left=()):
         super().__init__(message)
         self.output = output
+        self.left = list(left)  # processes left stuck in the kernel, described for the log
 
 
 def require_static(fd: int, name: str) -> None:
@@ -85,11 +89,13 @@ def require_static(fd: int, name: str) -> None:
 
 
 def build_cache(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadline: float,
-                new_mount_api: bool = True) -> tuple:
+                new_mount_api: bool = True, own_mounts=frozenset()) -> tuple:
     """(cache bytes, ldconfig's output) for the rootfs at `rootfs` (open as `root_fd`).
 
     Runs in the container's mount namespace (the hook's worker); raises SandboxError. Without
     `new_mount_api` (kernels before 5.12) the read-only copy is made with mount(2).
+    `own_mounts` are the mount points (as /proc/self/mountinfo shows them) of the mounts
+    gpuhook made in the rootfs: the only submounts the copy keeps.
     """
     memfd = os.memfd_create("gpuhook-ld.so.cache", os.MFD_CLOEXEC)
     read_end, write_end = os.pipe()
@@ -100,14 +106,15 @@ def build_cache(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadli
             try:
                 os.close(read_end)
                 code = _sandbox(rootfs, root_fd, ldconfig_fd, list(directories), deadline, memfd, write_end,
-                                new_mount_api)
+                                new_mount_api, frozenset(own_mounts))
             finally:
                 os._exit(code)
         os.close(write_end)
         write_end = -1
         report = _collect(pid, read_end, deadline)
         if not report.get("ok"):
-            raise SandboxError(report.get("error") or "ldconfig sandbox failed", report.get("output", ""))
+            raise SandboxError(report.get("error") or "ldconfig sandbox failed", report.get("output", ""),
+                               report.get("left") or ())
         size = report.get("size", 0)
         data = os.pread(memfd, size, 0) if size else b""
         if not data.startswith(CACHE_MAGICS):
@@ -121,12 +128,15 @@ def build_cache(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadli
 
 
 def _collect(pid: int, read_end: int, deadline: float) -> dict:
+    """The sandbox's report; at the deadline the sandbox is killed (and not waited for
+    beyond KILL_GRACE: it may be stuck in the kernel)."""
     chunks = []
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            child.kill_group(pid)
-            raise SandboxError("host ldconfig did not finish before the deadline; killed")
+            stuck = not child.kill_group(pid, KILL_GRACE)
+            raise SandboxError("host ldconfig did not finish before the deadline; killed",
+                               left=[_stuck("the ldconfig sandbox", pid)] if stuck else ())
         ready, _, _ = select.select([read_end], [], [], left)
         if not ready:
             continue
@@ -136,17 +146,24 @@ def _collect(pid: int, read_end: int, deadline: float) -> dict:
         chunks.append(data)
         if sum(map(len, chunks)) > 1 << 20:
             break
-    child.kill_group(pid)
+    stuck = not child.kill_group(pid, KILL_GRACE)
     try:
         report = fastjson.loads(b"".join(chunks))
     except ValueError:
         report = None
     if not isinstance(report, dict):
-        raise SandboxError("the ldconfig sandbox died")
+        raise SandboxError("the ldconfig sandbox died", left=[_stuck("the ldconfig sandbox", pid)] if stuck else ())
+    if stuck:
+        report["left"] = list(report.get("left") or ()) + [_stuck("the ldconfig sandbox", pid)]
     return report
 
 
-def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, new_mount_api) -> int:
+def _stuck(what: str, pid: int) -> str:
+    return (f"{what} (pid {pid}) did not end after SIGKILL: it is stuck in the kernel (a filesystem that "
+            f"does not answer) and ends when that call returns; it holds no file of the container")
+
+
+def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, new_mount_api, own_mounts) -> int:
     """The sandbox process: set up, run ldconfig, hand back the cache. Never raises."""
     report = {"ok": False}
     try:
@@ -157,10 +174,9 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, ne
         # Read again after each change: it shows the live table (proc_pid_mountinfo(5)).
         info = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
         devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)  # ldconfig's stdin; no /dev in there
-        top = _readonly_copy(rootfs, root_fd, info, new_mount_api)
-        _detach_special(top, info)
+        top = _readonly_copy(rootfs, root_fd, info, new_mount_api, own_mounts)
         out_fd, out_dir = _output_dir(top)
-        _verify(top, info, rootfs.rstrip("/"), out_dir)
+        _verify(top, info, rootfs.rstrip("/"), out_dir, own_mounts)
         os.fchdir(top)
         linux.pivot_root(".", ".")
         linux.umount2(".", linux.MNT_DETACH)
@@ -172,6 +188,8 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, ne
         result = child.run(argv, timeout, env={}, executable=ldconfig_fd,
                            output_cap=OUTPUT_LIMIT, before_exec=_confine, stdin=devnull)
         report["output"] = result.output.decode("utf-8", "replace")
+        if result.stuck:
+            report["left"] = [_stuck("host ldconfig", result.pid)]
         if result.timed_out:
             raise SandboxError("host ldconfig did not finish before the deadline; killed")
         if result.status != 0:
@@ -191,9 +209,10 @@ def _describe(err: BaseException) -> str:
     return f"ldconfig sandbox: {type(err).__name__}: {err}"
 
 
-def _readonly_copy(rootfs: str, root_fd: int, info: int, new_mount_api: bool) -> int:
-    """Stack a read-only, nosuid, nodev, noexec copy of the rootfs (with its submounts) on
-    the rootfs in this private namespace; returns an O_PATH fd of its top."""
+def _readonly_copy(rootfs: str, root_fd: int, info: int, new_mount_api: bool, own_mounts) -> int:
+    """Stack a read-only, nosuid, nodev, noexec copy of the rootfs on the rootfs in this
+    private namespace, keeping only the submounts gpuhook made (`_detach_foreign`); returns
+    an O_PATH fd of its top."""
     want = os.fstat(root_fd)
     here = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -214,6 +233,7 @@ def _readonly_copy(rootfs: str, root_fd: int, info: int, new_mount_api: bool) ->
         if mountinfo.mount_id(top) == below or (os.fstat(top).st_dev, os.fstat(top).st_ino) != (want.st_dev, want.st_ino):
             os.close(top)
             raise SandboxError("the read-only copy of the rootfs is not where it was attached")
+        _detach_foreign(top, info, own_mounts)
         if not new_mount_api:
             flags = linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV | \
                 linux.MS_NOEXEC
@@ -224,20 +244,37 @@ def _readonly_copy(rootfs: str, root_fd: int, info: int, new_mount_api: bool) ->
         os.close(here)
 
 
-def _detach_special(top: int, info: int) -> None:
-    """Detach every procfs and sysfs mount in the copy (and what is mounted below them)."""
+def _kept(tree: list, top_id: int, own_mounts) -> set:
+    """Ids of the mounts of `tree` (the copy) that stay: its top, gpuhook's own mounts (by
+    mount point) and the mounts they sit on."""
+    by_id = {m.id: m for m in tree}
+    kept = {top_id}
+    for m in tree:
+        if m.point in own_mounts and m.fstype not in SPECIAL_FILESYSTEMS:
+            while m is not None and m.id not in kept:
+                kept.add(m.id)
+                m = by_id.get(m.parent)
+    return kept
+
+
+def _detach_foreign(top: int, info: int, own_mounts) -> None:
+    """Detach every submount of the copy that gpuhook did not make: procfs and sysfs (their
+    magic links lead out of any root), the runtime's /dev and the pod's volumes (ldconfig
+    need not read them, and a volume's filesystem may never answer). A lazy detach takes
+    what is mounted below with it, and asks the detached filesystem nothing."""
     top_id = mountinfo.mount_id(top)
     for _ in range(DETACH_ROUNDS):
-        special = [m for m in mountinfo.subtree(mountinfo.read(info), top_id) if m.fstype in SPECIAL_FILESYSTEMS]
-        if not special:
+        tree = mountinfo.subtree(mountinfo.read(info), top_id)
+        kept = _kept(tree, top_id, own_mounts)
+        foreign = [m for m in tree if m.id not in kept and m.parent in kept]
+        if not foreign:
             return
-        for m in special:
+        for m in foreign:
             try:
                 linux.umount2(m.point, linux.MNT_DETACH | UMOUNT_NOFOLLOW)
             except OSError:
                 pass  # gone already with a parent, or moved: the next round sees where
-    raise SandboxError("cannot detach the container's /proc and /sys from the ldconfig sandbox")
-
+    raise SandboxError("cannot detach the container's volumes, /proc and /sys from the ldconfig sandbox")
 
 
 def _output_dir(top: int) -> tuple:
@@ -261,19 +298,25 @@ def _output_dir(top: int) -> tuple:
     raise SandboxError("the rootfs has none of /proc, /dev, /tmp, /run as a directory for the ld cache")
 
 
-def _verify(top: int, info: int, rootfs: str, out_dir: str) -> None:
+def _verify(top: int, info: int, rootfs: str, out_dir: str, own_mounts) -> None:
     """What the sandbox will hold after the pivot (the copy at `top` and what is mounted
-    below it; nothing else can mount in this private namespace): no procfs or sysfs, and
-    everything read-only but the one output tmpfs. Checked before the pivot, as a mountinfo
-    opened earlier shows only mounts reachable from the root it was opened under."""
+    below it; nothing else can mount in this private namespace): no procfs or sysfs, no mount
+    but the rootfs's, gpuhook's own and the one output tmpfs, and everything read-only but
+    that tmpfs. Checked before the pivot, as a mountinfo opened earlier shows only mounts
+    reachable from the root it was opened under."""
     outputs = 0
-    for m in mountinfo.subtree(mountinfo.read(info), mountinfo.mount_id(top)):
+    top_id = mountinfo.mount_id(top)
+    tree = mountinfo.subtree(mountinfo.read(info), top_id)
+    kept = _kept(tree, top_id, own_mounts)
+    for m in tree:
         if m.fstype in SPECIAL_FILESYSTEMS:
             raise SandboxError(f"a {m.fstype} mount is still in the ldconfig sandbox")
-        if m.point == rootfs + out_dir and m.fstype == "tmpfs" and b"rw" in m.options:
+        if m.point == rootfs + out_dir and m.fstype == "tmpfs" and b"rw" in m.options and m.parent == top_id:
             outputs += 1
         elif b"ro" not in m.options:
             raise SandboxError("a writable mount is still in the ldconfig sandbox")
+        elif m.id not in kept:
+            raise SandboxError("a mount gpuhook did not make is still in the ldconfig sandbox")
     if outputs != 1:
         raise SandboxError("the ldconfig sandbox has no single output directory")
 

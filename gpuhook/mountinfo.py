@@ -1,9 +1,9 @@
 """The mount table of the caller's mount namespace (/proc/self/mountinfo), parsed.
 
-Used where the hook must know how a mount is set up before it acts on it: whether a
-directory it mounts into propagates mounts to other namespaces (a `shared:` peer group), and
-which procfs and sysfs mounts the ldconfig sandbox must detach. Fields are described in
-proc_pid_mountinfo(5).
+Used where the hook must know how a mount is set up before it acts on it: whether the mount
+it attaches a mount to propagates mounts to other namespaces (a `shared:` peer group), which
+filesystem a mount point it meets belongs to (before it asks that filesystem anything), and
+which mounts the ldconfig sandbox must detach. Fields are described in proc_pid_mountinfo(5).
 """
 
 import os
@@ -12,16 +12,19 @@ LIMIT = 16 << 20  # a mount table larger than this is refused, not read without 
 
 
 class MountEntry:
-    """One line of mountinfo: `id`, `parent`, mount `point` (unescaped), per-mount `options`
-    (bytes, e.g. b"ro"), `shared` (whether it is in a peer group) and `fstype`."""
+    """One line of mountinfo: `id`, `parent`, `dev` (the filesystem's device number, as
+    st_dev), mount `point` (unescaped), per-mount `options` (bytes, e.g. b"ro"), `shared`
+    (whether it is in a peer group) and `fstype`."""
 
-    __slots__ = ("id", "parent", "point", "options", "shared", "fstype")
+    __slots__ = ("id", "parent", "dev", "point", "options", "shared", "fstype")
 
     def __init__(self, line: bytes):
         fields = line.split()
         dash = fields.index(b"-")
         self.id = int(fields[0])
         self.parent = int(fields[1])
+        major, _, minor = fields[2].partition(b":")
+        self.dev = os.makedev(int(major), int(minor))
         self.point = unescape(fields[4])
         self.options = tuple(fields[5].split(b","))
         self.shared = any(f.startswith(b"shared:") for f in fields[6:dash])

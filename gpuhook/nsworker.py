@@ -12,6 +12,7 @@ cgroup grant ran meanwhile and may have failed); otherwise it undoes it too.
 
 import errno
 import os
+import select
 import stat
 import time
 
@@ -110,7 +111,7 @@ def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, 
     namespace `ns_fd`; report on `out`; after an ok report keep the work only on COMMIT from
     `decisions`. Returns the exit code; never raises."""
     step = "enter mount namespace"
-    work = _Work(plan, deadline)
+    work = _Work(plan, deadline, workerproc.Journal(progress))
     try:
         os.umask(0)
         # Host files (and the host's ldconfig) are opened here, in the hook's own mount
@@ -154,14 +155,15 @@ def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, 
         _send(out, {"ok": True, "notes": work.notes, "steps": work.count, "ldconfig_output": work.ldconfig_output})
     except BaseException as err:  # noqa: BLE001 - the worker reports everything
         problems = work.undo()
-        message = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        if isinstance(err, OSError) and err.filename:
-            message = f"{err.filename}: {message}"
-        _send_quietly(out, {"ok": False, "step": step, "error": message or type(err).__name__, "cleanup": problems,
-                            "ldconfig_output": work.ldconfig_output})
+        _send_quietly(out, {"ok": False, "step": step, "error": describe(err), "cleanup": problems,
+                            "ldconfig_output": work.ldconfig_output, "left": work.left})
         return 1
     try:
-        decision = os.read(decisions, 1)
+        # The hook commits before its own deadline or not at all (its backstop ends it by
+        # then, gpuhook.hook.FINAL_GRACE): a hook that is still alive but cannot act past
+        # that (stuck in the kernel) gets no wait without bound either.
+        last = deadline + workerproc.COMMIT_WAIT - time.monotonic()
+        decision = os.read(decisions, 1) if select.select([decisions], [], [], max(0.0, last))[0] else b""
     except OSError:
         decision = b""
     if decision == workerproc.COMMIT:
@@ -174,14 +176,42 @@ def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, 
     return 0
 
 
-class _Work:
-    """The worker's steps over one container rootfs, and how to take them back."""
+# Filesystems that live in kernel memory and always answer: gpuhook may stat an entry that
+# is the root of such a mount. Anything else mounted where gpuhook works (a volume: FUSE,
+# NFS, another disk) is never asked anything; its filesystem may never answer, and the
+# process asking would hang in the kernel where no signal reaches it (docs/security.md).
+ALWAYS_ANSWERS = frozenset({"tmpfs", "devtmpfs", "devpts", "proc", "sysfs", "mqueue", "ramfs", "cgroup", "cgroup2"})
+OPTIONAL_KINDS = frozenset({"socket", "dir"})  # IPC endpoints: a container works without them
+DEV = "/dev"
+LD_CACHE = "/etc/ld.so.cache"
 
-    def __init__(self, plan, deadline):
+
+class SharedMountError(OSError):
+    """A mount would be attached to a mount that propagates (EPERM); `filename` is the
+    container path."""
+
+
+def describe(err: BaseException) -> str:
+    """An error as the start's message shows it: the container path it is about (never a
+    host path the image steered to), then why."""
+    if isinstance(err, OSError) and (err.strerror or err.errno):
+        message = err.strerror or os.strerror(err.errno)
+        return f"{err.filename}: {message}" if err.filename else message
+    return str(err) or type(err).__name__
+
+
+class _Work:
+    """The worker's steps over one container rootfs, and how to take them back.
+
+    Writes (mkdir, mknod, files and links, renames) are made only on the rootfs's own mount
+    and on the runtime's /dev (`_base`); mounts only where they cannot propagate
+    (`refuse_shared`), checked on the very mount they are attached to."""
+
+    def __init__(self, plan, deadline, journal=None):
         self.plan = plan
         self.deadline = deadline
         self.root = -1
-        self.changes = safepath.Changes()
+        self.changes = safepath.Changes(journal)
         self.mounted: list = []  # (container path, fd of the mount or -1), in the order made
         self.notes: list[str] = []
         self.count = 0
@@ -190,17 +220,87 @@ class _Work:
         self.local: dict = {}  # host path -> the same file opened in the container's namespace
         self.ldconfig_fd = -1
         self.ldconfig_output = ""
+        self.cache = b""  # the ld cache ldconfig built, until install_cache puts it in place
+        self.left: list = []  # processes it had to leave stuck in the kernel (for the log)
         self.mount_table = None
         self.dirs: dict = {}  # container dir -> O_PATH fd, resolved (or made) once
-        self.unshared_dirs: set = set()  # fds in self.dirs whose mount is known not to be shared
+        self.dir_mounts: dict = {}  # fd in self.dirs -> the id of its mount
+        self.unshared: set = set()  # mount ids known not to propagate
+        self._root_mount = None
+        self.dev = None  # O_PATH fd of the runtime's /dev once looked at (-1: /dev is no mount of its own)
+
+    @property
+    def root_mount(self) -> int:
+        if self._root_mount is None:
+            self._root_mount = mountinfo.mount_id(self.root)
+        return self._root_mount
+
+    def mount_entry(self, mount: int):
+        """The mount table's line for mount `mount` in this namespace (read again once when
+        the cached table does not have it); None when it is not there."""
+        if self.mount_table is None or mount not in self.mount_table:
+            self.mount_table = {m.id: m for m in mountinfo.read()}
+        return self.mount_table.get(mount)
+
+    def _base(self, path: str) -> tuple:
+        """(directory fd, path below it, beneath, its container path) to write `path` under:
+        the runtime's /dev for a path in /dev when the runtime mounted one, else the rootfs.
+        Resolution from there never leaves that mount (safepath.make_dirs)."""
+        parts = path.split("/")
+        if len(parts) > 1 and parts[1] == "dev":
+            dev = self.runtime_dev()
+            if dev >= 0:
+                return dev, "/" + "/".join(parts[2:]), True, DEV
+        return self.root, path, False, ""
+
+    def runtime_dev(self) -> int:
+        """fd of the container's /dev when it is the runtime's own: the spec mounts a fresh
+        tmpfs there (Plan.dev_tmpfs) and there is a tmpfs mounted on the rootfs's /dev.
+        -1 when /dev is no mount of its own (then it is part of the rootfs) or not the
+        runtime's (a volume bound there: nothing is written into it)."""
+        if self.dev is None:
+            self.dev = -1
+            try:
+                fd = safepath.open_in_root(self.root, DEV, os.O_PATH | os.O_DIRECTORY, follow_final=False)
+            except OSError:
+                return -1
+            mount = mountinfo.mount_id(fd)
+            entry = self.mount_entry(mount) if mount != self.root_mount else None
+            if entry is not None and self.plan.dev_tmpfs and entry.fstype == "tmpfs" and \
+                    entry.parent == self.root_mount:
+                self.dev = fd
+            else:
+                os.close(fd)
+        return self.dev
 
     def parent(self, path: str) -> tuple:
-        """(fd of `path`'s directory, made if missing and then kept open, file name)."""
+        """(fd of `path`'s directory, made if missing and then kept open, file name). The
+        directory is on the rootfs's mount or the runtime's /dev (OtherMountError else)."""
         parent_path, name = safepath.split(path)
         fd = self.dirs.get(parent_path)
         if fd is None:
-            fd = self.dirs[parent_path] = safepath.make_dirs(self.root, parent_path, self.changes)
+            base, below, beneath, at = self._base(parent_path)
+            fd = self.dirs[parent_path] = safepath.make_dirs(base, below, self.changes, beneath=beneath, at=at)
+            self.dir_mounts[fd] = mountinfo.mount_id(fd)
         return fd, name
+
+    def existing(self, parent: int, name: str, path: str, same_fs=None) -> tuple:
+        """(O_PATH fd, lstat, mount id) of the entry `name` that is already in `parent`.
+        When it is the root of another mount, that mount's filesystem is asked nothing
+        unless it is one that always answers (ALWAYS_ANSWERS) or the filesystem `same_fs`
+        (a device number: the host source's own) is; otherwise OtherMountError."""
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            mount = mountinfo.mount_id(fd)
+            if mount != self.dir_mounts[parent]:
+                entry = self.mount_entry(mount)
+                if entry is None or (entry.fstype not in ALWAYS_ANSWERS and entry.dev != same_fs):
+                    raise safepath.OtherMountError(errno.EXDEV, "is a mount point of a volume, which gpuhook does "
+                                                                "not touch", path)
+            return fd, os.fstat(fd), mount
+        except BaseException:
+            os.close(fd)
+            raise
 
     def open_sources(self) -> None:
         """Open every host file the plan mounts (and the host's ldconfig) up front, in the
@@ -288,11 +388,15 @@ class _Work:
             os.close(fd)
         self.sources.clear()
         self.dirs.clear()
+        self.dir_mounts.clear()
         self.clones.clear()
         self.local.clear()
         if self.ldconfig_fd >= 0:
             os.close(self.ldconfig_fd)
             self.ldconfig_fd = -1
+        if self.dev is not None and self.dev >= 0:
+            os.close(self.dev)
+        self.dev = None
 
     def steps(self, proc_files):
         plan = self.plan
@@ -306,6 +410,7 @@ class _Work:
             yield f"mask {ProcMask.target}", lambda: self.mask_proc(proc_files)
         if plan.ldcache is not None:
             yield "ldconfig", self.ldconfig
+            yield f"install {LD_CACHE}", self.install_cache
 
     def node(self, node) -> None:
         if node.host_path:
@@ -316,12 +421,13 @@ class _Work:
         try:
             os.mknod(name, stat.S_IFCHR | node.mode, want, dir_fd=parent)
         except FileExistsError:
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            fd, st, _ = self.existing(parent, name, node.path)
+            os.close(fd)
             if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
                 return  # already there (the hook ran before, or the spec made it)
             numbers = f" {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if stat.S_ISCHR(st.st_mode) else ""
             raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}{numbers}", node.path) from None
-        self.changes.add("file", parent, name)
+        self.changes.add("file", parent, name, node.path)
         os.chown(name, node.uid, node.gid, dir_fd=parent, follow_symlinks=False)
         self.count += 1
 
@@ -334,24 +440,44 @@ class _Work:
         self._bind(node.host_path, st, node.path, "file", ("nosuid", "noexec"))
 
     def bind(self, mount) -> None:
+        """Bind a host file or directory. An IPC endpoint (a socket, the MPS directory) that
+        cannot be placed safely (its path leads onto a volume, or it would propagate) is
+        left out with a note: the container works without it. Anything else fails the start."""
         src_st = os.fstat(self.sources[mount.source])
         if mount.kind == "file" and not stat.S_ISREG(src_st.st_mode):
             raise OSError(errno.EINVAL, f"host source {mount.source} is {safepath.kind_of(src_st.st_mode)}")
-        self._bind(mount.source, src_st, mount.target, mount.kind, mount.options)
+        if mount.kind not in OPTIONAL_KINDS:
+            self._bind(mount.source, src_st, mount.target, mount.kind, mount.options)
+            return
+        mark = self.changes.mark()
+        try:
+            self._bind(mount.source, src_st, mount.target, mount.kind, mount.options)
+        except (safepath.OtherMountError, SharedMountError) as err:
+            problems = self.changes.undo(since=mark)  # the directories made on the way, if any
+            self.notes.append(f"{mount.target} not mounted: {err.filename or mount.target} {err.strerror}"
+                              + (f" ({'; '.join(problems)})" if problems else ""))
 
     def _bind(self, source: str, src_st, target_path: str, kind: str, options) -> None:
         """Bind the host file `source` (opened as self.sources[source]) at `target_path` in
-        the rootfs with `options`."""
+        the rootfs with `options`. The target is made on the rootfs's mount (or the runtime's
+        /dev); one that is already there may be a mount point, and is then the mount the new
+        one is attached to: it must not propagate either (`refuse_shared`)."""
         parent, name = self.parent(target_path)
-        if parent not in self.unshared_dirs:  # one check per directory (its fd stays open)
-            self.refuse_shared(parent, target_path)
-            self.unshared_dirs.add(parent)
-        target = self._new_mount_point(parent, name, kind)
+        target = self._new_mount_point(parent, name, kind, target_path)
         if target is None:  # something is there already: ours from an earlier run, or in the way
-            if self._already_mounted(target_path, src_st):
-                return
-            ensure = safepath.ensure_dir if kind == "dir" else safepath.ensure_file
-            target = ensure(self.root, target_path, self.changes, parent_fd=parent)
+            target, st, mount = self.existing(parent, name, target_path, same_fs=src_st.st_dev)
+            try:
+                if (st.st_dev, st.st_ino) == (src_st.st_dev, src_st.st_ino):
+                    return  # mounted already (the hook ran before)
+                wanted = stat.S_ISDIR if kind == "dir" else stat.S_ISREG
+                if not wanted(st.st_mode):
+                    raise OSError(errno.EEXIST, f"exists and is {safepath.kind_of(st.st_mode)}", target_path)
+                self.refuse_shared(mount, target_path)
+            except BaseException:
+                os.close(target)
+                raise
+        else:
+            self.refuse_shared(self.dir_mounts[parent], target_path)
         try:
             if not self._attach(target, target_path, options):
                 self._bind_and_remount(self.local_source(source), src_st, target, target_path, options)
@@ -359,17 +485,20 @@ class _Work:
             os.close(target)
         self.count += 1
 
-    def refuse_shared(self, parent: int, target_path: str) -> None:
-        """Refuse to mount into a directory whose mount is shared: a mount made there would
-        propagate to its peers, the host's mount table among them (a bidirectional volume,
-        or rootfsPropagation "shared"). Every mount gpuhook makes stays in the container."""
-        mount = mountinfo.mount_id(parent)
-        if self.mount_table is None:
-            self.mount_table = {m.id: m for m in mountinfo.read()}
-        found = self.mount_table.get(mount)
-        if found is not None and found.shared:
-            raise OSError(errno.EPERM, f"{target_path} is on a shared mount (propagation to other mount "
-                                       f"namespaces, the host's included); gpuhook mounts nothing there")
+    def refuse_shared(self, mount: int, target_path: str) -> None:
+        """Refuse to attach anything to mount `mount` when it is shared: a mount attached to
+        it would propagate to its peers, the host's mount table among them (a bidirectional
+        volume, or rootfsPropagation "shared"). This is the mount the new one lands on: the
+        directory's mount for a new mount point, or the volume itself when the target is the
+        root of one (a file bound there by the pod). Every mount gpuhook makes stays in the
+        container."""
+        if mount in self.unshared:
+            return
+        found = self.mount_entry(mount)
+        if found is None or found.shared:
+            raise SharedMountError(errno.EPERM, "is on a shared mount (propagation to other mount namespaces, "
+                                                "the host's included); gpuhook mounts nothing there", target_path)
+        self.unshared.add(mount)
 
     def _attach(self, target: int, target_path: str, options) -> bool:
         """Attach the detached clone of the source made on the host, its flags set and its
@@ -387,7 +516,7 @@ class _Work:
         except OSError as err:
             if err.errno != errno.ENOSYS:  # open_tree without mount_setattr (5.2-5.11)
                 os.close(tree)
-                raise
+                raise OSError(err.errno, os.strerror(err.errno), target_path) from None
             os.close(tree)
             use_new_mount_api = False
             return False
@@ -409,7 +538,7 @@ class _Work:
         finally:
             os.close(now)
 
-    def _new_mount_point(self, parent: int, name: str, kind: str):
+    def _new_mount_point(self, parent: int, name: str, kind: str, path: str):
         """fd of a mount point made now (nothing can be mounted on it yet), or None if the
         name exists. The usual case, and the cheapest: one call makes and opens it."""
         try:
@@ -421,27 +550,17 @@ class _Work:
                              dir_fd=parent)
         except FileExistsError:
             return None
-        self.changes.add("dir" if kind == "dir" else "file", parent, name)
+        self.changes.add("dir" if kind == "dir" else "file", parent, name, path)
         return fd
-
-    def _already_mounted(self, target: str, src_st) -> bool:
-        try:
-            fd = safepath.open_in_root(self.root, target, os.O_PATH, follow_final=False)
-        except OSError:
-            return False
-        try:
-            st = os.fstat(fd)
-            return (st.st_dev, st.st_ino) == (src_st.st_dev, src_st.st_ino)
-        finally:
-            os.close(fd)
 
     def symlink(self, link) -> None:
         parent, name = self.parent(link.path)
         try:
             os.symlink(link.target, name, dir_fd=parent)
-            self.changes.add("file", parent, name)
+            self.changes.add("file", parent, name, link.path)
         except FileExistsError:
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            fd, st, _ = self.existing(parent, name, link.path)
+            os.close(fd)
             if not stat.S_ISLNK(st.st_mode):
                 raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}", link.path) from None
             old = os.readlink(name, dir_fd=parent)
@@ -451,8 +570,12 @@ class _Work:
             # it at the host driver, atomically, and remember the old target.
             temp = f".{name}.gpuhook"
             os.symlink(link.target, temp, dir_fd=parent)
-            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
-            self.changes.add_relink(parent, name, old)
+            try:
+                os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            except OSError as err:
+                os.unlink(temp, dir_fd=parent)
+                raise OSError(err.errno, err.strerror, link.path) from None
+            self.changes.add_relink(parent, name, old, link.path)
         self.count += 1
 
     def mask_proc(self, files: dict) -> None:
@@ -467,7 +590,12 @@ class _Work:
             for bus in self.plan.proc_mask.gpu_buses:
                 gpu_fds.append((bus, safepath.open_in_root(
                     self.root, f"{ProcMask.target}/gpus/{bus}", os.O_PATH | os.O_DIRECTORY)))
-            self.refuse_shared(target, ProcMask.target)
+            mount = mountinfo.mount_id(target)
+            entry = self.mount_entry(mount)
+            if mount != self.root_mount and (entry is None or entry.fstype not in ALWAYS_ANSWERS):
+                raise safepath.OtherMountError(errno.EXDEV, "is on a volume, not the container's procfs",
+                                               ProcMask.target)
+            self.refuse_shared(mount, ProcMask.target)
             linux.mount("tmpfs", linux.fd_path(target), "tmpfs",
                         linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC, "mode=0555,size=1m")
             self.mounted.append((ProcMask.target, -1))
@@ -525,26 +653,48 @@ class _Work:
 
     def ldconfig(self) -> None:
         """The host's ldconfig builds the cache in a sandbox that holds nothing but a
-        read-only copy of the rootfs (gpuhook.ldsandbox); the cache is installed here, by
-        the /etc directory fd. Its output goes to gpuhook's log only: it can echo file
-        contents, which the container's user must not see in the start error."""
+        read-only copy of the rootfs and gpuhook's own mounts (gpuhook.ldsandbox); the cache
+        is installed by `install_cache`. Its output goes to gpuhook's log only: it can echo
+        file contents, which the container's user must not see in the start error."""
         from gpuhook import ldsandbox
 
-        etc = safepath.make_dirs(self.root, "/etc", self.changes)
+        self.parent(LD_CACHE)  # /etc is made (or found) on the rootfs first: an error names it now
+        # The sandbox keeps the driver's files gpuhook bound in (libraries, binaries,
+        # firmware) and no other mount: not the IPC endpoints, not the device binds. They
+        # are named by mount point, as /proc/self/mountinfo shows it: the path of the
+        # directory fd the worker resolved, and the file name. (Whatever else sits at such
+        # a point lies below gpuhook's mount and is hidden by it.)
+        own = set()
+        for mount in self.plan.mounts:
+            fd = self.dirs.get(safepath.split(mount.target)[0]) if mount.kind == "file" else None
+            if fd is not None:
+                own.add(os.readlink(linux.fd_path(fd)).rstrip("/") + "/" + safepath.split(mount.target)[1])
         try:
-            try:
-                cache, self.ldconfig_output = ldsandbox.build_cache(
-                    self.plan.rootfs, self.root, self.ldconfig_fd, self.plan.ldcache.directories, self.deadline,
-                    use_new_mount_api)
-            except ldsandbox.SandboxError as err:
-                self.ldconfig_output = err.output
-                raise OSError(errno.EIO, str(err)) from None
-            # The image's own cache is set aside, not overwritten: the start can still be
-            # undone after this last step (the parent's grant may fail meanwhile).
-            self.changes.add_replaced(etc, "ld.so.cache", safepath.set_aside(etc, "ld.so.cache"))
-            safepath.replace_file(etc, "ld.so.cache", cache)
-        finally:
-            os.close(etc)
+            self.cache, self.ldconfig_output = ldsandbox.build_cache(
+                self.plan.rootfs, self.root, self.ldconfig_fd, self.plan.ldcache.directories, self.deadline,
+                use_new_mount_api, own)
+        except ldsandbox.SandboxError as err:
+            self.ldconfig_output = err.output
+            self.left += err.left
+            raise OSError(errno.EIO, str(err)) from None
+
+    def install_cache(self) -> None:
+        """Put the cache `ldconfig` built in place, by the /etc directory fd. The image's own
+        cache is set aside, not overwritten: the start can still be undone after this last
+        step (the parent's grant may fail meanwhile). Each is registered for undo only once
+        it has happened."""
+        etc, name = self.parent(LD_CACHE)
+        backup = safepath.set_aside(etc, name, LD_CACHE)
+        try:
+            safepath.replace_file(etc, name, self.cache)
+        except OSError as err:
+            if backup:
+                try:
+                    os.rename(backup, name, src_dir_fd=etc, dst_dir_fd=etc)
+                except OSError:
+                    self.changes.add_replaced(etc, name, backup, LD_CACHE)  # undo tries again, and says so
+            raise OSError(err.errno, err.strerror, LD_CACHE) from None
+        self.changes.add_replaced(etc, name, backup, LD_CACHE)
         self.count += 1
 
     def undo(self) -> list[str]:

@@ -42,13 +42,16 @@ class HealthStep(record("HealthStep", "mode gpus on_failure kill_orphans deadlin
 
 class Plan(record("Plan", (
     "container_id pid rootfs wants channel capabilities gpus "
-    "nodes mounts symlinks rules proc_mask ldcache notes migs userns proc_in_rootfs health"
-), defaults=((), False, False, None))):
+    "nodes mounts symlinks rules proc_mask ldcache notes migs userns proc_in_rootfs health dev_tmpfs"
+), defaults=((), False, False, None, False))):
     """`gpus` are the GPUs whose node the container gets (whole GPUs and MIG parents);
     `migs` the MIG devices (request.MigTarget); `userns` whether the container has a user
     namespace (the apply layer then works as the container's root, and binds device nodes);
     `proc_in_rootfs` whether the spec mounts a procfs at /proc, which the apply layer then
-    expects to find in the rootfs it joined (docs/security.md, "the right container")."""
+    expects to find in the rootfs it joined (docs/security.md, "the right container");
+    `dev_tmpfs` whether the spec has the runtime mount a fresh tmpfs at /dev, the only mount
+    besides the rootfs's own that the apply layer writes on (docs/security.md, "Writes only
+    on the rootfs and the runtime's /dev")."""
 
     __slots__ = ()
 
@@ -72,6 +75,7 @@ class Plan(record("Plan", (
             "device_nodes": [dict(n._asdict(), mode=f"{n.mode:04o}") for n in self.nodes],
             "user_namespace": self.userns,
             "proc_in_rootfs": self.proc_in_rootfs,
+            "dev_tmpfs": self.dev_tmpfs,
             "mounts": [dict(m._asdict(), options=list(m.options)) for m in self.mounts],
             "symlinks": [s._asdict() for s in self.symlinks],
             "cgroup_rules": [r.as_dict() for r in self.rules],
@@ -216,7 +220,7 @@ def make_plan(state, spec, request, host, config) -> Plan:
         rules=tuple(rules), proc_mask=proc_mask, ldcache=ldcache, notes=tuple(notes), migs=tuple(selection.migs),
         userns=userns, proc_in_rootfs=any(m.destination.rstrip("/") == "/proc" and m.type == "proc"
                                           for m in spec.mounts),
-        health=health,
+        health=health, dev_tmpfs=runtime_dev_tmpfs(spec.mounts),
     )
 
 
@@ -242,6 +246,14 @@ def _within_runtime_rules(rules: list, spec, gpus, cap_names, inventory, notes: 
         if rule.access:
             kept.append(rule)
     return kept
+def runtime_dev_tmpfs(mounts) -> bool:
+    """Whether the last mount the spec makes at /dev is a fresh tmpfs (not a bind of a host
+    directory, which would be a volume)."""
+    last = None
+    for m in mounts:
+        if m.destination.rstrip("/") == "/dev":
+            last = m
+    return last is not None and last.type == "tmpfs" and not {"bind", "rbind"} & set(last.options)
 
 
 def requirement_facts(inventory, facts, selection) -> "reqs.HostFacts":

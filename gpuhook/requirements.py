@@ -30,6 +30,12 @@ internal/config/image/cuda_image.go, which collects the variables):
 
 Pure and standard-library only: the caller supplies the host's facts (`HostFacts`), which
 come from NVML through the host inventory cache.
+
+Bounded: NVIDIA's tools read requirements of any size, but a CUDA image's is a few hundred
+bytes with some forty alternatives, and the image controls it. A variable over
+MAX_REQUIREMENT_BYTES, with more than MAX_ALTERNATIVES alternatives, or more than
+MAX_REQUIREMENTS variables, is refused (RequirementError) before anything is parsed, so
+checking them costs a bounded time whatever the environment holds (docs/security.md).
 """
 
 
@@ -42,6 +48,13 @@ DISABLE = "NVIDIA_DISABLE_REQUIRE"
 REQUIRE_CUDA = "NVIDIA_REQUIRE_CUDA"
 LEGACY = "CUDA_VERSION"
 TRUE_VALUES = frozenset({"1", "t", "T", "true", "TRUE", "True"})  # Go's strconv.ParseBool
+MAX_REQUIREMENT_BYTES = 64 << 10  # characters of one NVIDIA_REQUIRE_* value
+MAX_ALTERNATIVES = 4096  # space-separated alternatives of one value
+MAX_REQUIREMENTS = 64  # NVIDIA_REQUIRE_* variables
+MAX_TOTAL_BYTES = 256 << 10  # characters of all of them together
+BOUNDS_HINT = ("a CUDA image's requirement is a few hundred bytes; gpuhook reads at most "
+               f"{MAX_REQUIREMENTS} variables of {MAX_REQUIREMENT_BYTES} characters and {MAX_ALTERNATIVES} "
+               f"alternatives each, {MAX_TOTAL_BYTES} characters in all")
 
 KEYS = ("cuda", "driver", "arch", "brand")
 VERSION_KEYS = frozenset({"cuda", "driver", "arch"})
@@ -99,11 +112,16 @@ def collect(env) -> tuple:
     Empty when there are none or NVIDIA_DISABLE_REQUIRE is set: no host facts are needed."""
     if disabled(env):
         return ()
-    found = [
-        parse(name, value)
-        for name, value in sorted(env.items())
-        if name.startswith(PREFIX) and not name.startswith(EXCLUDED_PREFIX) and value.strip(" ")
-    ]
+    named = [(name, value) for name, value in env.items()
+             if name.startswith(PREFIX) and not name.startswith(EXCLUDED_PREFIX) and value.strip(" ")]
+    for name, value in named[:MAX_REQUIREMENTS + 1]:
+        if len(value) > MAX_REQUIREMENT_BYTES or value.count(" ") >= MAX_ALTERNATIVES:
+            raise RequirementError(f"{name} is too large ({len(value)} characters, {value.count(' ') + 1} "
+                                   f"alternatives)", BOUNDS_HINT, variable=name)
+    if len(named) > MAX_REQUIREMENTS or sum(len(value) for _, value in named) > MAX_TOTAL_BYTES:
+        raise RequirementError(f"the image sets {len(named)} {PREFIX}* variables of "
+                               f"{sum(len(value) for _, value in named)} characters", BOUNDS_HINT)
+    found = [parse(name, value) for name, value in sorted(named)]
     legacy = env.get(LEGACY, "")
     if legacy and not env.get(REQUIRE_CUDA):
         found.append(parse(f"{LEGACY} (legacy image without {REQUIRE_CUDA})",
@@ -121,7 +139,9 @@ def evaluate(env, host: HostFacts) -> None:
 def check(requirement: Requirement, host: HostFacts) -> None:
     """Check one parsed requirement against the host, for each of its GPUs (see the module
     docstring); raise RequirementError if it does not hold."""
-    for gpu in host.gpus or (None,):
+    per_gpu = any(c.key in ("arch", "brand") for alternative in requirement.alternatives for c in alternative)
+    # cuda and driver constraints read no GPU: one evaluation answers for every GPU.
+    for gpu in (host.gpus if per_gpu else host.gpus[:1]) or (None,):
         failures = _failures(requirement, host, gpu)
         if failures:
             raise _unsatisfied(requirement, host, gpu, failures)

@@ -11,11 +11,21 @@ and a component walk over O_NOFOLLOW descriptors elsewhere (RHEL 8's 4.18, for o
 run both. openat2 needs ctypes (gpuhook.linux), which costs about 3 ms to load; the planning
 side only asks `exists_in_root`, which walks, so the hook process does not load ctypes while
 the namespace worker (gpuhook.workerproc) loads it on another core.
+
+Writes stay on one mount (docs/security.md, "Writes only on the rootfs and the runtime's
+/dev"): a path resolved `same_mount` never crosses into another mount, neither down into a
+mount point nor through a symlink that leads onto one (a pod volume, the runtime's /proc,
+/sys or /dev, a stalled network or FUSE filesystem). openat2 does it with RESOLVE_NO_XDEV;
+the walk compares each step's mount id with the root's before it asks that step's
+filesystem anything (a stat of a stalled FUSE root never returns). Such a path fails with
+OtherMountError (EXDEV).
 """
 
 import errno
 import os
 import stat
+
+from gpuhook.mountinfo import mount_id
 
 MAX_SYMLINKS = 40
 _CLOEXEC = os.O_CLOEXEC
@@ -36,12 +46,29 @@ def kind_of(mode: int) -> str:
     return "an unknown file type"
 
 
+class OtherMountError(OSError):
+    """A path that had to stay on one mount crosses onto another (errno EXDEV); `filename`
+    is the container path as far as it was asked for."""
+
+
+OTHER_MOUNT = "lies on another mount than the container's rootfs (a volume, or the runtime's)"
+
+
+def _other_mount(path: str) -> OtherMountError:
+    return OtherMountError(errno.EXDEV, OTHER_MOUNT, path)
+
+
 def _components(path: str) -> list[str]:
     return [p for p in path.split("/") if p and p != "."]
 
 
-def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, follow_final: bool = True) -> int:
-    """Open `path` (absolute, container-side) inside the tree at `root_fd`."""
+def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, follow_final: bool = True,
+                 same_mount: bool = False, beneath: bool = False) -> int:
+    """Open `path` (absolute, container-side) inside the tree at `root_fd`. With
+    `same_mount` every step stays on `root_fd`'s mount (OtherMountError otherwise); with
+    `beneath` an absolute symlink or a ".." above `root_fd` fails (EXDEV) instead of
+    restarting from it (RESOLVE_BENEATH: for a subtree, such as /dev, that is not the
+    container's root)."""
     global use_openat2
     rel = "/".join(_components(path)) or "."
     if not follow_final:
@@ -49,7 +76,9 @@ def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, follow_final: 
     if use_openat2:
         from gpuhook import linux
 
-        resolve = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS
+        resolve = (linux.RESOLVE_BENEATH if beneath else linux.RESOLVE_IN_ROOT) | linux.RESOLVE_NO_MAGICLINKS
+        if same_mount:
+            resolve |= linux.RESOLVE_NO_XDEV
         for _ in range(16):
             try:
                 return linux.openat2(root_fd, rel, flags | _CLOEXEC, 0, resolve)
@@ -59,30 +88,36 @@ def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, follow_final: 
                 if err.errno == errno.ENOSYS:
                     use_openat2 = False
                     break
+                if err.errno == errno.EXDEV and (same_mount or beneath):
+                    raise _other_mount(path) from None
                 raise OSError(err.errno, os.strerror(err.errno), path) from None
         else:
 
             raise OSError(errno.EAGAIN, "resolution kept racing with renames", path)
-    return _walk(root_fd, path, flags, follow_final)
+    return _walk(root_fd, path, flags, follow_final, same_mount, beneath)
 
 
 def exists_in_root(root_fd: int, path: str) -> bool:
-    """Whether `path` (absolute, container-side) exists inside the tree at `root_fd`,
-    following its symlinks inside that tree (the component walk: no ctypes)."""
+    """Whether `path` (absolute, container-side) exists inside the tree at `root_fd` on its
+    mount, following its symlinks inside that tree (the component walk: no ctypes). A path
+    that leads onto another mount counts as missing: nothing on it is asked anything."""
     try:
-        os.close(_walk(root_fd, path, _PATH, True))
+        os.close(_walk(root_fd, path, _PATH, True, True, False))
         return True
     except OSError:
         return False
 
 
-def _walk(root_fd: int, path: str, flags: int, follow_final: bool) -> int:
-    """RESOLVE_IN_ROOT in user space: one O_NOFOLLOW step at a time from `root_fd`."""
+def _walk(root_fd: int, path: str, flags: int, follow_final: bool, same_mount: bool = False,
+          beneath: bool = False) -> int:
+    """RESOLVE_IN_ROOT (or RESOLVE_BENEATH), and RESOLVE_NO_XDEV when `same_mount`, in user
+    space: one O_NOFOLLOW step at a time from `root_fd`."""
     pending = _components(path)
     pending.reverse()  # a stack: the next component is last
     cur = os.dup(root_fd)
     parents: list[int] = []
     links = 0
+    root_mount = mount_id(root_fd) if same_mount else 0
     try:
         if not pending:
             result, cur = cur, -1
@@ -93,9 +128,15 @@ def _walk(root_fd: int, path: str, flags: int, follow_final: bool) -> int:
                 if parents:
                     os.close(cur)
                     cur = parents.pop()
+                elif beneath:
+                    raise _other_mount(path)
                 continue
             last = not pending
             fd = os.open(name, _PATH | os.O_NOFOLLOW, dir_fd=cur)
+            # The mount first: fstat would ask the filesystem mounted there, which may never answer.
+            if same_mount and mount_id(fd) != root_mount:
+                os.close(fd)
+                raise _other_mount(path)
             mode = os.fstat(fd).st_mode
             if stat.S_ISLNK(mode) and (not last or follow_final):
                 target = os.readlink("", dir_fd=fd)
@@ -103,6 +144,8 @@ def _walk(root_fd: int, path: str, flags: int, follow_final: bool) -> int:
                 links += 1
                 if links > MAX_SYMLINKS:
                     raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+                if target.startswith("/") and beneath:
+                    raise _other_mount(path)
                 if target.startswith("/"):
                     for p in parents:
                         os.close(p)
@@ -141,45 +184,64 @@ def _reopen(fd: int, flags: int) -> int:
 
 
 class Changes:
-    """What an apply created inside a rootfs, so a failure can take it all back."""
+    """What an apply created inside a rootfs, so a failure can take it all back.
 
-    def __init__(self):
-        # (kind, parent dir fd, name, old link target): kind is dir, file or relink
-        self.entries: list[tuple[str, int, str, str]] = []
+    `journal`, when given, hears of every change as it is made and of every one undone
+    (`add(kind, path, parent_fd, name, extra)` returns a token for `undone(token)`; `clear()`
+    at the commit): the namespace worker keeps it in memory its parent can read, so what a
+    worker killed or stuck in the kernel leaves behind is known exactly (gpuhook.leftovers)."""
 
-    def add(self, kind: str, parent_fd: int, name: str) -> None:
-        self.entries.append((kind, os.dup(parent_fd), name, ""))
+    def __init__(self, journal=None):
+        # (kind, parent dir fd, name, extra, journal token): kind is dir, file, relink or
+        # replaced; extra is a relink's old target, a replacement's set-aside copy
+        self.entries: list[tuple] = []
+        self.journal = journal
 
-    def add_relink(self, parent_fd: int, name: str, old_target: str) -> None:
+    def _append(self, kind: str, parent_fd: int, name: str, extra: str, path: str) -> None:
+        self.entries.append((kind, os.dup(parent_fd), name, extra, None))
+        if self.journal is not None:
+            try:
+                token = self.journal.add(kind, path or name, parent_fd, name, extra)
+            except (OSError, ValueError):  # never at the cost of the undo entry itself
+                token = None
+            self.entries[-1] = (kind, self.entries[-1][1], name, extra, token)
+
+    def add(self, kind: str, parent_fd: int, name: str, path: str = "") -> None:
+        """`name` (container path `path`) was created in the directory `parent_fd`."""
+        self._append(kind, parent_fd, name, "", path)
+
+    def add_relink(self, parent_fd: int, name: str, old_target: str, path: str = "") -> None:
         """`name` was a symlink to `old_target` that we re-pointed."""
-        self.entries.append(("relink", os.dup(parent_fd), name, old_target))
+        self._append("relink", parent_fd, name, old_target, path)
 
-    def add_replaced(self, parent_fd: int, name: str, backup: str) -> None:
-        """`name` is being replaced; `backup` is what it was, set aside (`set_aside`), or ""
-        when there was nothing. Undo puts the old one back; forget drops it."""
-        self.entries.append(("replaced", os.dup(parent_fd), name, backup))
+    def add_replaced(self, parent_fd: int, name: str, backup: str, path: str = "") -> None:
+        """`name` was replaced; `backup` is what it was, set aside (`set_aside`), or "" when
+        there was nothing. Undo puts the old one back; forget drops it. Call it once the
+        replacement is in place (`replace_file` returned), never before."""
+        self._append("replaced", parent_fd, name, backup, path)
 
-    def undo(self) -> list[str]:
-        """Remove what was created, newest first. Returns problems, never raises."""
+    def mark(self) -> int:
+        """A point to `undo` back to (`undo(since=...)`)."""
+        return len(self.entries)
+
+    def undo(self, since: int = 0) -> list[str]:
+        """Remove what was created (after `since`), newest first. Returns problems, never raises."""
         problems = []
-        while self.entries:
-            kind, parent, name, old_target = self.entries.pop()
+        while len(self.entries) > since:
+            kind, parent, name, extra, token = self.entries.pop()
             try:
                 if kind == "dir":
                     os.rmdir(name, dir_fd=parent)
                 elif kind == "relink":
                     temp = f".{name}.gpuhook"
-                    os.symlink(old_target, temp, dir_fd=parent)
+                    os.symlink(extra, temp, dir_fd=parent)
                     os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
-                elif kind == "replaced" and old_target:
-                    os.rename(old_target, name, src_dir_fd=parent, dst_dir_fd=parent)
-                elif kind == "replaced":
-                    try:
-                        os.unlink(name, dir_fd=parent)
-                    except FileNotFoundError:
-                        pass  # the replacement never got there
+                elif kind == "replaced" and extra:
+                    os.rename(extra, name, src_dir_fd=parent, dst_dir_fd=parent)
                 else:
                     os.unlink(name, dir_fd=parent)
+                if token is not None:
+                    self.journal.undone(token)
             except OSError as err:
                 problems.append(f"could not remove {name}: {err.strerror}")
             finally:
@@ -189,35 +251,54 @@ class Changes:
     def forget(self) -> None:
         """Keep everything: close the directory fds, drop what `set_aside` kept."""
         while self.entries:
-            kind, parent, _, backup = self.entries.pop()
+            kind, parent, _, backup, _ = self.entries.pop()
             if kind == "replaced" and backup:
                 try:
                     os.unlink(backup, dir_fd=parent)
                 except OSError:
                     pass  # a stray hidden copy of the image's old file: untidy, harmless
             os.close(parent)
+        if self.journal is not None:
+            self.journal.clear()
 
 
-def set_aside(dir_fd: int, name: str) -> str:
+def lstat_here(dir_fd: int, name: str, shown: str = ""):
+    """lstat of `name` in the directory open as `dir_fd`; an entry that is the root of
+    another mount (a file or directory a volume was bound on) is refused with
+    OtherMountError before its filesystem is asked anything. `shown` names it in errors."""
+    fd = os.open(name, _PATH | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        if mount_id(fd) != mount_id(dir_fd):
+            raise OtherMountError(errno.EXDEV, "is a mount point (a volume, or the runtime's)", shown or name)
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def set_aside(dir_fd: int, name: str, shown: str = "") -> str:
     """Rename the file or symlink `name` (never followed) in the directory open as `dir_fd`
     to a fresh hidden name there, so a replacement can be undone (Changes.add_replaced);
-    returns that name, or "" when `name` does not exist."""
+    returns that name, or "" when `name` does not exist. A mount point there is refused."""
     try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        st = lstat_here(dir_fd, name, shown)
     except FileNotFoundError:
         return ""
     if stat.S_ISDIR(st.st_mode):
-        raise OSError(errno.EISDIR, "is a directory", name)
+        raise OSError(errno.EISDIR, "is a directory", shown or name)
     backup = f".{name}.gpuhook-old-{os.urandom(6).hex()}"
     os.rename(name, backup, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return backup
 
 
-def make_dirs(root_fd: int, path: str, changes: Changes, mode: int = 0o755) -> int:
-    """O_PATH fd of directory `path` in the root, creating missing components."""
+def make_dirs(root_fd: int, path: str, changes: Changes, mode: int = 0o755, beneath: bool = False,
+              at: str = "") -> int:
+    """O_PATH fd of directory `path` in the root, creating missing components; every
+    component stays on the root's mount (OtherMountError otherwise: nothing is made on
+    another mount). `beneath` resolves as open_in_root does; `at` is the container path of
+    `root_fd` when it is not the container's root (/dev), for errors and the journal."""
     parts = _components(path)
     if ".." in parts:
-        raise OSError(errno.EINVAL, "'..' is not allowed in a planned path", path)
+        raise OSError(errno.EINVAL, "'..' is not allowed in a planned path", at + path)
     cur = os.dup(root_fd)
     try:
         for i, name in enumerate(parts):
@@ -225,16 +306,18 @@ def make_dirs(root_fd: int, path: str, changes: Changes, mode: int = 0o755) -> i
             # means what it means to the container.
             prefix = "/" + "/".join(parts[: i + 1])
             try:
-                nxt = open_in_root(root_fd, prefix, os.O_PATH | os.O_DIRECTORY)
+                nxt = open_in_root(root_fd, prefix, os.O_PATH | os.O_DIRECTORY, same_mount=True, beneath=beneath)
+            except OtherMountError:
+                raise _other_mount(at + prefix) from None
             except FileNotFoundError:
                 try:
                     os.mkdir(name, mode, dir_fd=cur)
                 except FileExistsError:
-                    raise OSError(errno.ENOENT, "is a symlink to a missing directory", prefix) from None
-                changes.add("dir", cur, name)
+                    raise OSError(errno.ENOENT, "is a symlink to a missing directory", at + prefix) from None
+                changes.add("dir", cur, name, at + prefix)
                 nxt = os.open(name, _PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=cur)
             except NotADirectoryError:
-                raise OSError(errno.ENOTDIR, "exists and is not a directory", prefix) from None
+                raise OSError(errno.ENOTDIR, "exists and is not a directory", at + prefix) from None
             os.close(cur)
             cur = nxt
         result, cur = cur, -1
@@ -260,7 +343,7 @@ def _ensure(root_fd: int, path: str, changes: Changes, create, is_kind, parent_f
     try:
         try:
             create(name, parent)
-            changes.add("dir" if is_kind is stat.S_ISDIR else "file", parent, name)
+            changes.add("dir" if is_kind is stat.S_ISDIR else "file", parent, name, path)
         except FileExistsError:
             pass
         fd = os.open(name, _PATH | os.O_NOFOLLOW, dir_fd=parent)

@@ -21,6 +21,14 @@ The exchange, over two pipes (docs/architecture.md, "The namespace worker"):
    rules and runs the health step while the child works (gpuhook.apply) and aborts when
    either fails, so either the whole start happens or none of it does.
 
+Besides the step, the shared memory holds the child's journal (`Journal`): every file,
+directory, link and mount it made, as it makes it, and which of them it has undone. A child
+that is killed before it undid its work (the deadline), or that is stuck in the kernel where
+no signal reaches it (a filesystem that stopped answering), leaves exactly what its journal
+says; gpuhook.leftovers takes that back or records it for later. No wait on the child is
+unbounded: a child that does not end within REAP_GRACE of its SIGKILL is left to the kernel
+(it ends when the call it is stuck in returns) and reported.
+
 Little beyond os here (mmap, select and time when used): this module is on the GPU path of
 every start, ahead of the planning.
 """
@@ -31,6 +39,12 @@ from gpuhook import fastjson
 from gpuhook.errors import ApplyError, DeadlineError
 
 PROGRESS_BYTES = 4096  # the shared page the worker names its current step in
+JOURNAL_BYTES = 60 << 10  # after it: the worker's journal of what it made (`Journal`)
+REAP_GRACE = 0.2  # seconds a killed worker gets to be gone before it counts as stuck
+# How long past its own deadline (the hook's, less apply.CLEANUP_MARGIN) a worker waits for
+# COMMIT or ABORT before it undoes its work itself: well after the hook is gone whatever
+# happened (its backstop ends it within a second of its deadline).
+COMMIT_WAIT = 4.0
 ORDER_LIMIT = 16 << 20  # an order is a few KiB; a bigger length prefix is a bug
 REPORT_LIMIT = 16 << 20
 COMMIT = b"c"
@@ -39,10 +53,69 @@ SIGKILL = 9  # as signal.SIGKILL, without importing signal (and enum) on the hoo
 
 _early = None  # the worker gpuhook.entry forked ahead of the planning, until taken
 _exiting: list = []  # committed workers on their way out, reaped by `discard`
+live: list = []  # every worker this process forked (a hook forks one or two): gpuhook.hook.Backstop stops them
+
+
+class Journal:
+    """What the worker made and has not undone, in memory shared with the hook (after the
+    progress page): the hook can read it whatever became of the worker. The worker appends
+    (`add`, from safepath.Changes), marks undone (`undone`) and clears it when it keeps its
+    work (`clear`); the hook reads it (`entries`). Records: status byte (MADE or UNDONE), a
+    length, then [kind, container path, name, extra, st_dev, st_ino, st_ctime_ns] as JSON."""
+
+    MADE = 0x2B  # '+'
+    UNDONE = 0x30  # '0'
+    HEADER = 8  # u32 bytes used, u8 overflowed, padding
+
+    def __init__(self, memory):
+        self.memory = memory
+        self.base = PROGRESS_BYTES
+
+    def add(self, kind: str, path: str, parent_fd: int, name: str, extra: str):
+        """Append a change just made (`name` in the directory `parent_fd`, at container path
+        `path`); returns its token for `undone`, or None when the journal is full."""
+        try:  # the entry's identity, so that it is only ever taken back if it is still the same
+            st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            ident = [st.st_dev, st.st_ino, st.st_ctime_ns]  # ctime: an inode number is reused at once
+        except OSError:
+            ident = [0, 0, 0]
+        data = fastjson.dumps([kind, path, name, extra, *ident]).encode("utf-8", "surrogateescape")
+        used = int.from_bytes(self.memory[self.base:self.base + 4], "little")
+        at = self.base + self.HEADER + used
+        if at + 3 + len(data) > self.base + JOURNAL_BYTES:
+            self.memory[self.base + 4] = 1
+            return None
+        self.memory[at + 1:at + 3 + len(data)] = len(data).to_bytes(2, "little") + data
+        self.memory[at] = self.MADE
+        self.memory[self.base:self.base + 4] = (used + 3 + len(data)).to_bytes(4, "little")
+        return at
+
+    def undone(self, token) -> None:
+        if token is not None:
+            self.memory[token] = self.UNDONE
+
+    def clear(self) -> None:
+        self.memory[self.base:self.base + 5] = bytes(5)
+
+    def entries(self) -> tuple:
+        """([kind, path, name, extra, st_dev, st_ino, st_ctime_ns] of each change still made, oldest
+        first; whether the journal overflowed, so that more was made than it lists)."""
+        used = min(int.from_bytes(self.memory[self.base:self.base + 4], "little"), JOURNAL_BYTES - self.HEADER)
+        at, end, found = self.base + self.HEADER, self.base + self.HEADER + used, []
+        while at + 3 <= end:
+            size = int.from_bytes(self.memory[at + 1:at + 3], "little")
+            if self.memory[at] == self.MADE:
+                try:
+                    found.append(fastjson.loads(bytes(self.memory[at + 3:at + 3 + size])))
+                except ValueError:
+                    pass
+            at += 3 + size
+        return found, bool(self.memory[self.base + 4])
 
 
 class Worker:
-    """The parent's handle on one forked worker. Whatever happens, `close` ends it."""
+    """The parent's handle on one forked worker. Whatever happens, `close` ends it (or,
+    when the kernel holds it, gives up on it after REAP_GRACE: `stuck`)."""
 
     def __init__(self, pid: int, order_w: int, result_r: int, progress):
         self.pid = pid
@@ -52,6 +125,13 @@ class Worker:
         self.buffer = b""
         self.reaped = False
         self.committed = False
+        self.ordered = False  # it got an order: from then on it may change the container
+        self.settled = False  # it said it undid everything, or it was told to keep it
+        self.unsettled = False  # it was killed while it may still have had changes made
+        self.stuck = False  # it did not end after SIGKILL: a call in the kernel holds it
+        self.left: list = []  # what it reported leaving stuck itself (an ldconfig sandbox)
+        self.context = None  # (rootfs, container id) of its order, for gpuhook.leftovers
+        self.settling = False  # the hook is taking back (or recording) what it left
 
     def send_order(self, order: bytes) -> None:
         try:
@@ -59,6 +139,7 @@ class Worker:
         except BrokenPipeError:
             self._reap()
             raise ApplyError("start the namespace worker", "the namespace worker died") from None
+        self.ordered = True
 
     def report(self, deadline: float) -> dict:
         """The worker's report once it is done. Raises ApplyError, or DeadlineError (after
@@ -76,7 +157,7 @@ class Worker:
         """Keep what the worker did (after an ok report); it closes its files and exits by
         itself (`close` then only reaps it: killed, it could leave the set-aside copy of the
         image's ld.so.cache behind)."""
-        self.committed = True
+        self.committed = self.settled = True
         try:
             os.write(self.order_w, COMMIT)
         except BrokenPipeError:
@@ -101,14 +182,22 @@ class Worker:
         size = int.from_bytes(self.progress[0:2], "little")
         return self.progress[2:2 + size].decode("utf-8", "replace") or "starting"
 
+    def journal(self) -> tuple:
+        """What it made and did not undo, as Journal.entries says (read it once the worker
+        is gone or stuck)."""
+        return Journal(self.progress).entries()
+
     def close(self, kill: bool = True) -> None:
         """Release the pipes and reap the worker; `kill` it first unless it is known to be
-        on its way out (an unused worker would wait for an order until the hook exits)."""
+        on its way out (an unused worker would wait for an order until the hook exits). The
+        shared memory stays readable until `release`."""
         for fd in (self.order_w, self.result_r):
             if fd >= 0:
                 os.close(fd)
         self.order_w = self.result_r = -1
         self._reap(kill and not self.committed)
+
+    def release(self) -> None:
         if not self.progress.closed:
             self.progress.close()
 
@@ -131,29 +220,80 @@ class Worker:
             self.buffer += data
         line, _, self.buffer = self.buffer.partition(b"\n")
         try:
-            return fastjson.loads(line)
+            message = fastjson.loads(line)
         except ValueError:
             step = self.step()
             self._reap(kill=True)
             raise ApplyError(step, "the namespace worker sent an unreadable report") from None
+        if not isinstance(message, dict):
+            step = self.step()
+            self._reap(kill=True)
+            raise ApplyError(step, "the namespace worker sent an unreadable report")
+        if message.get("ok") is False or "undone" in message:
+            self.settled = True  # it has undone its work (what it could not is in the message)
+        self.left += [str(x) for x in message.get("left") or ()]
+        return message
 
     def _reap(self, kill: bool = False) -> None:
-        if self.reaped:
+        """Wait for the worker to end, REAP_GRACE at most after a SIGKILL (`kill`, or when it
+        does not end by itself within that time): a process stuck in the kernel cannot be
+        waited for without bound. One that does not end is `stuck`."""
+        if self.reaped or self.stuck:
             return
         if kill:
-            try:
-                os.kill(self.pid, SIGKILL)
-            except ProcessLookupError:
-                pass
-        os.waitpid(self.pid, 0)
-        self.reaped = True
+            self._kill()
+        if not self._wait(REAP_GRACE):
+            if not kill:
+                self._kill()
+                if self._wait(REAP_GRACE):
+                    return
+            self.stuck = True
+
+    def _kill(self) -> None:
+        if self.ordered and not self.settled:
+            self.unsettled = True  # killed before it undid its work, or while it did
+        try:
+            os.kill(self.pid, SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _wait(self, seconds: float) -> bool:
+        """Reap the worker if it ends within `seconds`; woken by its pidfd the moment it
+        does (short polls on kernels before 5.3)."""
+        import select
+        import time
+
+        end = time.monotonic() + seconds
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except OSError:
+            pidfd = -1
+        try:
+            while True:
+                try:
+                    done, _ = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:
+                    done = self.pid
+                if done:
+                    self.reaped = True
+                    return True
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                if pidfd >= 0:
+                    select.select([pidfd], [], [], left)
+                else:
+                    time.sleep(min(0.005, left))
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
 
 
 def start() -> Worker:
     """Fork a worker that loads gpuhook.nsworker and waits for its order."""
     import mmap
 
-    progress = mmap.mmap(-1, PROGRESS_BYTES)
+    progress = mmap.mmap(-1, PROGRESS_BYTES + JOURNAL_BYTES)
     order_r, order_w = os.pipe()
     result_r, result_w = os.pipe()
     parent = os.getpid()
@@ -180,7 +320,9 @@ def start() -> Worker:
             os._exit(code)
     os.close(order_r)
     os.close(result_w)
-    return Worker(pid, order_w, result_r, progress)
+    worker = Worker(pid, order_w, result_r, progress)
+    live.append(worker)
+    return worker
 
 
 def start_early() -> None:
@@ -210,8 +352,11 @@ def discard() -> None:
     worker, _early = _early, None
     if worker is not None:
         worker.close()
+        worker.release()
     while _exiting:
-        _exiting.pop().close()
+        done = _exiting.pop()
+        done.close()
+        done.release()
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -9,6 +9,7 @@ rootfs. (Issue 7, item 2.)
 """
 
 import os
+import stat
 import subprocess
 
 import pytest
@@ -70,7 +71,12 @@ def test_image_environment_reaches_neither_the_hook_nor_its_children(gpus, evil,
 def test_host_ldconfig_runs_with_no_capability_no_procfs_and_a_read_only_rootfs(gpus, tmp_path):
     """The sandbox the host's ldconfig runs in (gpuhook.ldsandbox), as ldconfig sees it."""
     gpus.configure(ldconfig=fake_ldconfig(tmp_path))
-    result = gpus.run("ldconfig-sandbox", env=["NVIDIA_VISIBLE_DEVICES=0"])
+
+    def image_dev_zero(rootfs):  # the image's own node, under the runtime's /dev (which the sandbox leaves out)
+        os.makedirs(f"{rootfs}/dev", exist_ok=True)
+        os.mknod(f"{rootfs}/dev/zero", 0o666 | stat.S_IFCHR, os.makedev(1, 5))
+
+    result = gpus.run("ldconfig-sandbox", env=["NVIDIA_VISIBLE_DEVICES=0"], rootfs_setup=image_dev_zero)
     assert result.returncode == 0, result.stderr
     seen = gpus.log_lines()[-1]["ldconfig_output"].splitlines()
     assert "CAPS 0 0 0 0 0 0" in seen and "BOUNDING_SYS_ADMIN 0" in seen and "NO_NEW_PRIVS 1" in seen

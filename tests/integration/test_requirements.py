@@ -317,3 +317,33 @@ def test_the_hint_follows_the_operator(constraint, hint):
     with pytest.raises(RequirementError) as err:
         requirements.evaluate({"NVIDIA_REQUIRE_X": constraint}, host("550.54.15", "12.4", "tesla", "8.0"))
     assert err.value.hint == hint
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"NVIDIA_REQUIRE_CUDA": "cuda>=99.0 " * 5000 + "cuda>=1.0"}, "NVIDIA_REQUIRE_CUDA is too large"),
+    ({"NVIDIA_REQUIRE_CUDA": "cuda>=1.0," * 7000}, "NVIDIA_REQUIRE_CUDA is too large (70000 characters, 1"),
+    ({f"NVIDIA_REQUIRE_X{i}": "cuda>=1.0" for i in range(65)}, "the image sets 65 NVIDIA_REQUIRE_* variables"),
+    ({f"NVIDIA_REQUIRE_X{i}": "cuda>=1.0 " * 4000 for i in range(7)}, "7 NVIDIA_REQUIRE_* variables of 280000 characters"),
+])
+def test_requirements_beyond_their_bounds_are_refused_before_parsing(env, named):
+    """NVIDIA's tools read requirements of any size; the image controls them, so gpuhook
+    refuses what no CUDA image needs before it parses anything (docs/security.md)."""
+    with pytest.raises(RequirementError) as refused:
+        requirements.collect(env)
+    assert named in refused.value.message and "a CUDA image's requirement is a few hundred bytes" in refused.value.hint
+
+
+def test_the_largest_accepted_requirement_is_checked_against_many_gpus_quickly():
+    """4096 alternatives against 16 GPUs: cuda and driver terms read no GPU and are
+    evaluated once, so the time is that of one pass."""
+    text = "cuda>=99.0 " * (requirements.MAX_ALTERNATIVES - 1) + "cuda>=1.0"
+    (requirement,) = requirements.collect({"NVIDIA_REQUIRE_CUDA": text})
+    host = HostFacts("12.4", "550.54.15", [GpuTraits(f"GPU {i}", "9.0", "tesla") for i in range(16)])
+    calls = []
+    original = requirements._failures
+    requirements._failures = lambda *args: calls.append(1) or original(*args)
+    try:
+        requirements.check(requirement, host)
+    finally:
+        requirements._failures = original
+    assert len(calls) == 1

@@ -3,6 +3,7 @@
 import errno
 import os
 import socket
+import stat
 
 import pytest
 
@@ -240,3 +241,53 @@ def test_replaced_is_undone_to_the_old_file_and_forget_drops_the_copy(tmp_path):
             safepath.set_aside(parent, "ld.so.cache")
     finally:
         os.close(parent)
+
+
+def test_a_path_onto_another_mount_is_refused_when_it_must_stay_on_one(tmp_path, resolver):
+    """Write paths stay on one mount: down into a mount point, or through a link that leads
+    onto one (here the host's procfs, below the host's /), fails with EXDEV before that
+    filesystem is asked anything; the same path resolves when crossing is allowed."""
+    (tmp_path / "to-proc").symlink_to("/proc/self")
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    try:
+        for path in ("/proc/self/status", f"{tmp_path}/to-proc/status", "/proc"):
+            with pytest.raises(safepath.OtherMountError) as refused:
+                safepath.open_in_root(root, path, same_mount=True)
+            assert refused.value.errno == errno.EXDEV and refused.value.filename == path
+            assert not safepath.exists_in_root(root, path)
+            os.close(safepath.open_in_root(root, path))
+        os.close(safepath.open_in_root(root, str(tmp_path), same_mount=True))
+        with pytest.raises(safepath.OtherMountError) as refused:
+            safepath.make_dirs(root, f"{tmp_path}/to-proc/new", safepath.Changes())
+        assert refused.value.filename == f"{tmp_path}/to-proc"
+    finally:
+        os.close(root)
+
+
+def test_beneath_refuses_what_would_leave_the_directory(tree, resolver):
+    """RESOLVE_BENEATH, for a directory that is not the container's root (its /dev): an
+    absolute link or a '..' above it fails instead of restarting from it."""
+    root, _ = tree
+    fd = os.open(root / "real", os.O_PATH | os.O_DIRECTORY)
+    (root / "real" / "abs").symlink_to("/etc")
+    try:
+        os.close(safepath.open_in_root(fd, "/deep/er", beneath=True))
+        for path in ("/abs/secret", "/../etc/secret", "/deep/../../etc"):
+            with pytest.raises(OSError) as refused:
+                safepath.open_in_root(fd, path, beneath=True)
+            assert refused.value.errno == errno.EXDEV, path
+    finally:
+        os.close(fd)
+
+
+def test_an_entry_that_is_a_mount_point_is_never_stated(tmp_path):
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    try:
+        with pytest.raises(safepath.OtherMountError):
+            safepath.lstat_here(root, "proc", "/proc")
+        with pytest.raises(safepath.OtherMountError):
+            safepath.set_aside(root, "proc", "/proc")
+        assert stat.S_ISDIR(safepath.lstat_here(root, "usr").st_mode)
+    finally:
+        os.close(root)
+

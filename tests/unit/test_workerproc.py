@@ -126,3 +126,56 @@ def test_the_worker_refuses_a_namespace_other_than_the_one_the_hook_checked():
     with pytest.raises(OSError) as refused:
         nsworker._open_same_namespace(os.getpid(), "mnt", (st.st_dev, st.st_ino + 1))
     assert refused.value.errno == errno.ESRCH and "no longer the container" in refused.value.strerror
+
+
+def test_the_journal_lists_exactly_what_is_made_and_not_undone(tmp_path):
+    """The worker's journal, in the memory it shares with the hook: what a worker killed or
+    stuck in the kernel leaves is what it lists, each with its identity."""
+    import mmap
+
+    from gpuhook import safepath
+
+    memory = mmap.mmap(-1, workerproc.PROGRESS_BYTES + workerproc.JOURNAL_BYTES)
+    root = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    changes = safepath.Changes(workerproc.Journal(memory))
+    try:
+        lib = safepath.make_dirs(root, "/usr/lib64", changes)
+        os.close(os.open("libcuda.so.1", os.O_CREAT | os.O_WRONLY, dir_fd=lib))
+        changes.add("file", lib, "libcuda.so.1", "/usr/lib64/libcuda.so.1")
+        made = os.stat(tmp_path / "usr/lib64/libcuda.so.1")
+        entries, overflowed = workerproc.Journal(memory).entries()
+        assert [e[:2] for e in entries] == [["dir", "/usr"], ["dir", "/usr/lib64"], ["file", "/usr/lib64/libcuda.so.1"]]
+        assert entries[-1][4:] == [made.st_dev, made.st_ino, made.st_ctime_ns] and not overflowed
+        assert changes.undo(since=2) == []  # the file only
+        assert [e[1] for e in workerproc.Journal(memory).entries()[0]] == ["/usr", "/usr/lib64"]
+        changes.forget()  # kept: nothing is left over
+        assert workerproc.Journal(memory).entries() == ([], False)
+        journal = workerproc.Journal(memory)
+        while journal.add("file", "/x" * 200, lib, "nothing", "") is not None:
+            pass
+        assert journal.entries()[1] is True  # full: the reader is told that more was made
+    finally:
+        os.close(lib)
+        os.close(root)
+        memory.close()
+
+
+def test_a_worker_that_does_not_die_is_given_up_on_not_waited_for(monkeypatch):
+    """A process stuck in the kernel does not end on SIGKILL; the hook waits REAP_GRACE for
+    it, never without bound, and says so (`stuck`; `unsettled`: it had an order and may have
+    changed the container). A SIGKILL that does not take effect stands for one the kernel
+    holds (tests/integration/test_volumes.py has the real one, on a stalled FUSE)."""
+    monkeypatch.setattr(workerproc, "REAP_GRACE", 0.2)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        worker = workerproc.Worker(sleeper.pid, -1, -1, None)
+        worker.ordered = True
+        monkeypatch.setattr(os, "kill", lambda pid, sig: None)  # SIGKILL that does not take effect
+        started = time.monotonic()
+        worker._reap(kill=True)
+        assert time.monotonic() - started < 1
+        assert worker.stuck and worker.unsettled and not worker.reaped
+    finally:
+        monkeypatch.undo()
+        sleeper.kill()
+        sleeper.wait()
