@@ -12,9 +12,10 @@ unmounted. The protocol structures are those of include/uapi/linux/fuse.h (7.31)
 Modes:
 - "dir": the root is a directory; GETATTR of it is answered (runtimes stat a bind source),
   nothing else (a lookup in it hangs);
-- "file": the root is a regular file of `size` bytes; GETATTR is answered for processes in
-  the server's own mount namespace only (the host: gpuhook's discovery), nothing for any
-  other (a container's namespace: gpuhook's worker).
+- "file": the root is a regular file holding what the file it is mounted over held (its
+  `size` bytes); GETATTR, OPEN, READ, FLUSH and RELEASE are answered for processes in the
+  server's own mount namespace only (the host: gpuhook's discovery, which reads an ELF
+  header), nothing for any other (a container's namespace: gpuhook's worker).
 """
 
 import ctypes
@@ -25,6 +26,8 @@ import sys
 import time
 
 FUSE_LOOKUP, FUSE_FORGET, FUSE_GETATTR, FUSE_INIT, FUSE_INTERRUPT, FUSE_BATCH_FORGET = 1, 2, 3, 26, 36, 42
+FUSE_OPEN, FUSE_READ, FUSE_RELEASE, FUSE_FLUSH = 14, 15, 18, 25
+READ_IN = struct.Struct("<QQI")  # fh offset size (the start of struct fuse_read_in)
 NO_REPLY = {FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT}
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen padding
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
@@ -46,7 +49,15 @@ def _answer_attr(fd: int, unique: int, mode: int, size: int) -> None:
     os.write(fd, OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique) + body)
 
 
+def _answer(fd: int, unique: int, body: bytes = b"") -> None:
+    os.write(fd, OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique) + body)
+
+
 def serve(mountpoint: str, mode: str, size: int) -> None:
+    content = b""
+    if mode == "file":
+        with open(mountpoint, "rb") as f:
+            content = f.read(size)
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     rootmode = "100644" if mode == "file" else "40755"
@@ -73,6 +84,20 @@ def serve(mountpoint: str, mode: str, size: int) -> None:
                 _answer_attr(fd, unique, 0o40755, 0)
             elif same_ns:
                 _answer_attr(fd, unique, 0o100644, size)
+        elif mode == "file" and opcode in (FUSE_OPEN, FUSE_READ, FUSE_FLUSH, FUSE_RELEASE) and nodeid == 1:
+            try:
+                same_ns = os.readlink(f"/proc/{pid}/ns/mnt") == own_ns
+            except OSError:
+                same_ns = opcode in (FUSE_FLUSH, FUSE_RELEASE)  # sent as the file closes, pid may be gone
+            if not same_ns:
+                continue
+            if opcode == FUSE_OPEN:
+                _answer(fd, unique, struct.pack("<QII", 0, 0, 0))  # fh, open_flags, padding
+            elif opcode == FUSE_READ:
+                _, offset, count = READ_IN.unpack_from(data, IN_HEADER.size)
+                _answer(fd, unique, content[offset:offset + count])
+            else:
+                _answer(fd, unique)
         # everything else is read and never answered: the backend has stopped
 
 
