@@ -249,6 +249,23 @@ def test_a_mig_device_request_checks_its_parent_gpu_and_never_resets_it(bed, mig
     assert after["reset_count"] == 0 and len(after["mig_devices"]) == len(simhost.DEFAULT_MIG_LAYOUT)
 
 
+@pytest.fixture(scope="module")
+def sim470(tmp_path_factory):
+    """Driver 470: NVML without the _v3 process query (all pynvml 13 calls) or the v2 memory call."""
+    require_root_tools("gcc", "ldconfig", "runc")
+    return simhost.build(str(tmp_path_factory.mktemp("health-hook-470") / "host"), gpus=1,
+                         driver_version="470.82.01", seed="health-hook-470")
+
+
+def test_a_start_on_a_driver_before_510_passes_its_checks(bed, sim470, probe, tmp_path):
+    containers = HealthContainers(bed, sim470, probe, tmp_path)
+    result = containers.run("driver-470", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode == 0, result.stderr
+    (record,) = containers.records("prestart")
+    (checked,) = record["health"]["gpus"]
+    assert (checked["status"], checked["checks"]["processes"]) == ("healthy", "ok")
+
+
 # --- stamps from `gpuhook prepare` ---------------------------------------------------------
 
 def prepare(hgpus, index):
