@@ -232,6 +232,10 @@ def reset_gpu(config, session, uuid: str, until: float, timeout: float) -> Reset
     module docstring), through `session` (an open nvml.Session), before monotonic time `until`
     and within `timeout` for the command itself."""
     try:
+        reset_argv(config, uuid)  # a command that cannot run changes nothing, persistence included
+    except (ConfigError, HostError) as err:
+        return ResetOutcome((Action("reset", uuid, False, err.one_line(), 0.0),), f"reset failed: {err.one_line()}")
+    try:
         facts = session.reset_facts(uuid)
     except NvmlError as err:
         return ResetOutcome((), f"not reset: {err.one_line()}")

@@ -602,6 +602,16 @@ def test_persistence_mode_is_turned_off_for_a_reset_and_back_on_after(config, si
     assert not os.path.exists(f"{config.state_dir}/health/persistence/{gpu(sim, 1)}.json")
 
 
+def test_a_reset_command_that_cannot_run_leaves_persistence_mode_alone(sim, tmp_path, nvml_state):
+    config = make_config(sim, tmp_path, **{"reset-command": "/nonexistent/nvidia-smi -r -i {uuid}"})
+    simnvml.set_gpu(nvml_state, 1, persistence_mode=True, ecc_volatile_uncorrected=1)
+    err = fails(config, [gpu(sim, 1)])
+    assert err.one_line().endswith("reset failed: reset command not found: no executable /nonexistent/nvidia-smi "
+                                   "(set health.reset-command)")
+    assert [a.action for a in err.report.gpus[0].actions] == ["reset"]
+    assert gpu_state(nvml_state, 1)["persistence_mode"] is True
+
+
 def test_persistence_mode_is_restored_even_after_a_failed_reset(config, sim, nvml_state):
     simnvml.set_gpu(nvml_state, 1, persistence_mode=True, ecc_volatile_uncorrected=1, reset_fails=True)
     err = fails(config, [gpu(sim, 1)])
