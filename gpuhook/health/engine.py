@@ -2,10 +2,10 @@
 
 One thread per GPU (NVML's calls release the GIL, so a slow GPU does not hold up the
 others; 16 GPUs that take 1 s each take about 1 s), coordinated by one more thread that
-reads the registry (and asks NVML for the parents of MIG devices). The caller waits for them only until the deadline:
-what is unfinished then is reported as cut off, naming the GPU and the step it was in,
-and those threads are told to stop before their next action, so nothing is killed or
-reset after the deadline. (A thread stuck inside an NVML call cannot be interrupted; it
+reads the registry (and asks NVML for the parents of MIG devices). The caller waits for
+them only until the deadline: what is unfinished then is reported as cut off, naming the
+GPU and the step it was in, and those threads are told to stop before their next action,
+so nothing is killed or reset after the deadline. (A thread stuck inside an NVML call cannot be interrupted; it
 ends with the call, or with the hook's process.)
 
 Per GPU, under its lock (store.GpuLock), with an NVML session of its own:

@@ -941,7 +941,7 @@ int sim_reset_gpu(const char *path, const char *ids, FILE *out, FILE *err)
     for (i = 0; i < n; i++)
         locks[i] = -1;
     for (i = 0; i < n; i++) {
-        snprintf(msg, sizeof msg, ".reset-%s.lock", uuids[i]);
+        snprintf(msg, sizeof msg, ".reset-%.*s.lock", SIM_TEXT_LEN - 1, uuids[i]);
         if ((locks[i] = lock_file(path, msg, 1)) < 0) {
             if (errno == EWOULDBLOCK) {
                 record_overlap(path, uuids[i], err);
