@@ -387,23 +387,30 @@ class Session:
                 if left <= 0:
                     raise NvmlError("nvmlInit", "NVML stayed closed for a GPU reset for too long")
                 _gate.cond.wait(left)
-            with _lock:
-                if _open_sessions and _loaded_path != self.library:
-                    raise NvmlError("nvmlInit", f"a session on {_loaded_path} is open in this process; "
-                                    f"cannot also load {self.library}")
-                _install_library(pynvml, self.library)
-                # After a reset NVML could not be started again for the open sessions: start
-                # it for them too, so that every session's close has its nvmlInit.
-                starts = 1 + (_open_sessions if _gate.broken is not None else 0)
-                for _ in range(starts):
-                    _call(pynvml, "nvmlInit", None, pynvml.nvmlInit)
-                _gate.broken = None
-                if not _open_sessions:
-                    INITIALISED[0] += 1
-                _loaded_path = self.library
-                _open_sessions += 1
+            # Shared before NVML attaches: a reset in another gpuhook process that holds it
+            # exclusively must never find this process attached (gpuhook.nvml.exclusive).
             if self.client_lock:
                 _hold_client_lock(self.client_lock)
+            try:
+                with _lock:
+                    if _open_sessions and _loaded_path != self.library:
+                        raise NvmlError("nvmlInit", f"a session on {_loaded_path} is open in this process; "
+                                        f"cannot also load {self.library}")
+                    _install_library(pynvml, self.library)
+                    # After a reset NVML could not be started again for the open sessions:
+                    # start it for them too, so that every session's close has its nvmlInit.
+                    starts = 1 + (_open_sessions if _gate.broken is not None else 0)
+                    for _ in range(starts):
+                        _call(pynvml, "nvmlInit", None, pynvml.nvmlInit)
+                    _gate.broken = None
+                    if not _open_sessions:
+                        INITIALISED[0] += 1
+                    _loaded_path = self.library
+                    _open_sessions += 1
+            except BaseException:
+                if self.client_lock:
+                    _drop_client_lock(self.client_lock)
+                raise
         self._pynvml = pynvml
 
     def close(self) -> None:
@@ -412,17 +419,20 @@ class Session:
         if pynvml is None:
             return
         with _gate.cond:
-            if self.client_lock:
-                _drop_client_lock(self.client_lock)
-            with _lock:
-                _open_sessions -= 1
-                if _gate.closed or _gate.broken is not None:
-                    # Shut down for a reset already (it is not started again for this one), or
-                    # it could not be started again after one.
-                    if not _open_sessions:
-                        _gate.broken = None
-                    return
-                _call(pynvml, "nvmlShutdown", None, pynvml.nvmlShutdown)
+            try:
+                with _lock:
+                    _open_sessions -= 1
+                    if _gate.closed or _gate.broken is not None:
+                        # Shut down for a reset already (it is not started again for this one),
+                        # or it could not be started again after one.
+                        if not _open_sessions:
+                            _gate.broken = None
+                        return
+                    _call(pynvml, "nvmlShutdown", None, pynvml.nvmlShutdown)
+            finally:
+                # Dropped once NVML let go: a reset elsewhere may then find nothing attached.
+                if self.client_lock:
+                    _drop_client_lock(self.client_lock)
 
     @property
     def pynvml(self):

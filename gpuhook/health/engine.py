@@ -248,20 +248,31 @@ class _Run:
             raise HostError("gpuhook health checks must run in the host's PID namespace: NVML reports host pids",
                             "run the device plugin with hostPID: true")
         targets = self.uuids
-        if any(u.startswith("MIG-") for u in targets):
-            with self.session() as session:
+        # Opened here so that NVML starts once (seconds without persistence mode), not once
+        # per GPU thread whose session happens not to overlap another's; closed as soon as
+        # each thread has its own session or waits for its GPU's lock (module docstring).
+        self.step = "nvml-init"
+        warm = self.session()
+        warm.open()
+        try:
+            if any(u.startswith("MIG-") for u in targets):
                 self.step = "resolve"
-                targets = _parents(session, targets)
-        self.step = "registry"
-        containers = registry.load_all(self.config.state_dir, proc)
-        # A starting container's own entry (a hook run twice) owns nothing yet; a stopped
-        # container's entry (poststop) is exactly what makes its leftovers orphans.
-        starting = self.container_id if self.policy.kill_only is None else None
-        attributor = owners.Attributor(containers, proc, starting=starting)
-        self.checks = [_GpuCheck(self, attributor, containers, uuid) for uuid in targets]
-        threads = [threading.Thread(target=c.main, name=f"gpuhook-health-{c.uuid}", daemon=True) for c in self.checks]
-        for thread in threads:
-            thread.start()
+                targets = _parents(warm, targets)
+            self.step = "registry"
+            containers = registry.load_all(self.config.state_dir, proc)
+            # A starting container's own entry (a hook run twice) owns nothing yet; a stopped
+            # container's entry (poststop) is exactly what makes its leftovers orphans.
+            starting = self.container_id if self.policy.kill_only is None else None
+            attributor = owners.Attributor(containers, proc, starting=starting)
+            self.checks = [_GpuCheck(self, attributor, containers, uuid) for uuid in targets]
+            threads = [threading.Thread(target=c.main, name=f"gpuhook-health-{c.uuid}", daemon=True)
+                       for c in self.checks]
+            for thread in threads:
+                thread.start()
+            for check in self.checks:
+                check.settled.wait(max(self.deadline - time.monotonic(), 0))
+        finally:
+            warm.close()
         for thread in threads:
             thread.join()
         failed = [c.error for c in self.checks if c.error is not None]
@@ -320,6 +331,7 @@ class _GpuCheck:
         self.error = None  # an exception the work raised (a bug, or a state dir gone bad)
         self.started = time.monotonic()
         self.steps = {}
+        self.settled = threading.Event()  # has its own NVML session, waits for its lock, or ended
         self._step = "lock"
         self._since = self.started
         self._lock = threading.Lock()
@@ -342,10 +354,21 @@ class _GpuCheck:
     # -- the work ---------------------------------------------------------------------------
 
     def main(self) -> None:
+        try:
+            self._main()
+        finally:
+            self.settled.set()
+
+    def _waiting(self) -> bool:
+        """GpuLock's cancel test while the lock is busy: this thread holds no NVML meanwhile."""
+        self.settled.set()
+        return self.stopped()
+
+    def _main(self) -> None:
         lock = store.GpuLock(self.config.state_dir, self.uuid)
         no_lock = ""
         try:
-            if not lock.acquire(self.run.deadline, self.stopped):
+            if not lock.acquire(self.run.deadline, self._waiting):
                 return  # cut off while waiting: the coordinator reports it
         except OSError as err:
             # An unwritable state dir must not stop healthy GPUs from starting; without the
@@ -355,6 +378,7 @@ class _GpuCheck:
             self.enter("nvml-init")
             self.session = self.run.session()
             self.session.open()
+            self.settled.set()
             try:
                 result = self._work(no_lock)
             finally:

@@ -773,9 +773,9 @@ def test_concurrent_prepares_of_one_gpu_never_reset_it_twice_at_once(sim, tmp_pa
     simnvml.set_gpu(nvml_state, 1, ecc_volatile_uncorrected=1, reset_does_not_fix=True, reset_latency_ms=300)
     started = time.monotonic()
     outcomes = prepare_processes(sim, path, 1, 4)
-    assert [code for code, _ in outcomes] == [6] * 4
+    assert [code for code, _ in outcomes] == [6] * 4, outcomes
     record = gpu_state(nvml_state, 1)
-    assert (record["reset_count"], record["reset_overlaps"]) == (4, 0)  # four resets, one after the other
+    assert (record["reset_count"], record["reset_overlaps"]) == (4, 0), outcomes  # one after the other
     assert time.monotonic() - started >= 1.2
 
 
