@@ -412,7 +412,7 @@ class _GpuCheck:
         """Examine, repair as the policy allows, examine again: the GpuResult, or None when
         the deadline stopped the work before an action."""
         blocked, done = {}, []
-        if not no_lock:
+        if self.policy.repair and not no_lock:  # a check without repair changes nothing
             self.enter("persistence")
             restored = actions.restore_persistence(self.config, self.session, self.uuid)
             if restored is not None:

@@ -634,7 +634,9 @@ def test_persistence_mode_a_killed_check_left_off_is_restored_by_the_next_check(
     assert gpu_state(nvml_state, 2)["persistence_mode"] is False
     simnvml.set_gpu(nvml_state, 2, reset_latency_ms=0)
     config = cfg.load(path, use_cache=False)
-    (result,) = engine.check([gpu(sim, 2)], config).gpus  # even a check without --repair restores it
+    (result,) = engine.check([gpu(sim, 2)], config).gpus  # a check without repair changes nothing
+    assert result.actions == () and gpu_state(nvml_state, 2)["persistence_mode"] is False
+    (result,) = engine.prepare([gpu(sim, 2)], config).gpus
     assert result.actions[0].action == "persistence" and result.actions[0].ok
     assert result.actions[0].detail == "turned back on (left off by an interrupted reset)"
     assert gpu_state(nvml_state, 2)["persistence_mode"] is True
