@@ -313,7 +313,7 @@ def restore_persistence(config, session, uuid: str):
     died between turning it off and on again): an Action, or None when nothing was noted."""
     path = persistence_record(config, uuid)
     note = store.read_json(path)
-    if note is None:
+    if not isinstance(note, dict):
         if os.path.lexists(path):
             _unlink(path)  # damaged: nothing to go by
         return None

@@ -610,16 +610,31 @@ int sim_process_present(const struct sim_process *p)
     return p->stale || sim_pid_holds_files(p->pid);
 }
 
+/* The directory of the state file, opened for an flock: the clients' lock lives on it, so an
+ * NVML client creates no file (a real driver's clients leave none either). */
+static int open_state_dir(const char *path)
+{
+    char dir[4096];
+    char *slash;
+
+    if ((size_t)snprintf(dir, sizeof dir, "%s", path) >= sizeof dir)
+        return -1;
+    if ((slash = strrchr(dir, '/')) == NULL)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == dir)
+        dir[1] = '\0';
+    else
+        *slash = '\0';
+    return open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+}
+
 int sim_client_attach(const char *path)
 {
-    char name[4096];
-    int fd;
+    int fd = open_state_dir(path);
 
-    if ((size_t)snprintf(name, sizeof name, "%s%s", path, SIM_CLIENTS_SUFFIX) >= sizeof name)
+    if (fd < 0)
         return -1;
-    if ((fd = open(name, O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0)
-        return -1;
-    /* Blocks only while a reset holds the file exclusively: NVML waits for a reset to end. */
+    /* Blocks only while a reset holds it exclusively: NVML waits for a reset to end. */
     while (flock(fd, LOCK_SH) != 0) {
         if (errno != EINTR) {
             close(fd);
@@ -777,18 +792,16 @@ static void print_in_use(FILE *err, const char *bus)
                  "compute applications running in the system.\n", bus);
 }
 
-/* Whether another process is an NVML client (holds <state>.clients shared). Concurrent resets
- * take turns at this test (a blocking lock), so one reset's test never reads as another's
- * client. */
+/* Whether another process is an NVML client (holds the state file's directory shared).
+ * Concurrent resets take turns at this test (a blocking lock), so one reset's test never
+ * reads as another's client. */
 static int other_clients(const char *path)
 {
-    char name[4096];
     int fd, turn, busy = 0;
 
     if ((turn = lock_file(path, SIM_CLIENTS_SUFFIX "-test", 0)) < 0)
         return 0;
-    if ((size_t)snprintf(name, sizeof name, "%s%s", path, SIM_CLIENTS_SUFFIX) < sizeof name &&
-        (fd = open(name, O_RDWR | O_CREAT | O_CLOEXEC, 0644)) >= 0) {
+    if ((fd = open_state_dir(path)) >= 0) {
         while (flock(fd, LOCK_EX | LOCK_NB) != 0) {
             if (errno == EINTR)
                 continue;

@@ -24,7 +24,7 @@
 #define SIM_NOT_AVAILABLE 0xFFFFFFFFu
 #define SIM_MESSAGE_LEN 4608      /* room for a full path and the reason */
 #define SIM_MAX_PEERS 16          /* NVLink peers a GPU must be reset with (an 8- or 16-GPU board) */
-#define SIM_CLIENTS_SUFFIX ".clients"  /* <state>.clients: every NVML session holds a shared flock on it */
+#define SIM_CLIENTS_SUFFIX ".clients"  /* <state>.clients-test: resets take turns testing for clients */
 
 /* NVML's nvmlBrandType_t values, by the tokens NVIDIA_REQUIRE_* constraints use. */
 extern const char *const sim_brand_names[];
@@ -121,8 +121,8 @@ int sim_pid_holds_files(unsigned pid);
 
 /*
  * Mark this process as an NVML client for as long as the returned descriptor stays open (a
- * shared flock on <state>.clients, close-on-exec): the simulated nvidia-smi refuses to reset
- * while any client exists, as the driver does. Returns the descriptor or -1.
+ * shared flock on the state file's directory, close-on-exec): the simulated nvidia-smi
+ * refuses to reset while any client exists, as the driver does. Returns the descriptor or -1.
  */
 int sim_client_attach(const char *path);
 
