@@ -10,7 +10,8 @@ Each problem names its check, the evidence in words, and what could repair it:
                     a zombie whose parent is not                        none (only its parent can reap it)
                     a pid that no longer exists (context left behind)   reset
     memory          memory in use beyond the listed processes' share    reset
-                    above leftover-memory-mib
+                    above leftover-memory-mib (the driver's own reserve
+                    is not in use: NVML's v2 memory call reports it apart)
     ecc             volatile uncorrectable ECC errors                   reset
     retired-pages   page retirements pending                            reset
     remapped-rows   row remapping failed                                none (the GPU needs servicing)
@@ -124,7 +125,9 @@ def _process_problems(processes):
 
 
 def _memory_problem(facts, processes, thresholds):
-    """None when it cannot be judged; False when fine; else the Finding."""
+    """None when it cannot be judged; False when fine; else the Finding. `memory_used` leaves
+    the driver's reserve out where the driver reports it apart (nvml.Health); on drivers
+    before 510 it includes it, and leftover-memory-mib must leave room for it."""
     if facts.memory_used is None or any(p.used_memory is None for p in processes):
         return None
     listed = sum(p.used_memory for p in processes)
@@ -183,6 +186,7 @@ def facts_summary(facts, processes) -> dict:
         "lost": False,
         "memory_total_mib": None if facts.memory_total is None else _mib(facts.memory_total),
         "memory_used_mib": None if facts.memory_used is None else _mib(facts.memory_used),
+        "memory_reserved_mib": None if facts.memory_reserved is None else _mib(facts.memory_reserved),
         "processes": [{"pid": p.pid, "kind": p.kind, "owner": p.owner.value, "detail": p.detail,
                        "used_memory_mib": None if p.used_memory is None else _mib(p.used_memory)}
                       for p in processes],

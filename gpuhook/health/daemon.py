@@ -19,6 +19,15 @@ REQUEST_SECONDS to arrive whole and MAX_REQUEST bytes; at most MAX_CLIENTS conne
 served at once, MAX_PER_CLIENT of them from one process: beyond that a connection is
 answered "busy" at once, so the hook goes on with its own checks instead of waiting.
 
+At a stop that needs NVML (docs/health.md, "After a stop"), the hook sends {"op": "release",
+"container": ID}; the daemon cleans up after the container (registry entries of that id whose
+init is gone, and only those) and answers {"ok": true, "decision": "...", "health": {...}}.
+
+A reset needs every NVML session closed, the daemon's too (docs/health.md, Resetting): a
+gpuhook process about to reset sends {"op": "close-nvml", "seconds": S}; the daemon closes
+its sessions, answers {"ok": true} and opens them again when the asker closes the connection
+(or after S seconds, 60 at most).
+
 The hook's side (`ask`) is on every GPU start with health on, so it imports what a bare
 interpreter already has: the built-in `_socket`, not `socket` (which pulls in `enum` and
 `selectors`), and no `threading`; together about 10 ms per start (benchmarks/, group daemon).
@@ -37,6 +46,10 @@ REQUEST_SECONDS = 2.0  # for a whole request to arrive, however it trickles in
 MAX_CLIENTS = 32  # connections served at once
 MAX_PER_CLIENT = 4  # of them from one process (SO_PEERCRED): one client never holds every slot
 DAEMON_TIMEOUT = 5.0  # seconds the hook waits for an answer at most (and never past its deadline)
+MAX_CLOSED_SECONDS = 60.0  # longest a close-nvml request keeps the daemon's NVML closed
+
+# The pid of a process serving as the daemon: its own resets close its NVML in-process.
+SERVING_PID = [0]
 
 
 def socket_path(config) -> str:
@@ -57,9 +70,39 @@ def _trusted_socket(path: str) -> bool:
 def ask(config, uuids: list, container: str, timeout: float) -> tuple:
     """(UUIDs the daemon prepared for this start, why) from the daemon; ([], reason) when it
     cannot help. The whole exchange ends within `timeout` (at most DAEMON_TIMEOUT)."""
+    timeout = max(0.05, min(timeout, DAEMON_TIMEOUT))
+    answer, why = _request(config, {"op": "prepare", "gpus": list(uuids), "container": container,
+                                    "seconds": round(timeout, 3)}, timeout)
+    if answer is None:
+        return [], why
+    prepared = answer.get("prepared")
+    if not isinstance(prepared, list):
+        return [], "health daemon answered nonsense"
+    prepared = [u for u in uuids if u in prepared]
+    return prepared, "prepared by the health daemon" if answer.get("ok") else str(answer.get("error", ""))[:300]
+
+
+def release(config, entry, timeout: float) -> tuple:
+    """(answer, why): the daemon's cleanup after the gone container of registry entry
+    `entry` ({"decision", "health", maybe "error"}), or (None, why) when there is no daemon to
+    do it. A daemon that took the request but did not answer within `timeout` keeps working
+    on it: the answer then says it was left to the daemon."""
+    if SERVING_PID[0] == os.getpid():
+        return None, "this process is the health daemon"
+    answer, why = _request(config, {"op": "release", "container": entry.id}, timeout)
+    if answer is None:
+        if why.startswith("health daemon did not answer: timed out"):
+            return {"decision": "cleanup left to the health daemon (no answer in time)"}, why
+        return None, why
+    return answer, "cleaned up by the health daemon"
+
+
+def _request(config, message: dict, timeout: float) -> tuple:
+    """(answer dict, "") or (None, why) for one request to the daemon; the whole exchange
+    ends within `timeout` (at most DAEMON_TIMEOUT)."""
     path = socket_path(config)
     if not _trusted_socket(path):
-        return [], "no health daemon"
+        return None, "no health daemon"
     import _socket  # built in: socket.py's wrapper costs milliseconds of imports (module docstring)
 
     timeout = max(0.05, min(timeout, DAEMON_TIMEOUT))
@@ -69,20 +112,61 @@ def ask(config, uuids: list, container: str, timeout: float) -> tuple:
         try:
             sock.settimeout(timeout)
             sock.connect(path)
-            request = {"op": "prepare", "gpus": list(uuids), "container": container, "seconds": round(timeout, 3)}
             sock.settimeout(max(until - time.monotonic(), 0.001))
-            sock.sendall((fastjson.dumps(request) + "\n").encode())
+            sock.sendall((fastjson.dumps(message) + "\n").encode())
             data = _read_line(sock, MAX_ANSWER, until)
         finally:
             sock.close()
         answer = fastjson.loads(data)
     except (OSError, ValueError) as err:
-        return [], f"health daemon did not answer: {getattr(err, 'strerror', None) or err}"[:200]
-    prepared = answer.get("prepared") if isinstance(answer, dict) else None
-    if not isinstance(prepared, list):
-        return [], "health daemon answered nonsense"
-    prepared = [u for u in uuids if u in prepared]
-    return prepared, "prepared by the health daemon" if answer.get("ok") else str(answer.get("error", ""))[:300]
+        return None, f"health daemon did not answer: {getattr(err, 'strerror', None) or err}"[:200]
+    if not isinstance(answer, dict):
+        return None, "health daemon answered nonsense"
+    return answer, ""
+
+
+class nvml_closed:
+    """Context manager: the health daemon's NVML sessions closed while it is entered (nothing
+    to do where no daemon runs, or where this process is the daemon). Best effort: a daemon
+    that does not answer before monotonic time `until` is left as it is, and the reset then
+    reports what the driver says."""
+
+    def __init__(self, config, until: float):
+        self.config = config
+        self.until = until
+        self.sock = None
+
+    def __enter__(self):
+        path = socket_path(self.config)
+        if SERVING_PID[0] == os.getpid() or not _trusted_socket(path):
+            return self
+        import _socket
+
+        left = self.until - time.monotonic()
+        if left <= 0:
+            return self
+        sock = None
+        try:
+            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            wait = max(0.05, min(left, DAEMON_TIMEOUT))
+            sock.settimeout(wait)
+            sock.connect(path)
+            sock.sendall((fastjson.dumps({"op": "close-nvml", "seconds": round(left, 3)}) + "\n").encode())
+            answer = fastjson.loads(_read_line(sock, MAX_ANSWER, time.monotonic() + wait))
+        except (OSError, ValueError):
+            if sock is not None:
+                sock.close()
+            return self
+        if isinstance(answer, dict) and answer.get("ok"):
+            self.sock = sock  # held open until the reset is done
+        else:
+            sock.close()
+        return self
+
+    def __exit__(self, *exc):
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 def _read_line(sock, limit: int, until: float) -> bytes:
@@ -122,8 +206,11 @@ class Daemon:
         from gpuhook import nvml
         from gpuhook.errors import GpuhookError
 
+        from gpuhook.health import actions
+
+        SERVING_PID[0] = os.getpid()
         try:
-            self.session = nvml.Session(nvml.library_path(self.config))
+            self.session = nvml.Session(nvml.library_path(self.config), client_lock=actions.client_lock(self.config))
             self.session.open()  # held: every run's own session nests in it, nvmlInit stays done
         except GpuhookError:
             self.session = None  # the checks will say what is wrong with NVML
@@ -132,6 +219,7 @@ class Daemon:
         except BaseException:
             if self.session is not None:
                 self.session.close()
+            SERVING_PID[0] = 0
             raise
         server.settimeout(0.5)
         try:
@@ -153,6 +241,7 @@ class Daemon:
                 pass
             if self.session is not None:
                 self.session.close()
+            SERVING_PID[0] = 0
 
     def _listen(self):
         """The listening socket, 0600 from its creation (umask), in a directory only root can
@@ -205,7 +294,11 @@ class Daemon:
                     data = _read_line(conn, MAX_REQUEST, started + REQUEST_SECONDS)
                 except OSError:
                     return  # too slow, or gone: nobody to answer
-                answer = self._answer(data, started)
+                request = _parse(data)
+                if isinstance(request, dict) and request.get("op") == "close-nvml":
+                    self._close_nvml(conn, request)
+                    return
+                answer = self._answer(data, request, started)
                 try:
                     conn.settimeout(REQUEST_SECONDS)
                     conn.sendall((fastjson.dumps(answer) + "\n").encode())
@@ -214,18 +307,17 @@ class Daemon:
         finally:
             self._release(pid)
 
-    def _answer(self, data: bytes, started: float) -> dict:
-        """The answer to one request (`data`, received since monotonic time `started`)."""
+    def _answer(self, data: bytes, request, started: float) -> dict:
+        """The answer to one request (`data`, parsed as `request`, received since monotonic
+        time `started`)."""
         from gpuhook import discover
         from gpuhook.errors import GpuhookError
         from gpuhook.health import engine
 
         if not data.endswith(b"\n"):
             return {"ok": False, "prepared": [], "error": f"not one request line of at most {MAX_REQUEST} bytes"}
-        try:
-            request = fastjson.loads(data)
-        except (ValueError, RecursionError):
-            request = None
+        if isinstance(request, dict) and request.get("op") == "release":
+            return self._release_container(request)
         if not isinstance(request, dict) or request.get("op") != "prepare":
             return {"ok": False, "prepared": [], "error": "not a prepare request"}
         uuids, seconds = request.get("gpus"), request.get("seconds", DAEMON_TIMEOUT)
@@ -251,6 +343,64 @@ class Daemon:
             prepared = [g.uuid for g in report.gpus if g.ok] if report is not None else []
             return {"ok": False, "prepared": prepared, "error": err.one_line()[:1000]}
         return {"ok": True, "prepared": uuids}
+
+    def _close_nvml(self, conn, request) -> None:
+        """Keep this process's NVML closed while the asker (about to reset a GPU) holds the
+        connection open, MAX_CLOSED_SECONDS at most."""
+        from gpuhook import nvml
+
+        seconds = request.get("seconds")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
+            return
+        until = time.monotonic() + min(float(seconds), MAX_CLOSED_SECONDS)
+        try:
+            with nvml.closed_for_reset(min(until, time.monotonic() + DAEMON_TIMEOUT)):
+                conn.sendall(b'{"ok": true}\n')
+                conn.settimeout(max(until - time.monotonic(), 0.01))
+                try:
+                    while conn.recv(1024):  # until the asker closes the connection
+                        pass
+                except OSError:
+                    pass
+        except nvml.NvmlBusy as err:
+            try:
+                conn.sendall((fastjson.dumps({"ok": False, "error": err.one_line()}) + "\n").encode())
+            except OSError:
+                pass
+
+    def _release_container(self, request) -> dict:
+        """Clean up after a stopped container (gpuhook.health.hooks.cleanup), as its poststop
+        hook would: only entries of that id whose init is gone."""
+        from gpuhook.errors import GpuhookError
+        from gpuhook.health import hooks, registry
+
+        container = request.get("container")
+        if not isinstance(container, str) or not container or len(container) > 1024:
+            return {"ok": False, "error": "a release request names one container"}
+        deadline = time.monotonic() + self.config.health.deadline_seconds
+        decisions, answer = [], {"ok": True}
+        for entry in registry.load_id(self.config.state_dir, container):
+            if registry.is_alive(entry):
+                continue
+            try:
+                decision, report = hooks.cleanup(entry, self.config, deadline)
+            except GpuhookError as err:
+                answer.update(ok=False, error=err.one_line()[:1000])
+                break
+            decisions.append(decision)
+            answer["health"] = {"ok": report.ok, "gpus": [
+                {"uuid": g.uuid, "status": g.status.value, "failure": g.failure() or None,
+                 "actions": [a.as_dict() for a in g.actions]} for g in report.gpus]}
+        answer["decision"] = "; ".join(dict.fromkeys(decisions)) or "nothing to clean up"
+        return answer
+
+
+def _parse(data: bytes):
+    """The request in one received line, or None when it is not JSON."""
+    try:
+        return fastjson.loads(data)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _peer_pid(conn) -> int:

@@ -2,18 +2,25 @@
 
 One thread per GPU (NVML's calls release the GIL, so a slow GPU does not hold up the
 others; 16 GPUs that take 1 s each take about 1 s), coordinated by one more thread that
-opens NVML and reads the registry. The caller waits for them only until the deadline:
-what is unfinished then is reported as cut off, naming the GPU and the step it was in,
-and those threads are told to stop before their next action, so nothing is killed or
-reset after the deadline. (A thread stuck inside an NVML call cannot be interrupted; it
+reads the registry (and asks NVML for the parents of MIG devices). The caller waits for
+them only until the deadline: what is unfinished then is reported as cut off, naming the
+GPU and the step it was in, and those threads are told to stop before their next action,
+so nothing is killed or reset after the deadline. (A thread stuck inside an NVML call cannot be interrupted; it
 ends with the call, or with the hook's process.)
 
-Per GPU, under its lock (store.GpuLock):
+Per GPU, under its lock (store.GpuLock), with an NVML session of its own:
 
+    restore persistence mode an interrupted reset left off  (actions.restore_persistence)
     query -> attribute -> evaluate                         (checks.evaluate)
     kill orphans (kill-orphans) -> re-check                (actions.kill)
-    reset when a remedy needs it and nobody uses the GPU -> re-check   (actions.reset)
+    reset when a remedy needs it and nobody uses the GPU -> re-check   (actions.reset_gpu)
     write <state-dir>/health/<uuid>.json
+
+NVML is open only while a GPU's work runs, never while a thread waits for a GPU lock: a
+reset needs every NVML session on the host closed (gpuhook.nvml, Resets), and a session held
+while waiting for the lock of a GPU another gpuhook process is resetting would keep that
+reset from ever running. A reset closes the sessions of this process (the other GPUs' threads
+wait for it between their NVML calls) and opens them again after.
 
 A GPU is *used* by any process whose owner is alive (a container, another container, the
 host) and by any other registered container whose init is alive and that holds it (MIG
@@ -50,6 +57,7 @@ OK_STATUSES = frozenset({Status.HEALTHY, Status.REPAIRED, Status.SKIPPED})
 # Steps as they appear in timings, in the log and in a cut-off message.
 STEPS = {
     "nvml-init": "starting NVML",
+    "persistence": "restoring persistence mode an interrupted reset left off",
     "resolve": "finding the parent GPUs of MIG devices",
     "registry": "reading the container registry",
     "lock": "waiting for another check or reset of this GPU",
@@ -231,34 +239,45 @@ class _Run:
 
     def main(self) -> None:
         try:
-            session = nvml.Session(nvml.library_path(self.config))
-            session.open()
-            try:
-                self._check_all(session)
-            finally:
-                session.close()
+            self._check_all()
         except Exception as err:  # no NVML, no host pid namespace, or a bug: raised in the caller
             self.error = err
         finally:
             self.done.set()
 
-    def _check_all(self, session) -> None:
+    def session(self):
+        """A new (unopened) NVML session of this run's library, holding the client lock."""
+        return nvml.Session(nvml.library_path(self.config), client_lock=actions.client_lock(self.config))
+
+    def _check_all(self) -> None:
         proc = "/proc"
         if not owners.in_host_pid_namespace(proc):
             raise HostError("gpuhook health checks must run in the host's PID namespace: NVML reports host pids",
                             "run the device plugin with hostPID: true")
         targets = self.uuids
-        if any(u.startswith("MIG-") for u in targets):
-            self.step = "resolve"
-            targets = _parents(session, targets)
-        self.step = "registry"
-        containers = registry.load_all(self.config.state_dir, proc)
-        # A stopped container's entry (poststop) is exactly what makes its leftovers orphans.
-        attributor = owners.Attributor(containers, proc, starting=self.starting)
-        self.checks = [_GpuCheck(self, session, attributor, containers, uuid) for uuid in targets]
-        threads = [threading.Thread(target=c.main, name=f"gpuhook-health-{c.uuid}", daemon=True) for c in self.checks]
-        for thread in threads:
-            thread.start()
+        # Opened here so that NVML starts once (seconds without persistence mode), not once
+        # per GPU thread whose session happens not to overlap another's; closed as soon as
+        # each thread has its own session or waits for its GPU's lock (module docstring).
+        self.step = "nvml-init"
+        warm = self.session()
+        warm.open()
+        try:
+            if any(u.startswith("MIG-") for u in targets):
+                self.step = "resolve"
+                targets = _parents(warm, targets)
+            self.step = "registry"
+            containers = registry.load_all(self.config.state_dir, proc)
+            # A stopped container's entry (poststop) is exactly what makes its leftovers orphans.
+            attributor = owners.Attributor(containers, proc, starting=self.starting)
+            self.checks = [_GpuCheck(self, attributor, containers, uuid) for uuid in targets]
+            threads = [threading.Thread(target=c.main, name=f"gpuhook-health-{c.uuid}", daemon=True)
+                       for c in self.checks]
+            for thread in threads:
+                thread.start()
+            for check in self.checks:
+                check.settled.wait(max(self.deadline - time.monotonic(), 0))
+        finally:
+            warm.close()
         for thread in threads:
             thread.join()
         failed = [c.error for c in self.checks if c.error is not None]
@@ -305,9 +324,9 @@ def _parents(session, uuids) -> list:
 class _GpuCheck:
     """The work on one GPU (see the module docstring); `result` is set when it finished."""
 
-    def __init__(self, run: _Run, session, attributor, containers, uuid: str):
+    def __init__(self, run: _Run, attributor, containers, uuid: str):
         self.run = run
-        self.session = session
+        self.session = None
         self.attributor = attributor
         self.containers = containers
         self.uuid = uuid
@@ -317,6 +336,7 @@ class _GpuCheck:
         self.error = None  # an exception the work raised (a bug, or a state dir gone bad)
         self.started = time.monotonic()
         self.steps = {}
+        self.settled = threading.Event()  # has its own NVML session, waits for its lock, or ended
         self._step = "lock"
         self._since = self.started
         self._lock = threading.Lock()
@@ -339,17 +359,35 @@ class _GpuCheck:
     # -- the work ---------------------------------------------------------------------------
 
     def main(self) -> None:
+        try:
+            self._main()
+        finally:
+            self.settled.set()
+
+    def _waiting(self) -> bool:
+        """GpuLock's cancel test while the lock is busy: this thread holds no NVML meanwhile."""
+        self.settled.set()
+        return self.stopped()
+
+    def _main(self) -> None:
         lock = store.GpuLock(self.config.state_dir, self.uuid)
         no_lock = ""
         try:
-            if not lock.acquire(self.run.deadline, self.stopped):
+            if not lock.acquire(self.run.deadline, self._waiting):
                 return  # cut off while waiting: the coordinator reports it
         except OSError as err:
             # An unwritable state dir must not stop healthy GPUs from starting; without the
             # lock, though, nothing is repaired (two resets could overlap).
             no_lock = f"not repaired: cannot lock the GPU ({lock.path}: {err.strerror})"
         try:
-            result = self._work(no_lock)
+            self.enter("nvml-init")
+            self.session = self.run.session()
+            self.session.open()
+            self.settled.set()
+            try:
+                result = self._work(no_lock)
+            finally:
+                self.session.close()
             if result is None or self.run.cancelled.is_set():
                 return  # cut off: the coordinator reports it
             self.enter("report")
@@ -378,8 +416,13 @@ class _GpuCheck:
     def _work(self, no_lock: str):
         """Examine, repair as the policy allows, examine again: the GpuResult, or None when
         the deadline stopped the work before an action."""
-        now = first = self._examine("query")
         blocked, done = {}, []
+        if self.policy.repair and not no_lock:  # a check without repair changes nothing
+            self.enter("persistence")
+            restored = actions.restore_persistence(self.config, self.session, self.uuid)
+            if restored is not None:
+                done.append(restored)
+        now = first = self._examine("query")
         if now.problems and not self.policy.repair:
             blocked = dict.fromkeys((Remedy.KILL, Remedy.RESET), "not repaired (check only)")
         elif no_lock and (now.problems or self.policy.reset == "release"):
@@ -455,14 +498,18 @@ class _GpuCheck:
             return None
         self.enter("reset")
         timeout = min(self.config.health.reset_timeout_seconds, self.run.deadline - time.monotonic())
-        reset = actions.reset(self.config, self.uuid, timeout)
-        done.append(reset)
+        outcome = actions.reset_gpu(self.config, self.session, self.uuid, self.run.deadline, timeout)
+        done += outcome.actions
+        if not any(a.action == "reset" for a in outcome.actions):
+            blocked[Remedy.RESET] = outcome.refused  # refused before the command: nothing changed
+            return now
         if self.stopped():
             return None
         now = self._examine("re-check")
-        if not reset.ok:
-            blocked[Remedy.RESET] = f"reset failed: {reset.detail}"
+        if outcome.refused:
+            blocked[Remedy.RESET] = outcome.refused
         elif now.problems:
+            reset = next(a for a in outcome.actions if a.action == "reset")
             blocked[Remedy.RESET] = f"still there after a reset ({reset.detail})"
         return now
 

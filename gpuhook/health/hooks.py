@@ -124,7 +124,12 @@ def unregister(config, entry, record: dict) -> None:
 def after_stop(state, config, hook_deadline: float, record: dict) -> None:
     """After the container stopped: kill what it left on its GPUs and, with reset-on-release,
     reset each GPU it was the last user of. Never raises: a stop must not fail; problems are
-    in the record (and in the GPUs' reports)."""
+    in the record (and in the GPUs' reports).
+
+    A stop does only what an enabled action needs: with reset-on-release off and nothing
+    left in the container's cgroups (or kill-orphans off), NVML is not loaded at all; when
+    NVML is needed and the health daemon runs, the daemon does the work (it keeps NVML
+    loaded; docs/health.md, "After a stop")."""
     entries = registry.load_id(config.state_dir, state.id)
     if not entries:
         record["decision"] = "nothing to clean up (container not registered)"
@@ -137,24 +142,79 @@ def after_stop(state, config, hook_deadline: float, record: dict) -> None:
         record["decision"] = (f"nothing cleaned: container {entries[-1].label()} is still running "
                               f"(init pid {entries[-1].pid})")
         return
-    from gpuhook.health import engine
-
     deadline = min(time.monotonic() + config.health.deadline_seconds, hook_deadline)
     decisions = []
     for entry in gone:
+        left = processes_left(entry)
+        if not config.health.reset_on_release and not (config.health.kill_orphans and left):
+            if left:
+                # Kept: whatever is still in its cgroups is recognised as an orphan later.
+                decisions.append("cleanup incomplete (container kept in the registry)")
+                record["left"] = f"{len(left)} process(es) in its cgroups; not killed: kill-orphans is off"
+            else:
+                registry.forget(config.state_dir, entry)
+                decisions.append("cleaned up")
+            continue
+        from gpuhook.health import daemon
+
+        answer, why = daemon.release(config, entry, max(deadline - time.monotonic(), 0.05))
+        if answer is not None:
+            record["daemon"] = why
+            if answer.get("health") is not None:
+                record["health"] = answer["health"]
+            if answer.get("error"):
+                record.update(decision="cleanup failed", error=str(answer["error"])[:300])
+                return
+            decisions.append(str(answer.get("decision", "cleaned up")))
+            continue
+        record["daemon"] = why
         try:
-            report = engine.release(entry, config, deadline)
+            decision, report = cleanup(entry, config, deadline)
         except GpuhookError as err:
             record.update(decision="cleanup failed", error=err.one_line())
             return
         record["health"] = report.as_dict()
-        leftovers = [process.pid for result in report.gpus for finding in result.problems
-                     for process in finding.targets
-                     if process.container is not None and process.container == entry]
-        if report.cut_off or leftovers:
-            # Keep the entry: whatever is still in its cgroups is recognised as an orphan later.
-            decisions.append("cleanup incomplete (container kept in the registry)")
-            continue
-        registry.forget(config.state_dir, entry)
-        decisions.append("cleaned up")
+        decisions.append(decision)
     record["decision"] = "; ".join(dict.fromkeys(decisions))
+
+
+def cleanup(entry, config, deadline: float) -> tuple:
+    """(decision, engine.Report) for a gone container's entry: its leftovers on its GPUs killed
+    (kill-orphans), each GPU nobody else uses reset (reset-on-release), the entry forgotten
+    when nothing is left behind. Raises GpuhookError when NVML cannot be used."""
+    from gpuhook.health import engine
+
+    report = engine.release(entry, config, deadline)
+    leftovers = [process.pid for result in report.gpus for finding in result.problems
+                 for process in finding.targets
+                 if process.container is not None and process.container == entry]
+    if report.cut_off or leftovers:
+        # Keep the entry: whatever is still in its cgroups is recognised as an orphan later.
+        return "cleanup incomplete (container kept in the registry)", report
+    registry.forget(config.state_dir, entry)
+    return "cleaned up", report
+
+
+def processes_left(entry, proc: str = "/proc") -> list:
+    """Pids still in the container's own cgroups (one read of each cgroup.procs; an unreadable
+    cgroup that still exists counts as holding something)."""
+    from gpuhook.cgroup import hierarchy
+
+    try:
+        with open(f"{proc}/self/mountinfo") as f:
+            mounts = hierarchy.cgroup_mounts(f.read())
+    except OSError:
+        return ["?"]
+    directories = registry.cgroup_directories(entry.cgroups, mounts)
+    if entry.cgroups and not directories:
+        return ["?"]  # no mount here shows them: nothing can be concluded
+    left = []
+    for directory in directories:
+        try:
+            with open(f"{directory}/cgroup.procs", "rb") as f:
+                left += [int(p) for p in f.read(1 << 20).split() if int(p) not in left]
+        except FileNotFoundError:
+            continue  # removed with the container
+        except (OSError, ValueError):
+            left.append("?")
+    return left

@@ -9,7 +9,8 @@ NVML reports host pids. Each is looked up in /proc and put in one of these class
                      a container someone else started; treated as live, never killed
     host             in gpuhook's own pid and mount namespaces
     orphan           a registered container's (registry.belongs), and that container is gone
-    zombie           exited, not yet reaped; its parent is looked at instead
+    zombie           exited, not yet reaped; its parent is looked at instead (a zombie whose
+                     other threads still run has not exited: it is judged by a running thread)
     killed           a process this run killed, now a zombie its parent has not reaped yet:
                      its files, GPU context included, were closed when it exited
     gone             the pid no longer exists, yet NVML still lists it (a context left behind)
@@ -113,11 +114,19 @@ class Attributor:
         stat = registry.read_stat(pid, self.proc)
         if stat is None:
             return Owner.GONE, None, None, "no such process"
+        where = pid
         if stat.zombie:
-            if (pid, stat.start_time) in self._killed:
-                return Owner.KILLED, None, stat, f"killed, not yet reaped by its parent pid {stat.ppid}"
-            return Owner.ZOMBIE, None, stat, f"zombie, parent pid {stat.ppid}"
-        cgroups = registry.read_cgroups(pid, self.proc)
+            # A process keeps its files (GPU contexts included) until its last thread exits; a
+            # thread-group leader that exited while other threads run shows as a zombie but
+            # has not exited: judge it by a running thread (its namespaces went with the leader).
+            where = _running_thread(pid, self.proc)
+            if where is None:
+                if (pid, stat.start_time) in self._killed:
+                    return Owner.KILLED, None, stat, f"killed, not yet reaped by its parent pid {stat.ppid}"
+                return Owner.ZOMBIE, None, stat, f"zombie, parent pid {stat.ppid}"
+        cgroups = registry.read_cgroups(where, self.proc)
+        if cgroups is None and where != pid:
+            return Owner.OTHER_CONTAINER, None, stat, "cgroup unreadable"
         if cgroups is None:
             # Exited between the two reads, or /proc hides it: never a kill candidate.
             return self._vanished(pid, stat) or (Owner.OTHER_CONTAINER, None, stat, "cgroup unreadable")
@@ -133,12 +142,12 @@ class Attributor:
         if pid == 1:
             # NVML's pids are host pids (the engine checks it runs in the host's pid namespace).
             return Owner.HOST, None, stat, "the host's init"
-        theirs = namespaces(pid, self.proc)
-        if theirs is None:
+        theirs = namespaces(where, self.proc)
+        if theirs is None and where == pid:
             vanished = self._vanished(pid, stat)
             if vanished is not None:
                 return vanished
-        elif self.mine is not None and theirs == self.mine:
+        elif theirs is not None and self.mine is not None and theirs == self.mine:
             return Owner.HOST, None, stat, "host process"
         return Owner.OTHER_CONTAINER, None, stat, "a container gpuhook did not start"
 
@@ -168,3 +177,18 @@ class Attributor:
             found.append(Attributed(process.pid, process.kind, process.used_memory, owner, container,
                                     stat.start_time if stat is not None else None, reaper, detail))
         return tuple(found)
+
+
+def _running_thread(pid: int, proc: str):
+    """The /proc path "<pid>/task/<tid>" of a thread of `pid` that has not exited, or None."""
+    try:
+        tids = os.listdir(f"{proc}/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid == str(pid) or not tid.isdigit():
+            continue
+        thread = registry.read_stat(f"{pid}/task/{tid}", proc)
+        if thread is not None and not thread.zombie:
+            return f"{pid}/task/{tid}"
+    return None

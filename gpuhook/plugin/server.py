@@ -191,6 +191,15 @@ def preferred(devices: Devices, available: list, must: list, size: int, state_di
     return (chosen + rest)[:max(size, len(chosen))]
 
 
+def repairable_when_idle(result) -> bool:
+    """Whether a read-only check's GpuResult is an unhealthy GPU nobody uses whose remaining
+    problems include one a kill or a reset can fix."""
+    from gpuhook.health.checks import Remedy
+
+    return (not result.ok and result.status.value == "unhealthy" and not result.users
+            and any(problem.remedy in (Remedy.KILL, Remedy.RESET) for problem in result.problems))
+
+
 class Plugin:
     """The DevicePlugin service and the loops around it."""
 
@@ -321,14 +330,25 @@ class Plugin:
     # --- the loops ---------------------------------------------------------------------
 
     def recheck(self) -> None:
-        """Read-only checks of every GPU, in parallel; update the health of its devices."""
+        """Checks of every GPU, in parallel; update the health of its devices.
+
+        An unhealthy GPU nobody holds (no process of a live owner on it, no live container
+        gpuhook started with it) whose fault a kill or a reset can fix is repaired right away
+        and advertised Healthy at once: kubelet never allocates an Unhealthy device, so no
+        PreStartContainer would ever clean it (docs/device-plugin.md, Health)."""
         from gpuhook import health
 
         uuids = list(dict.fromkeys(self.devices.gpu_of.values()))
+        deadline = min(self.config.plugin.recheck_seconds, 20.0)
         try:
-            report = health.check(uuids, self.config, repair=False,
-                                  deadline_seconds=min(self.config.plugin.recheck_seconds, 20.0))
+            report = health.check(uuids, self.config, repair=False, deadline_seconds=deadline)
             results = {g.uuid: g for g in report.gpus}
+            idle = [g.uuid for g in report.gpus if repairable_when_idle(g)]
+            if idle:
+                repaired = health.check(idle, self.config, repair=True,
+                                        deadline_seconds=self.config.health.deadline_seconds)
+                results.update({g.uuid: g for g in repaired.gpus if g.status.value != "unchecked"})
+                self._log("repaired idle GPUs", gpus={g.uuid: g.status.value for g in repaired.gpus})
         except GpuhookError as err:
             results, reason = {}, err.one_line()
         else:

@@ -46,6 +46,9 @@ COMPUTE_CAPABILITY = "9.0"
 PCI_DEVICE_ID = 0x233010DE  # device 0x2330, vendor NVIDIA (0x10de)
 PCI_SUBSYSTEM_ID = 0x16C110DE
 MEMORY_TOTAL = 81559 * (1 << 20)
+# What the driver keeps for itself: NVML's v2 memory call reports it as "reserved", v1 counts
+# it as used (615 MiB on an idle H200 with driver 580, docs/health.md).
+MEMORY_RESERVED = 615 * (1 << 20)
 MARKER = "host.json"
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 NVML_SOURCES = ("nvml_sim.c", "simstate.c", "simjson.c")
@@ -440,7 +443,8 @@ def _build_libraries(libdir: str, version: str, state_file: str) -> None:
             argv = ["gcc", "-shared", "-fPIC", "-O1", "-o", f"{libdir}/{stem}.so.{version}", f"-Wl,-soname,{soname}"]
             if stem == "libnvidia-ml":
                 # The one driver library that works: a simulated NVML exporting only NVML's API.
-                argv += ["-O2", "-pthread", "-fvisibility=hidden", f"-DSIM_STATE_PATH={_c_string(state_file)}"]
+                argv += ["-O2", "-pthread", "-fvisibility=hidden", f"-DSIM_STATE_PATH={_c_string(state_file)}",
+                         f"-DSIM_DRIVER_BRANCH={int(version.split('.')[0])}"]
                 argv += [f"{CSRC}/{name}" for name in NVML_SOURCES]
             else:
                 argv += [f'-DSIM_LIBRARY="{stem}"', f'-DSIM_DRIVER_VERSION="{version}"', f"{CSRC}/driverlib.c"]
@@ -480,7 +484,8 @@ def _gpu_state(gpu: dict, mig_mode: bool) -> dict:
     return simnvml.gpu_state(
         gpu["uuid"], gpu["model"], gpu["minor"], "0000" + gpu["bus_id"].upper(),
         brand=gpu["brand"], pci_device_id=PCI_DEVICE_ID, pci_subsystem_id=PCI_SUBSYSTEM_ID,
-        compute_capability=COMPUTE_CAPABILITY, memory_total=MEMORY_TOTAL, mig_capable=True,
+        compute_capability=COMPUTE_CAPABILITY, memory_total=MEMORY_TOTAL, memory_reserved=MEMORY_RESERVED,
+        mig_capable=True,
         mig_mode=mig_mode, mig_mode_pending=mig_mode,
         mig_devices=[
             {k: d[k] for k in ("gpu_instance_id", "compute_instance_id", "uuid", "profile", "memory_total")}

@@ -54,6 +54,9 @@ GPU_FIELDS = {
     "compute_capability": ("major.minor", "9.0"),
     "memory_total": ("bytes", 0),
     "memory_used": ("bytes", 0),
+    "memory_reserved": ("bytes", 0),
+    "persistence_mode": ("bool", False),
+    "reset_peers": ("gpu-uuids", []),
     "compute_processes": ("processes", []),
     "graphics_processes": ("processes", []),
     "ecc_enabled": ("bool", True),
@@ -131,7 +134,8 @@ def gpu_state(uuid: str, name: str, minor: int, bus_id: str, **fields) -> dict:
 
 def process(pid: int, used_memory: int = 0, stale: bool = False, gpu_instance_id: int | None = None,
             compute_instance_id: int | None = None) -> dict:
-    """A process entry. The simulated driver reports it while `pid` exists, or always if `stale`."""
+    """A process entry. The simulated driver reports it while `pid` holds its files (exists and
+    has a thread that has not exited: not a zombie), or always if `stale`."""
     entry = {"pid": pid, "used_memory": used_memory, "stale": stale}
     if gpu_instance_id is not None:
         entry["gpu_instance_id"] = gpu_instance_id
@@ -165,6 +169,11 @@ def validate(state) -> None:
                 other = seen["mig"][device["uuid"]]
                 raise SimulationError(f"nvml state: {where}.mig_devices[{j}].uuid: also on gpus[{other}]")
             seen["mig"][device["uuid"]] = i
+    uuids = [gpu["uuid"] for gpu in gpus]
+    for i, gpu in enumerate(gpus):
+        for peer in gpu.get("reset_peers", []):
+            if peer == gpu["uuid"] or peer not in uuids:
+                raise SimulationError(f"nvml state: gpus[{i}].reset_peers: {peer} is not another GPU of this host")
 
 
 def load(path: str) -> dict:
@@ -342,6 +351,10 @@ def _check_value(value, kind: str, where: str) -> None:
         prefix = "GPU-" if kind == "gpu-uuid" else "MIG-"
         if not isinstance(value, str) or not value.startswith(prefix) or len(value.encode()) >= 96:
             bad(f"must be a string starting with {prefix}")
+    elif kind == "gpu-uuids":
+        if not isinstance(value, list) or len(value) > 16 or \
+                not all(isinstance(v, str) and v.startswith("GPU-") and len(v.encode()) < 96 for v in value):
+            bad("must be a list of at most 16 GPU UUIDs")
     elif kind == "brand":
         if value not in BRANDS:
             bad(f"must be one of {', '.join(BRANDS)}")

@@ -1,87 +1,80 @@
-"""The health checks against a real NVIDIA GPU and the system's libnvidia-ml.
+"""The health checks against a real NVIDIA GPU and its libnvidia-ml (tests/device/target.py).
 
 Read-only by default: the checks run (and write their reports into a temporary state dir),
 nothing is killed and no GPU is reset. With GPUHOOK_DEVICE_RESET=1 a GPU that no process
-uses is also reset with the default reset command (the host's nvidia-smi) and checked again.
+uses is also reset the way the hook resets one (every NVML session closed, persistence mode
+off for the reset and back on after) and checked again.
 
-Skipped exactly where there is no NVIDIA driver or GPU: no /proc/driver/nvidia/version (the
-kernel module is not loaded), no libnvidia-ml.so.1 in the dynamic linker's cache, NVML says
-the driver is not loaded, or it counts no GPU. Any other NVML failure fails. CI has no GPU,
-so there these tests skip even under GPUHOOK_STRICT=1.
+Skipped exactly where there is no NVIDIA kernel module (no /proc/driver/nvidia/version) and
+nothing is simulated (GPUHOOK_DEVICE_SIMULATED). Anything else failing fails: a host with a
+driver whose NVML gpuhook cannot load or that counts no GPU is what these tests must report.
+CI has no GPU, so there these tests skip even under GPUHOOK_STRICT=1.
 """
 
 import os
-import subprocess
 import time
 
 import pytest
 
 from gpuhook import config as cfg
 from gpuhook import discover, nvml
-from gpuhook.errors import NvmlError
 from gpuhook.health import actions, checks, engine, owners, store
+
+import target
 
 pytestmark = pytest.mark.device
 
-DRIVER_NOT_LOADED = 9  # nvml.h NVML_ERROR_DRIVER_NOT_LOADED
-PROC_VERSION = "/proc/driver/nvidia/version"
 
-
-def system_nvml_library():
-    """The absolute path of the system's libnvidia-ml.so.1 (the dynamic linker's cache), or None.
-
-    By path, not by soname: earlier tests in the same process load the *simulated*
-    libnvidia-ml.so.1, and dlopen of a bare soname would hand that one back."""
-    done = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, env={"PATH": "/usr/sbin:/sbin:/usr/bin:/bin"})
-    # How ldconfig -p tags this machine's 64-bit libraries ("(libc6,x86-64)").
-    tag = {"x86_64": "x86-64", "aarch64": "aarch64", "ppc64le": "64bit"}.get(os.uname().machine, os.uname().machine)
-    for line in done.stdout.splitlines():
-        name, _, path = line.strip().partition(" => ")
-        if name.startswith(nvml.SYSTEM_LIBRARY + " ") and tag.lower() in name.lower():
-            return path
-    return None
-
-
-def real_gpus(library: str) -> tuple:
-    """The host's GPUs as the real NVML sees them; skips where there is no driver or GPU."""
-    try:
-        with nvml.Session(library) as session:
-            inventory = session.inventory()
-    except NvmlError as err:
-        if err.code == DRIVER_NOT_LOADED:
-            pytest.skip(f"no NVIDIA driver: {err.one_line()}")
-        raise
-    if not inventory.gpus:
-        pytest.skip("the NVIDIA driver reports no GPU")
-    # What answered is the real driver, not a simulated library: both name the same version.
-    assert inventory.driver_version == discover.driver_version("/proc"), library
+def real_gpus(config) -> tuple:
+    """The host's GPUs as its NVML sees them."""
+    with nvml.Session(nvml.library_path(config)) as session:
+        inventory = session.inventory()
+    assert inventory.gpus, "the NVIDIA driver reports no GPU"
+    # What answered is this host's driver: /proc and NVML name the same version.
+    assert inventory.driver_version == discover.driver_version(config.proc_root), nvml.library_path(config)
     return inventory.gpus
 
 
 @pytest.fixture(scope="module")
-def library():
-    if not os.path.exists(PROC_VERSION):
-        pytest.skip(f"no NVIDIA driver: {PROC_VERSION} does not exist (the kernel module is not loaded)")
-    path = system_nvml_library()
-    if path is None:
-        pytest.skip(f"no NVIDIA driver: no {nvml.SYSTEM_LIBRARY} in the dynamic linker's cache")
-    return path
+def workdir(tmp_path_factory):
+    target.require_driver()
+    return str(tmp_path_factory.mktemp("device-checks"))
 
 
 @pytest.fixture(scope="module")
-def gpus(library):
-    assert engine.wait_for_stragglers(30)  # no simulated NVML session may still be open
-    return real_gpus(library)
+def gpus(workdir):
+    assert engine.wait_for_stragglers(30)  # no other NVML session may still be open
+    return real_gpus(cfg.load(target.config_path(f"{workdir}/conf"), use_cache=False))
+
+
+def with_changes(config, health=None, **top):
+    values = config.as_dict()
+    values.update(top)
+    values["health"].update(health or {})
+    return cfg.from_mapping(values)
 
 
 @pytest.fixture
-def config(tmp_path, library):
-    return cfg.from_mapping({"state-dir": str(tmp_path / "run"), "log-file": str(tmp_path / "gpuhook.log"),
-                             "nvml-library": library})
+def config(workdir, tmp_path):
+    base = cfg.load(target.config_path(f"{workdir}/conf"), use_cache=False)
+    # This test's own state and log; the host's driver settings as configured.
+    return with_changes(base, **{"state-dir": str(tmp_path / "run"), "log-file": str(tmp_path / "gpuhook.log")})
 
 
 def usable(gpus) -> list:
     return [g.uuid for g in gpus if not g.lost]
+
+
+def test_memory_leaves_the_drivers_reserve_out_on_drivers_that_report_it(gpus, config):
+    with nvml.Session(nvml.library_path(config)) as session:
+        version = int(session.driver_version().split(".")[0])
+        for gpu in gpus:
+            facts = session.health(gpu.uuid)
+            if version >= 510:  # nvmlDeviceGetMemoryInfo_v2 (docs/health.md, Drivers)
+                assert facts.memory_reserved is not None, gpu.uuid
+                print(f"{gpu.uuid}: {facts.memory_used >> 20} MiB used, {facts.memory_reserved >> 20} MiB reserved")
+            else:
+                assert facts.memory_reserved is None
 
 
 def test_every_check_gets_an_answer_from_every_gpu(gpus, config):
@@ -120,15 +113,18 @@ def test_the_checks_run_in_the_host_pid_namespace(gpus):
 
 @pytest.mark.skipif(os.environ.get("GPUHOOK_DEVICE_RESET") != "1",
                     reason="resets a GPU: set GPUHOOK_DEVICE_RESET=1 to allow it")
-def test_a_gpu_nobody_uses_is_reset_and_passes_again(gpus, config):
-    with nvml.Session(nvml.library_path(config)) as session:
+def test_a_gpu_nobody_uses_is_reset_as_the_hook_resets_it_and_passes_again(gpus, config):
+    config = with_changes(config, {"reset-command": "nvidia-smi --gpu-reset -i {uuid}"})
+    with nvml.Session(nvml.library_path(config), client_lock=actions.client_lock(config)) as session:
         idle = [g.uuid for g in gpus if not g.lost and not g.mig_mode and not session.health(g.uuid).processes]
-    if not idle:
-        pytest.skip("every GPU is in use or in MIG mode; resetting one would disturb its users")
-    uuid = idle[0]
-    action = actions.reset(config, uuid, timeout=120)
-    assert action.ok, action.detail
-    print(f"reset of {uuid}: {action.seconds:.2f} s")
+        if not idle:
+            pytest.skip("every GPU is in use or in MIG mode; resetting one would disturb its users")
+        uuid = idle[0]
+        before = session.reset_facts(uuid)
+        outcome = actions.reset_gpu(config, session, uuid, time.monotonic() + 120, 120)
+        print(f"reset of {uuid}: {[a.as_dict() for a in outcome.actions]}")
+        assert outcome.refused is None, outcome.refused
+        assert session.reset_facts(uuid).persistence == before.persistence  # put back as it was
     started = time.monotonic()
     report = engine.check([uuid], config)
     assert report.ok, report.error().one_line()

@@ -197,7 +197,9 @@ def test_gpus_this_host_does_not_have_are_refused_without_any_work(bed, pristine
         client.close()
     # No check ran: no lock, report or stamp for any GPU, real or made up.
     health = f"{gpus.workdir}/run/health"
-    assert not os.path.exists(health) or [name for _, _, files in os.walk(health) for name in files] == []
+    # (nvml.lock is the daemon's own, made when it opened NVML at its start.)
+    assert not os.path.exists(health) or [name for _, _, files in os.walk(health) for name in files
+                                          if name != "nvml.lock"] == []
     answer = json.loads(answer)
     assert answer["ok"] is False and answer["prepared"] == []
     assert answer["error"] in ("not a GPU of this host", "not one request line of at most 8192 bytes")
@@ -216,3 +218,54 @@ def test_a_socket_directory_others_can_write_is_refused_in_one_line(tmp_path):
     assert done.stderr == (f"gpuhook: the health daemon's socket directory {shared} is not usable: not a directory "
                            "owned by root and writable only by it\n")
     assert os.listdir(shared) == []
+
+
+def start_daemon(config_path: str, sock: str) -> subprocess.Popen:
+    served = subprocess.Popen([sys.executable, "-m", "gpuhook", "plugin", "--standalone", "--config", config_path],
+                              cwd="/", stderr=subprocess.PIPE)
+    assert wait(lambda: os.path.exists(sock)), served.stderr.read1(2000) if served.poll() is not None else ""
+    return served
+
+
+def stop_daemon(served) -> None:
+    served.send_signal(signal.SIGTERM)
+    assert served.wait(timeout=15) == 0
+
+
+def test_a_stop_that_needs_nvml_is_done_by_the_daemon_and_loads_none_itself(bed, slow_sim, probe, tmp_path):
+    from gpuhook.simulate import nvml as simnvml
+    from gpuhook.simulate import runner as testbed
+
+    gpus = GpuContainers(bed, slow_sim, probe, tmp_path)
+    gpus.configure(health={"reset-on-release": True})
+    served = start_daemon(gpus.config, f"{gpus.workdir}/run/health.sock")
+    try:
+        def both_hooks(spec):
+            spec["hooks"]["poststop"] = [testbed.hook_entry(gpus.config, "poststop")]
+
+        result = gpus.run("released", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=both_hooks)
+        assert result.returncode == 0, result.stderr
+        (record,) = [line for line in gpus.log_lines() if line.get("stage") == "poststop"]
+        assert (record["decision"], record["daemon"]) == ("cleaned up", "cleaned up by the health daemon")
+        assert record["nvml"] == "not loaded"  # the 1.5 s NVML load a stop would cost happened in the daemon
+        assert [(a["action"], a["ok"]) for a in record["health"]["gpus"][0]["actions"]] == [("reset", True)]
+        assert simnvml.load(slow_sim["nvml_state"])["gpus"][0]["reset_count"] >= 1
+    finally:
+        stop_daemon(served)
+
+
+def test_a_reset_in_another_process_gets_the_daemon_to_close_its_nvml(bed, slow_sim, probe, tmp_path):
+    from gpuhook.health import engine
+    from gpuhook.simulate import nvml as simnvml
+
+    gpus = GpuContainers(bed, slow_sim, probe, tmp_path)
+    served = start_daemon(gpus.config, f"{gpus.workdir}/run/health.sock")
+    try:
+        state = slow_sim["nvml_state"]
+        before = simnvml.load(state)["gpus"][1]["reset_count"]
+        simnvml.set_gpu(state, 1, ecc_volatile_uncorrected=1)
+        (result,) = engine.prepare([slow_sim["gpus"][1]["uuid"]], cfg.load(gpus.config, use_cache=False)).gpus
+        assert result.status is engine.Status.REPAIRED, result.failure()
+        assert simnvml.load(state)["gpus"][1]["reset_count"] == before + 1
+    finally:
+        stop_daemon(served)

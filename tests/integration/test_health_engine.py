@@ -8,6 +8,7 @@ init makes the container gone and its remaining processes orphans.
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -407,8 +408,10 @@ def test_orphans_are_reported_not_killed_when_kill_orphans_is_off(sim, tmp_path,
     assert alive(orphan)
 
 
-def test_a_zombie_whose_parent_is_an_orphan_is_reaped_by_killing_the_parent(config, sim, nvml_state, containers,
-                                                                              tmp_path):
+def test_a_zombie_a_gone_container_left_holds_nothing_and_is_not_anyones_problem(config, sim, nvml_state,
+                                                                                  containers, tmp_path):
+    # The driver drops a process's contexts when its files close, as its last thread exits,
+    # before it is a zombie: NVML does not list a zombie, and nothing is killed for it.
     container = containers("zombie")
     container.register(config.state_dir, gpu(sim, 1))
     pidfile = tmp_path / "zombie.pid"
@@ -417,24 +420,69 @@ def test_a_zombie_whose_parent_is_an_orphan_is_reaped_by_killing_the_parent(conf
     zombie = int(pidfile.read_text())
     assert wait_until(lambda: registry.read_stat(zombie).zombie)
     container.stop_init()
-    simnvml.add_process(nvml_state, 1, pid=zombie)
+    simnvml.add_process(nvml_state, 1, pid=zombie, used_memory=GIB)
+    simnvml.set_gpu(nvml_state, 1, ecc_volatile_uncorrected=1)
     (result,) = engine.prepare([gpu(sim, 1)], config).gpus
-    assert result.status is engine.Status.REPAIRED
-    assert [(a.action, a.target) for a in result.actions] == [("kill", parent)]
-    assert registry.read_stat(zombie) is None and registry.read_stat(parent) is None
+    assert (result.status, [(a.action, a.ok) for a in result.actions]) == (engine.Status.REPAIRED, [("reset", True)])
+    assert registry.read_stat(zombie).zombie and alive(parent)
 
 
-def test_a_zombie_its_live_parent_does_not_reap_fails_the_check(config, sim, nvml_state):
+def test_an_exited_process_its_live_parent_has_not_reaped_does_not_fail_the_check(config, sim, nvml_state):
     zombie = subprocess.Popen(["true"])
     try:
         assert wait_until(lambda: registry.read_stat(zombie.pid).zombie)
         simnvml.add_process(nvml_state, 1, pid=zombie.pid, used_memory=GIB)
-        err = fails(config, [gpu(sim, 1)])
-        assert err.one_line() == (f"{gpu(sim, 1)} failed its processes check: pid {zombie.pid} (compute) is a "
-                                  f"zombie not reaped by its parent pid {os.getpid()} (host process)")
-        assert err.report.gpus[0].actions == ()
+        report = engine.prepare([gpu(sim, 1)], config)
+        assert report.ok and report.gpus[0].actions == () and report.gpus[0].users == ()
     finally:
         zombie.wait()
+
+
+# A process whose first thread exits (a zombie leader) while a second thread keeps running.
+LEADER_EXITS = r"""
+import ctypes, os, sys, threading, time
+threading.Thread(target=time.sleep, args=(600,)).start()
+ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: this thread only, not the group
+"""
+
+
+def test_a_process_whose_first_thread_exited_is_judged_by_its_running_threads(config, sim, nvml_state, containers):
+    container = containers("leader-exited")
+    entry = container.register(config.state_dir, gpu(sim, 2))
+    worker = container.spawn(sys.executable, "-c", LEADER_EXITS)
+    assert wait_until(lambda: registry.read_stat(worker).zombie)
+    simnvml.add_process(nvml_state, 2, pid=worker, used_memory=GIB)
+    (found,) = owners.Attributor(registry.load_all(config.state_dir)).attribute([nvml_process(worker)])
+    assert (found.owner, found.container) == (Owner.CONTAINER, entry)
+    container.stop_init()
+    (result,) = engine.prepare([gpu(sim, 2)], config).gpus
+    assert result.status is engine.Status.REPAIRED
+    assert [(a.action, a.target, a.ok) for a in result.actions] == [("kill", worker, True)]
+    assert wait_until(lambda: registry.read_stat(worker) is None)
+
+
+def test_an_orphan_killed_before_a_reset_is_no_user_while_its_parent_has_not_reaped_it(config, sim, nvml_state,
+                                                                                         containers):
+    # The orphan's parent (this test) reaps it only at the end: its zombie holds no context,
+    # so the reset the ECC error needs runs right after the kill.
+    container = containers("orphan-ecc")
+    container.register(config.state_dir, gpu(sim, 2))
+    orphan = subprocess.Popen(["sleep", "600"])
+    try:
+        with open(f"{container.cgroup}/cgroup.procs", "w") as f:
+            f.write(str(orphan.pid))
+        container.stop_init()
+        simnvml.add_process(nvml_state, 2, pid=orphan.pid, used_memory=GIB)
+        simnvml.set_gpu(nvml_state, 2, ecc_volatile_uncorrected=1)
+        (result,) = engine.prepare([gpu(sim, 2)], config).gpus
+        assert registry.read_stat(orphan.pid).zombie, "the parent must not have reaped it yet"
+        assert (result.status, result.problems) == (engine.Status.REPAIRED, ())
+        assert [(a.action, a.target, a.ok) for a in result.actions] == [("kill", orphan.pid, True),
+                                                                         ("reset", gpu(sim, 2), True)]
+        assert gpu_state(nvml_state, 2)["reset_count"] == 1
+    finally:
+        orphan.kill()
+        orphan.wait()
 
 
 # --- a GPU someone else uses ----------------------------------------------------------------
@@ -465,20 +513,183 @@ def test_a_gpu_used_by_the_host_or_another_container_is_never_reset_nor_stripped
 def test_a_gpu_a_live_registered_container_holds_is_not_reset_even_without_processes(config, sim, nvml_state,
                                                                                       containers):
     holder = containers("holder")
-    entry = holder.register(config.state_dir, gpu(sim, 3))
-    simnvml.set_gpu(nvml_state, 3, ecc_volatile_uncorrected=1)
-    err = fails(config, [gpu(sim, 3)])
+    entry = holder.register(config.state_dir, gpu(sim, 0))
+    simnvml.set_gpu(nvml_state, 0, ecc_volatile_uncorrected=1)
+    err = fails(config, [gpu(sim, 0)])
     assert err.one_line().endswith(f"not reset: the GPU is in use by container {entry.id} (init pid {holder.init})")
-    assert gpu_state(nvml_state, 3)["reset_count"] == 0
+    assert gpu_state(nvml_state, 0)["reset_count"] == 0
     # A container that only shares its id (another runtime root) is still no owner of it.
     policy = engine.Policy(True, True, None, "needed")
-    report = engine.run([gpu(sim, 3)], config, "prestart", policy, time.monotonic() + 10, container_id=entry.id,
+    report = engine.run([gpu(sim, 0)], config, "prestart", policy, time.monotonic() + 10, container_id=entry.id,
                         container_pid=os.getpid())
-    assert not report.ok and gpu_state(nvml_state, 3)["reset_count"] == 0
+    assert not report.ok and gpu_state(nvml_state, 0)["reset_count"] == 0
     # The container being started (its id and init) is not its own obstacle (a hook that runs twice).
-    report = engine.run([gpu(sim, 3)], config, "prestart", policy, time.monotonic() + 10, container_id=entry.id,
+    report = engine.run([gpu(sim, 0)], config, "prestart", policy, time.monotonic() + 10, container_id=entry.id,
                         container_pid=holder.init)
-    assert report.ok and gpu_state(nvml_state, 3)["reset_count"] == 1
+    assert report.ok and gpu_state(nvml_state, 0)["reset_count"] == 1
+
+# --- what the driver requires of a reset ---------------------------------------------------
+
+def test_the_drivers_reserve_is_not_leftover_memory(config, sim, nvml_state):
+    # NVML's first memory call counts the driver's reserve as used (615 MiB on an idle H200);
+    # a bigger reserve than leftover-memory-mib must not look like a dead container's memory.
+    simnvml.set_gpu(nvml_state, 1, memory_reserved=1100 << 20)
+    (result,) = engine.prepare([gpu(sim, 1)], config).gpus
+    assert (result.status, result.actions) == (engine.Status.HEALTHY, ())
+    assert (result.facts["memory_used_mib"], result.facts["memory_reserved_mib"]) == (0, 1100)
+    simnvml.set_gpu(nvml_state, 1, memory_used=1100 << 20)  # real leftovers still count
+    (result,) = engine.prepare([gpu(sim, 1)], config).gpus
+    assert [f.check.value for f in result.fixed] == ["memory"] and gpu_state(nvml_state, 1)["reset_count"] == 1
+
+
+def test_a_reset_waits_for_the_other_gpus_nvml_calls_and_they_go_on_after_it(config, sim, nvml_state):
+    # GPU 0 needs a reset while GPU 1's thread is inside a slow NVML call on the same run's
+    # NVML: the reset runs once that call returned and NVML is closed; GPU 1 is checked after.
+    simnvml.set_gpu(nvml_state, 0, ecc_volatile_uncorrected=1)
+    simnvml.set_gpu(nvml_state, 1, handle_latency_ms=600)
+    report = engine.prepare([gpu(sim, 0), gpu(sim, 1)], config)
+    assert [g.status for g in report.gpus] == [engine.Status.REPAIRED, engine.Status.HEALTHY], report.as_dict()
+    assert [gpu_state(nvml_state, i)["reset_count"] for i in (0, 1)] == [1, 0]
+
+
+# Another gpuhook process with an NVML session open (as a concurrent start's check has).
+OTHER_SESSION = r"""
+import sys, time
+from gpuhook import nvml
+with nvml.Session(sys.argv[1], client_lock=sys.argv[2]):
+    print("open", flush=True)
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_a_reset_waits_for_other_gpuhook_processes_to_close_nvml(config, sim, nvml_state):
+    from gpuhook.health import actions
+
+    simnvml.set_gpu(nvml_state, 2, ecc_volatile_uncorrected=1)
+    other = subprocess.Popen([sys.executable, "-c", OTHER_SESSION, sim["nvml_library"], actions.client_lock(config),
+                              "1.0"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert other.stdout.readline().strip() == "open"
+        started = time.monotonic()
+        (result,) = engine.prepare([gpu(sim, 2)], config).gpus
+        assert result.status is engine.Status.REPAIRED, result.failure()
+        assert time.monotonic() - started >= 0.5  # it waited for the other session
+    finally:
+        other.wait(timeout=10)
+
+
+def test_a_reset_that_cannot_get_nvml_closed_in_time_says_so_and_runs_nothing(sim, tmp_path, nvml_state):
+    from gpuhook.health import actions
+
+    config = make_config(sim, tmp_path, **{"deadline-seconds": 1.5})
+    simnvml.set_gpu(nvml_state, 2, ecc_volatile_uncorrected=1)
+    other = subprocess.Popen([sys.executable, "-c", OTHER_SESSION, sim["nvml_library"], actions.client_lock(config),
+                              "5"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert other.stdout.readline().strip() == "open"
+        with pytest.raises(HealthDeadlineError):
+            engine.prepare([gpu(sim, 2)], config)
+        assert gpu_state(nvml_state, 2)["reset_count"] == 0
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_persistence_mode_is_turned_off_for_a_reset_and_back_on_after(config, sim, nvml_state):
+    simnvml.set_gpu(nvml_state, 1, persistence_mode=True, remapped_rows_pending=True)
+    (result,) = engine.prepare([gpu(sim, 1)], config).gpus
+    assert result.status is engine.Status.REPAIRED, result.failure()
+    assert [(a.action, a.ok, a.detail) for a in result.actions] == [
+        ("persistence", True, "turned off for the reset"), ("reset", True, "nvidia-smi exited 0"),
+        ("persistence", True, "turned back on")]
+    record = gpu_state(nvml_state, 1)
+    assert (record["persistence_mode"], record["reset_count"]) == (True, 1)
+    assert not os.path.exists(f"{config.state_dir}/health/persistence/{gpu(sim, 1)}.json")
+
+
+def test_a_reset_command_that_cannot_run_leaves_persistence_mode_alone(sim, tmp_path, nvml_state):
+    config = make_config(sim, tmp_path, **{"reset-command": "/nonexistent/nvidia-smi -r -i {uuid}"})
+    simnvml.set_gpu(nvml_state, 1, persistence_mode=True, ecc_volatile_uncorrected=1)
+    err = fails(config, [gpu(sim, 1)])
+    assert err.one_line().endswith("reset failed: reset command not found: no executable /nonexistent/nvidia-smi "
+                                   "(set health.reset-command)")
+    assert [a.action for a in err.report.gpus[0].actions] == ["reset"]
+    assert gpu_state(nvml_state, 1)["persistence_mode"] is True
+
+
+def test_persistence_mode_is_restored_even_after_a_failed_reset(config, sim, nvml_state):
+    simnvml.set_gpu(nvml_state, 1, persistence_mode=True, ecc_volatile_uncorrected=1, reset_fails=True)
+    err = fails(config, [gpu(sim, 1)])
+    assert [(a.action, a.ok) for a in err.report.gpus[0].actions] == [
+        ("persistence", True), ("reset", False), ("persistence", True)]
+    assert gpu_state(nvml_state, 1)["persistence_mode"] is True
+
+
+def test_persistence_mode_a_killed_check_left_off_is_restored_by_the_next_check(sim, tmp_path, nvml_state):
+    path = write_config_file(sim, tmp_path)
+    simnvml.set_gpu(nvml_state, 2, persistence_mode=True, remapped_rows_pending=True, reset_latency_ms=3000)
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_CONFIG": path}
+    first = subprocess.Popen([sys.executable, "-m", "gpuhook", "prepare", "--devices", "2"], env=env, cwd="/",
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: gpu_state(nvml_state, 2)["persistence_mode"] is False, timeout=10)
+        os.killpg(first.pid, signal.SIGKILL)  # the check and its reset die half-way
+    finally:
+        first.wait()
+    assert gpu_state(nvml_state, 2)["persistence_mode"] is False
+    simnvml.set_gpu(nvml_state, 2, reset_latency_ms=0)
+    config = cfg.load(path, use_cache=False)
+    (result,) = engine.check([gpu(sim, 2)], config).gpus  # a check without repair changes nothing
+    assert result.actions == () and gpu_state(nvml_state, 2)["persistence_mode"] is False
+    (result,) = engine.prepare([gpu(sim, 2)], config).gpus
+    assert result.actions[0].action == "persistence" and result.actions[0].ok
+    assert result.actions[0].detail == "turned back on (left off by an interrupted reset)"
+    assert gpu_state(nvml_state, 2)["persistence_mode"] is True
+
+
+def test_a_gpu_the_driver_resets_only_with_its_nvlink_peers_is_not_reset(config, sim, nvml_state):
+    simnvml.set_gpu(nvml_state, 0, reset_peers=[gpu(sim, 1), gpu(sim, 2)], ecc_volatile_uncorrected=1)
+    err = fails(config, [gpu(sim, 0)])
+    assert err.one_line().endswith(
+        "ecc check: 1 volatile uncorrectable ECC error(s) since the last reset; not reset: the driver resets this "
+        "GPU only together with its NVLink peers (00000000:28:00.0, 00000000:38:00.0), and gpuhook never resets "
+        "other GPUs for one GPU's check")
+    assert [gpu_state(nvml_state, i)["reset_count"] for i in range(4)] == [0, 0, 0, 0]
+
+
+def test_a_gpu_in_mig_mode_is_never_reset(config, sim, nvml_state):
+    simnvml.set_gpu(nvml_state, MIG_GPU, ecc_volatile_uncorrected=1)
+    mig = sim["gpus"][MIG_GPU]["mig_devices"][0]["uuid"]
+    err = fails(config, [mig])
+    assert err.one_line().endswith("not reset: MIG mode is on (4 MIG device(s)); a reset may destroy the GPU and "
+                                   "compute instances that MIG UUIDs name, so gpuhook does not reset a GPU in MIG mode")
+    record = gpu_state(nvml_state, MIG_GPU)
+    assert record["reset_count"] == 0 and len(record["mig_devices"]) == 4
+
+
+@pytest.fixture(scope="module")
+def sim470(tmp_path_factory):
+    require_root_tools("gcc", "ldconfig")
+    return simhost.build(str(tmp_path_factory.mktemp("health-470") / "host"), gpus=2, driver_version="470.82.01",
+                         seed="driver-470")
+
+
+def test_the_checks_and_a_repair_work_on_a_driver_without_the_newest_entry_points(sim470, tmp_path, monkeypatch,
+                                                                                  containers):
+    # Driver 470 has no _v3 process query (pynvml 13 calls only that one) and no v2 memory call.
+    monkeypatch.delenv(simnvml.ENV_VAR, raising=False)
+    config = make_config(sim470, tmp_path)
+    uuid = sim470["gpus"][1]["uuid"]
+    container = containers("old-driver")
+    container.register(config.state_dir, uuid)
+    orphan = container.spawn("sleep", "600")
+    container.stop_init()
+    simnvml.add_process(sim470["nvml_state"], 1, pid=orphan, used_memory=GIB)
+    simnvml.set_gpu(sim470["nvml_state"], 1, ecc_volatile_uncorrected=1)
+    (result,) = engine.prepare([uuid], config).gpus
+    assert result.status is engine.Status.REPAIRED, result.failure()
+    assert [(a.action, a.ok) for a in result.actions] == [("kill", True), ("reset", True)]
+    assert result.facts["memory_reserved_mib"] is None  # the reserve is inside "used" on this driver
 
 
 # --- time -----------------------------------------------------------------------------------
@@ -569,9 +780,9 @@ def test_concurrent_prepares_of_one_gpu_never_reset_it_twice_at_once(sim, tmp_pa
     simnvml.set_gpu(nvml_state, 1, ecc_volatile_uncorrected=1, reset_does_not_fix=True, reset_latency_ms=300)
     started = time.monotonic()
     outcomes = prepare_processes(sim, path, 1, 4)
-    assert [code for code, _ in outcomes] == [6] * 4
+    assert [code for code, _ in outcomes] == [6] * 4, outcomes
     record = gpu_state(nvml_state, 1)
-    assert (record["reset_count"], record["reset_overlaps"]) == (4, 0)  # four resets, one after the other
+    assert (record["reset_count"], record["reset_overlaps"]) == (4, 0), outcomes  # one after the other
     assert time.monotonic() - started >= 1.2
 
 
@@ -617,6 +828,34 @@ def test_after_stop_resets_a_released_gpu_only_when_nobody_else_uses_it(sim, tmp
     assert record["decision"] == "cleaned up"
 
 
+def test_after_stop_with_nothing_left_and_no_reset_on_release_loads_no_nvml(sim, tmp_path, nvml_state, containers):
+    # Only an enabled action needs NVML: nothing is left in the container's cgroups to kill,
+    # and reset-on-release is off. (An unloadable NVML proves it is not even opened.)
+    config = cfg.from_mapping({"nvml-library": "/nonexistent/libnvidia-ml.so.1", "state-dir": str(tmp_path / "run"),
+                               "log-file": ""})
+    container = containers("nothing-left")
+    container.register(config.state_dir, gpu(sim, 0))
+    container.stop_init()
+    record = {}
+    hooks.after_stop(stopped_state(container.id), config, time.monotonic() + 10, record)
+    assert record == {"decision": "cleaned up"}
+    assert registry.load(config.state_dir, container.id) is None
+
+
+def test_after_stop_with_kill_orphans_off_keeps_a_container_that_left_processes(sim, tmp_path, nvml_state,
+                                                                                 containers):
+    config = make_config(sim, tmp_path, **{"kill-orphans": False})
+    container = containers("kept")
+    entry = container.register(config.state_dir, gpu(sim, 0))
+    left = container.spawn("sleep", "600")
+    container.stop_init()
+    record = {}
+    hooks.after_stop(stopped_state(container.id), config, time.monotonic() + 10, record)
+    assert record == {"decision": "cleanup incomplete (container kept in the registry)",
+                      "left": "1 process(es) in its cgroups; not killed: kill-orphans is off"}
+    assert alive(left) and registry.load(config.state_dir, container.id) == entry
+
+
 def test_after_stop_of_an_unknown_container_does_nothing(config, nvml_state):
     record = {}
     hooks.after_stop(stopped_state("never-registered"), config, time.monotonic() + 10, record)
@@ -625,7 +864,7 @@ def test_after_stop_of_an_unknown_container_does_nothing(config, nvml_state):
 
 def test_after_stop_never_raises_even_without_nvml(sim, tmp_path, nvml_state, containers):
     config = cfg.from_mapping({"nvml-library": "/nonexistent/libnvidia-ml.so.1", "state-dir": str(tmp_path / "run"),
-                               "log-file": ""})
+                               "log-file": "", "health": {"reset-on-release": True}})
     container = containers("no-nvml")
     container.register(config.state_dir, gpu(sim, 0))
     container.stop_init()

@@ -233,17 +233,43 @@ def mig_sim(tmp_path_factory):
                          seed="health-hook-mig")
 
 
-def test_a_mig_device_request_checks_and_repairs_its_parent_gpu(bed, mig_sim, probe, tmp_path):
+def test_a_mig_device_request_checks_its_parent_gpu_and_never_resets_it(bed, mig_sim, probe, tmp_path):
     state = mig_sim["nvml_state"]
-    simnvml.set_gpu(state, 1, ecc_volatile_uncorrected=1)
     containers = HealthContainers(bed, mig_sim, probe, tmp_path)
     device = mig_sim["gpus"][1]["mig_devices"][0]
     result = containers.run("mig", env=[f"NVIDIA_VISIBLE_DEVICES={device['uuid']}"])
     assert result.returncode == 0, result.stderr
     (record,) = containers.records("prestart")
-    assert [(g["uuid"], g["status"]) for g in record["health"]["gpus"]] == [(containers.uuid(1), "repaired")]
+    assert [(g["uuid"], g["status"]) for g in record["health"]["gpus"]] == [(containers.uuid(1), "healthy")]
     assert registry.load(containers.state_dir, "mig").gpus == (containers.uuid(1),)
-    assert gpu_record(state, 1)["reset_count"] == 1
+    # A reset could destroy the instances the MIG UUIDs of this and other containers name:
+    # a fault only a reset clears fails the start instead.
+    simnvml.set_gpu(state, 1, ecc_volatile_uncorrected=1)
+    result = containers.run("mig-faulty", env=[f"NVIDIA_VISIBLE_DEVICES={device['uuid']}"])
+    assert result.returncode != 0
+    assert hook_message(result) == (
+        f"{containers.uuid(1)} failed its ecc check: 1 volatile uncorrectable ECC error(s) since the last reset; "
+        f"not reset: MIG mode is on ({len(simhost.DEFAULT_MIG_LAYOUT)} MIG device(s)); a reset may destroy the GPU "
+        "and compute instances that MIG UUIDs name, so gpuhook does not reset a GPU in MIG mode")
+    after = gpu_record(state, 1)
+    assert after["reset_count"] == 0 and len(after["mig_devices"]) == len(simhost.DEFAULT_MIG_LAYOUT)
+
+
+@pytest.fixture(scope="module")
+def sim470(tmp_path_factory):
+    """Driver 470: NVML without the _v3 process query (all pynvml 13 calls) or the v2 memory call."""
+    require_root_tools("gcc", "ldconfig", "runc")
+    return simhost.build(str(tmp_path_factory.mktemp("health-hook-470") / "host"), gpus=1,
+                         driver_version="470.82.01", seed="health-hook-470")
+
+
+def test_a_start_on_a_driver_before_510_passes_its_checks(bed, sim470, probe, tmp_path):
+    containers = HealthContainers(bed, sim470, probe, tmp_path)
+    result = containers.run("driver-470", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode == 0, result.stderr
+    (record,) = containers.records("prestart")
+    (checked,) = record["health"]["gpus"]
+    assert (checked["status"], checked["checks"]["processes"]) == ("healthy", "ok")
 
 
 # --- stamps from `gpuhook prepare` ---------------------------------------------------------
@@ -495,7 +521,9 @@ def test_poststop_never_kills_a_container_that_joined_its_cgroup(hgpus, nvml_sta
 
 def test_poststop_never_kills_a_host_daemon_in_a_child_cgroup(hgpus, nvml_state):
     """A host daemon placed below GPU container A's cgroup after A registered is no process of
-    A's: A's poststop does not kill it."""
+    A's: A's poststop does not kill it. (With reset-on-release the stop looks at every
+    process on A's GPUs; without it, it looks only in A's own cgroups.)"""
+    hgpus.configure(health={"reset-on-release": True})
     hgpus.start_detached("parent-a", "NVIDIA_VISIBLE_DEVICES=0")
     entry = registry.load(hgpus.state_dir, "parent-a")
     daemon = subprocess.Popen(["sleep", "600"])
@@ -562,9 +590,18 @@ def test_poststop_of_a_same_id_container_under_another_root_never_resets_the_liv
         hgpus.stop("dup")
 
 
+def test_poststop_loads_no_nvml_when_no_enabled_action_needs_it(hgpus, nvml_state):
+    hgpus.start_detached("quiet-stop", "NVIDIA_VISIBLE_DEVICES=2")
+    done = hgpus.stop("quiet-stop")
+    assert done.returncode == 0, done.stderr
+    (record,) = hgpus.records("poststop")
+    assert (record["decision"], record["nvml"]) == ("cleaned up", "not loaded")
+    assert "health" not in record and registry.load(hgpus.state_dir, "quiet-stop") is None
+
+
 def test_poststop_never_fails_a_stop(hgpus, nvml_state):
     hgpus.start_detached("nvml-gone", "NVIDIA_VISIBLE_DEVICES=2")
-    hgpus.configure(**{"nvml-library": "/nonexistent/libnvidia-ml.so.1"})
+    hgpus.configure(**{"nvml-library": "/nonexistent/libnvidia-ml.so.1"}, health={"reset-on-release": True})
     done = hgpus.stop("nvml-gone")
     assert done.returncode == 0, done.stderr
     (record,) = hgpus.records("poststop")

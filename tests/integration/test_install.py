@@ -756,7 +756,7 @@ def test_a_bundle_installed_with_gpuhook_install_runs_prestart_and_poststop_unde
     assert isinstance(start["registered"], dict), start["registered"]
     (stop,) = log_records(gpus, "poststop")
     assert (stop["container"], stop["decision"]) == ("installed", "cleaned up"), stop
-    assert [gpu["uuid"] for gpu in stop["health"]["gpus"]] == [gpus.uuid(1)]
+    assert stop["nvml"] == "not loaded"  # nothing was left to kill, reset-on-release is off (docs/health.md)
     assert not registered(gpus, "installed")
 
     gpuhook_cli("uninstall", "runc-bundle", bundle)

@@ -83,7 +83,7 @@ def test_a_healthy_gpu(sim, session):
     assert health == nvml.Health(
         uuid=sim["gpus"][0]["uuid"], lost=False, lost_in=None, processes=(), memory_total=simhost.MEMORY_TOTAL,
         memory_used=0, ecc=nvml.EccCounts(0, 0, 0, 0), retired_pages=None,
-        remapped_rows=nvml.RemappedRows(0, 0, False, False))
+        remapped_rows=nvml.RemappedRows(0, 0, False, False), memory_reserved=simhost.MEMORY_RESERVED)
 
 
 def test_every_fault_shows_in_the_health_facts(sim, session, state):
@@ -99,6 +99,56 @@ def test_every_fault_shows_in_the_health_facts(sim, session, state):
     assert health.ecc == nvml.EccCounts(volatile_corrected=0, volatile_uncorrected=2, aggregate_corrected=7,
                                         aggregate_uncorrected=0)
     assert health.remapped_rows == nvml.RemappedRows(correctable=0, uncorrectable=1, pending=True, failure=True)
+
+
+@pytest.fixture(scope="module")
+def old_drivers(tmp_path_factory):
+    """Hosts whose NVML has only what driver 470 (no _v3 process query, no v2 memory call) and
+    driver 450 (no _v2 process query either) export."""
+    require_root_tools("gcc", "ldconfig")
+    base = tmp_path_factory.mktemp("old-drivers")
+    return {470: simhost.build(str(base / "470"), gpus=1, driver_version="470.82.01", mig={0: []}),
+            450: simhost.build(str(base / "450"), gpus=1, driver_version="450.80.02", cuda_version="11.0")}
+
+
+@pytest.mark.parametrize("branch", [470, 450])
+def test_an_older_driver_answers_through_the_versions_it_has(old_drivers, tmp_path, monkeypatch, branch):
+    host = old_drivers[branch]
+    state = private_nvml_state(host, tmp_path, monkeypatch)
+    uuid = host["gpus"][0]["uuid"]
+    simnvml.set_gpu(state, 0, memory_used=100 << 20,
+                    compute_processes=[simnvml.process(os.getpid(), 1 << 30)],
+                    graphics_processes=[simnvml.process(os.getpid(), 2 << 20)])
+    with nvml.Session(host["nvml_library"]) as session:
+        health = session.health(uuid)
+        assert health.processes == (nvml.Process(os.getpid(), 1 << 30, "compute", None, None),
+                                    nvml.Process(os.getpid(), 2 << 20, "graphics", None, None))
+        # Without the v2 memory call, "used" includes the driver's reserve and none is reported apart.
+        assert (health.memory_used, health.memory_reserved) == \
+               ((100 << 20) + (1 << 30) + (2 << 20) + simhost.MEMORY_RESERVED, None)
+        assert session.health(uuid) == health  # what the library lacks is remembered, not tried again
+
+
+def test_processes_on_a_mig_device_keep_their_instance_ids_on_driver_470(old_drivers, tmp_path, monkeypatch):
+    host = old_drivers[470]
+    state = private_nvml_state(host, tmp_path, monkeypatch)
+    mig = host["gpus"][0]["mig_devices"][0]
+    simnvml.set_gpu(state, 0, compute_processes=[simnvml.process(os.getpid(), 1 << 20,
+                                                                 gpu_instance_id=mig["gpu_instance_id"])])
+    with nvml.Session(host["nvml_library"]) as session:
+        assert session.health(mig["uuid"]).processes == \
+               (nvml.Process(os.getpid(), 1 << 20, "compute", mig["gpu_instance_id"], 0),)
+
+
+def test_persistence_and_mig_mode_for_a_reset(sim, session, state):
+    simnvml.set_gpu(state, 0, persistence_mode=True)
+    assert session.reset_facts(sim["gpus"][0]["uuid"]) == nvml.ResetFacts(True, False, 0)
+    session.set_persistence(sim["gpus"][0]["uuid"], False)
+    assert simnvml.load(state)["gpus"][0]["persistence_mode"] is False
+    assert session.reset_facts(sim["gpus"][MIG_GPU]["uuid"]) == \
+           nvml.ResetFacts(False, True, len(simhost.DEFAULT_MIG_LAYOUT))
+    simnvml.set_gpu(state, 2, mig_capable=False)
+    assert session.reset_facts(sim["gpus"][2]["uuid"]) == nvml.ResetFacts(False, None, 0)
 
 
 def test_page_retirement_on_a_pre_ampere_gpu(sim, session, state):

@@ -107,11 +107,14 @@ def test_memory_counts_leftovers_plus_the_processes_still_alive(nv, state):
         simnvml.process(gone, 4 << 30, stale=True)],
         graphics_processes=[simnvml.process(os.getpid(), 8 << 20)])
     handle = nv.nvmlDeviceGetHandleByIndex(1)
-    memory = nv.nvmlDeviceGetMemoryInfo(handle)
     used = (100 << 20) + (1 << 30) + (4 << 30) + (8 << 20)
-    assert (memory.total, memory.used, memory.free) == (simhost.MEMORY_TOTAL, used, simhost.MEMORY_TOTAL - used)
     v2 = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)
-    assert (v2.total, v2.used, v2.reserved) == (simhost.MEMORY_TOTAL, used, 0)
+    assert (v2.total, v2.reserved, v2.used) == (simhost.MEMORY_TOTAL, simhost.MEMORY_RESERVED, used)
+    assert v2.free == simhost.MEMORY_TOTAL - simhost.MEMORY_RESERVED - used
+    # Version 1 counts the driver's reserve as used, as the real driver does.
+    memory = nv.nvmlDeviceGetMemoryInfo(handle)
+    v1_used = used + simhost.MEMORY_RESERVED
+    assert (memory.total, memory.used, memory.free) == (simhost.MEMORY_TOTAL, v1_used, simhost.MEMORY_TOTAL - v1_used)
     compute = nv.nvmlDeviceGetComputeRunningProcesses(handle)
     assert [(p.pid, p.usedGpuMemory, p.gpuInstanceId) for p in compute] == [
         (os.getpid(), 1 << 30, 0xFFFFFFFF), (gone, 4 << 30, 0xFFFFFFFF)]
@@ -240,7 +243,7 @@ def test_processes_and_memory_of_a_mig_device_are_its_own(nv, sim, state):
             for p in nv.nvmlDeviceGetComputeRunningProcesses(mig)] == [(1 << 30, first["gpu_instance_id"], 0)]
     assert nv.nvmlDeviceGetMemoryInfo(mig).used == 1 << 30
     assert len(nv.nvmlDeviceGetComputeRunningProcesses(parent)) == 2
-    assert nv.nvmlDeviceGetMemoryInfo(parent).used == 3 << 30
+    assert nv.nvmlDeviceGetMemoryInfo(parent, version=nv.nvmlMemory_v2).used == 3 << 30
 
 
 def test_mig_handles_vanish_when_mig_is_turned_off(nv, state):
@@ -262,7 +265,7 @@ def test_bad_arguments_and_unknown_devices(nv):
     assert error_of(nv.nvmlDeviceGetHandleByPciBusId, "not-a-bus-id") == nv.NVML_ERROR_INVALID_ARGUMENT
     handle = nv.nvmlDeviceGetHandleByIndex(0)
     for call, args in ((nv.nvmlDeviceGetTemperature, (handle, 0)), (nv.nvmlDeviceGetPowerUsage, (handle,)),
-                       (nv.nvmlDeviceGetUtilizationRates, (handle,)), (nv.nvmlDeviceGetPersistenceMode, (handle,))):
+                       (nv.nvmlDeviceGetUtilizationRates, (handle,))):
         assert error_of(call, *args) == nv.NVML_ERROR_NOT_SUPPORTED, call.__name__
 
 
@@ -396,7 +399,10 @@ def test_reset_clears_what_a_real_reset_clears(nv, sim, state):
     faulty(state, 1)
     handle = nv.nvmlDeviceGetHandleByIndex(1)
     assert nv.nvmlDeviceGetTotalEccErrors(handle, 1, 0) == 2
+    nv.nvmlShutdown()  # an NVML client keeps the GPU from being reset (below)
     done = smi(sim, state, "--gpu-reset", "-i", sim["gpus"][1]["uuid"])
+    nv.nvmlInit()
+    handle = nv.nvmlDeviceGetHandleByIndex(1)
     assert done.returncode == 0, done.stderr
     assert "GPU 00000000:28:00.0 was successfully reset." in done.stdout
     gpu = simnvml.load(state)["gpus"][1]
@@ -405,9 +411,9 @@ def test_reset_clears_what_a_real_reset_clears(nv, sim, state):
     assert not gpu["retired_pages_pending"] and gpu["retired_pages_double_bit"] == 1
     assert not gpu["remapped_rows_pending"] and gpu["remapped_rows_uncorrectable"] == 1
     assert gpu["memory_used"] == 0 and gpu["compute_processes"] == [] and gpu["reset_count"] == 1
-    # The running session sees the reset GPU, as with a real driver.
     assert nv.nvmlDeviceGetTotalEccErrors(handle, 1, 0) == 0
-    assert nv.nvmlDeviceGetMemoryInfo(handle).used == 0 and nv.nvmlDeviceGetComputeRunningProcesses(handle) == []
+    assert nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2).used == 0
+    assert nv.nvmlDeviceGetComputeRunningProcesses(handle) == []
     assert simnvml.load(state)["gpus"][0]["reset_count"] == 0
 
 
@@ -502,3 +508,161 @@ def test_nvidia_smi_without_arguments_still_lists_device_nodes(sim, state):
     done = smi(sim, state)
     assert done.returncode == 0
     assert done.stdout.startswith(f"nvidia-smi (simulated by gpuhook, driver {sim['driver_version']})")
+
+
+# ---- what the driver refuses: clients, persistence, NVLink peers ---------------------------
+
+# A process that initialises the simulated NVML, says so, and keeps it open until stdin closes.
+NVML_CLIENT = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+assert lib.nvmlInit_v2() == 0
+print("attached", flush=True)
+sys.stdin.read()
+lib.nvmlShutdown()
+"""
+
+
+def test_a_reset_is_refused_while_another_process_has_nvml_open(sim, state):
+    faulty(state, 1)
+    client = subprocess.Popen(["python3", "-c", NVML_CLIENT, sim["nvml_library"]], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin", simnvml.ENV_VAR: state})
+    try:
+        assert client.stdout.readline().strip() == "attached"
+        done = smi(sim, state, "--gpu-reset", "-i", "1")
+        assert done.returncode == 255, done
+        assert done.stderr.startswith("The following GPUs could not be reset:\n  GPU 00000000:28:00.0: In use by "
+                                      "another client\n")
+        assert simnvml.load(state)["gpus"][1]["reset_count"] == 0
+    finally:
+        client.communicate("", timeout=10)
+    assert smi(sim, state, "--gpu-reset", "-i", "1").returncode == 0  # the client has shut NVML down
+
+
+def test_a_reset_is_refused_while_this_process_has_nvml_open(nv, sim, state):
+    done = smi(sim, state, "--gpu-reset", "-i", "0")
+    assert done.returncode == 255 and "In use by another client" in done.stderr
+    nv.nvmlShutdown()
+    try:
+        assert smi(sim, state, "--gpu-reset", "-i", "0").returncode == 0
+    finally:
+        nv.nvmlInit()
+
+
+def test_persistence_mode_is_reported_set_through_nvml_and_blocks_a_reset(nv, sim, state):
+    handle = nv.nvmlDeviceGetHandleByIndex(2)
+    assert nv.nvmlDeviceGetPersistenceMode(handle) == nv.NVML_FEATURE_DISABLED
+    nv.nvmlDeviceSetPersistenceMode(handle, nv.NVML_FEATURE_ENABLED)
+    assert nv.nvmlDeviceGetPersistenceMode(handle) == nv.NVML_FEATURE_ENABLED
+    assert simnvml.load(state)["gpus"][2]["persistence_mode"] is True
+    nv.nvmlShutdown()
+    try:
+        done = smi(sim, state, "--gpu-reset", "-i", "2")
+        assert done.returncode == 255 and "GPU 00000000:38:00.0: In use by another client" in done.stderr
+        simnvml.set_gpu(state, 2, persistence_mode=False)
+        assert smi(sim, state, "--gpu-reset", "-i", "2").returncode == 0
+    finally:
+        nv.nvmlInit()
+    mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(nv.nvmlDeviceGetHandleByIndex(MIG_GPU), 0)
+    assert error_of(nv.nvmlDeviceSetPersistenceMode, mig, 0) == nv.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_nvlink_peers_must_be_reset_in_the_same_command(sim, state):
+    uuids = [g["uuid"] for g in sim["gpus"]]
+    simnvml.set_gpu(state, 0, reset_peers=[uuids[1], uuids[2]], ecc_volatile_uncorrected=1)
+    done = smi(sim, state, "--gpu-reset", "-i", "0")
+    assert done.returncode == 255
+    assert done.stderr == ("Unable to reset GPU 00000000:18:00.0: it is connected through NVLink to GPUs that must be "
+                           "reset in the same command: 00000000:28:00.0, 00000000:38:00.0\n")
+    assert [g["reset_count"] for g in simnvml.load(state)["gpus"]] == [0, 0, 0, 0]
+    done = smi(sim, state, "--gpu-reset", "-i", f"{uuids[0]},1,00000000:38:00.0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("was successfully reset.") == 3
+    assert [g["reset_count"] for g in simnvml.load(state)["gpus"]] == [1, 1, 1, 0]
+    with pytest.raises(simnvml.SimulationError, match=r"reset_peers: GPU-nope is not another GPU"):
+        simnvml.set_gpu(state, 0, reset_peers=["GPU-nope"])
+
+
+def test_a_reset_destroys_the_mig_instances_of_the_gpu(sim, state):
+    assert len(simnvml.load(state)["gpus"][MIG_GPU]["mig_devices"]) == len(MIG_LAYOUT)
+    assert smi(sim, state, "--gpu-reset", "-i", str(MIG_GPU)).returncode == 0
+    gpu = simnvml.load(state)["gpus"][MIG_GPU]
+    assert gpu["mig_mode"] is True and gpu["mig_devices"] == []
+
+
+# ---- processes hold the GPU while they hold their files -------------------------------------
+
+# A process whose first thread exits (a zombie leader) while a second thread keeps running.
+LEADER_EXITS = r"""
+import ctypes, os, sys, threading, time
+threading.Thread(target=time.sleep, args=(600,)).start()
+print(os.getpid(), flush=True)
+ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: this thread only, not the group
+"""
+
+
+def test_a_zombie_holds_no_context_and_does_not_block_a_reset(nv, sim, state):
+    zombie = subprocess.Popen(["true"])
+    try:
+        while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        simnvml.set_gpu(state, 1, compute_processes=[simnvml.process(zombie.pid, 1 << 30)])
+        handle = nv.nvmlDeviceGetHandleByIndex(1)
+        assert nv.nvmlDeviceGetComputeRunningProcesses(handle) == []
+        assert nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2).used == 0
+        nv.nvmlShutdown()
+        try:
+            assert smi(sim, state, "--gpu-reset", "-i", "1").returncode == 0
+        finally:
+            nv.nvmlInit()
+    finally:
+        zombie.wait()
+
+
+def test_a_process_whose_first_thread_exited_still_holds_the_gpu(nv, sim, state):
+    process = subprocess.Popen(["python3", "-c", LEADER_EXITS], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(process.stdout.readline())
+        while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        simnvml.set_gpu(state, 1, compute_processes=[simnvml.process(pid, 1 << 30)])
+        assert [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(nv.nvmlDeviceGetHandleByIndex(1))] == [pid]
+        nv.nvmlShutdown()
+        try:
+            done = smi(sim, state, "--gpu-reset", "-i", "1")
+            assert done.returncode == 255 and f"pid {pid} is alive" in done.stderr
+        finally:
+            nv.nvmlInit()
+    finally:
+        process.kill()
+        process.wait()
+
+
+# ---- entry points by driver branch ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def old_hosts(tmp_path_factory):
+    require_root_tools("gcc", "ldconfig")
+    base = tmp_path_factory.mktemp("old-drivers")
+    return {branch: simhost.build(str(base / str(branch)), gpus=1, driver_version=version, cuda_version=cuda)
+            for branch, version, cuda in ((450, "450.80.02", "11.0"), (470, "470.82.01", None))}
+
+
+def exported(library: str) -> set:
+    lib = ctypes.CDLL(library)
+    names = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2",
+             "nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2",
+             "nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2")
+    return {name for name in names if hasattr(lib, name)}
+
+
+def test_the_library_exports_only_the_entry_points_of_its_driver_branch(sim, old_hosts):
+    # NVML 11.1 (driver 455) added the _v2 process queries, NVML 11.6 (driver 510) the _v3 ones
+    # and nvmlDeviceGetMemoryInfo_v2 (nvml.h as NVIDIA/go-nvml tracks it).
+    v1 = {"nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMemoryInfo"}
+    v2 = {"nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetGraphicsRunningProcesses_v2"}
+    v3 = {"nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v3",
+          "nvmlDeviceGetMemoryInfo_v2"}
+    assert exported(old_hosts[450]["nvml_library"]) == v1
+    assert exported(old_hosts[470]["nvml_library"]) == v1 | v2
+    assert exported(sim["nvml_library"]) == v1 | v2 | v3

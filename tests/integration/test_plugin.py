@@ -166,12 +166,56 @@ def test_a_gpu_goes_unhealthy_on_the_stream_and_healthy_again(cluster):
 
         threading.Thread(target=watch, daemon=True).start()
         assert wait(lambda: seen)
-        simnvml.set_gpu(sim["nvml_state"], 2, ecc_volatile_uncorrected=1)
+        # A fault no kill or reset can fix, mended from outside (the GPU serviced).
+        simnvml.set_gpu(sim["nvml_state"], 2, remapped_rows_failure=True)
         assert wait(lambda: seen[-1][bad] == "Unhealthy"), seen[-1]
         assert all(h == "Healthy" for ident, h in seen[-1].items() if ident != bad)
-        simnvml.set_gpu(sim["nvml_state"], 2, ecc_volatile_uncorrected=0)
+        simnvml.set_gpu(sim["nvml_state"], 2, remapped_rows_failure=False)
         assert wait(lambda: seen[-1][bad] == "Healthy"), seen[-1]
         stream.cancel()
+
+
+def test_an_idle_unhealthy_gpu_a_reset_can_fix_is_repaired_and_advertised_healthy(cluster):
+    # kubelet never allocates an Unhealthy device, so no PreStartContainer would clean it:
+    # the plugin repairs it once nobody holds it.
+    sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
+    bad = sim["gpus"][1]["uuid"]
+    seen = []
+    with channel:
+        stream = stub.ListAndWatch(pb.Empty(), timeout=60)
+
+        def watch():
+            try:
+                for response in stream:
+                    seen.append({d.ID: d.health for d in response.devices})
+            except grpc.RpcError:
+                pass
+
+        threading.Thread(target=watch, daemon=True).start()
+        assert wait(lambda: seen)
+        simnvml.set_gpu(sim["nvml_state"], 1, ecc_volatile_uncorrected=1, reset_fails=True)  # a reset fails for now
+        assert wait(lambda: seen[-1][bad] == "Unhealthy"), seen[-1]
+        simnvml.set_gpu(sim["nvml_state"], 1, reset_fails=False)
+        assert wait(lambda: seen[-1][bad] == "Healthy"), seen[-1]
+        record = simnvml.load(sim["nvml_state"])["gpus"][1]
+        assert record["ecc_volatile_uncorrected"] == 0 and record["reset_count"] >= 1
+        stream.cancel()
+
+
+def test_an_unhealthy_gpu_a_live_process_uses_is_left_alone(cluster):
+    sim, (pb, stub, channel) = cluster["sim"], cluster["kubelet"].plugin()
+    user = subprocess.Popen(["sleep", "600"])
+    try:
+        simnvml.set_gpu(sim["nvml_state"], 0, ecc_volatile_uncorrected=1,
+                        compute_processes=[simnvml.process(user.pid, 1 << 30)])
+        with channel:
+            assert wait(lambda: first_devices(pb, stub)[sim["gpus"][0]["uuid"]] == "Unhealthy")
+            time.sleep(1.5)  # three rechecks
+            assert simnvml.load(sim["nvml_state"])["gpus"][0]["reset_count"] == 0
+        assert user.poll() is None
+    finally:
+        user.kill()
+        user.wait()
 
 
 ALLOCATION_ROOT = "/var/run/gpuhook-allocation/"

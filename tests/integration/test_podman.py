@@ -76,7 +76,7 @@ def test_podman_runs_the_poststop_hook_when_it_removes_a_gpu_container(podman_gp
 
     stop = wait_for_record(podman_gpus, "poststop", start["container"])
     assert stop["decision"] == "cleaned up", stop
-    assert [gpu["uuid"] for gpu in stop["health"]["gpus"]] == [podman_gpus.uuid(2)]
+    assert stop["nvml"] == "not loaded"  # nothing was left to kill, reset-on-release is off (docs/health.md)
     assert not registered(podman_gpus, start["container"])
     assert podman_gpus.podman.wait_until_idle()
     assert len(log_records(podman_gpus, "poststop")) == 1

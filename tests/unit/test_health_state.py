@@ -382,3 +382,18 @@ def test_kill_hits_only_the_process_that_was_checked():
         victim.kill()
         victim.wait()
     assert actions.kill(victim.pid, start_time, time.monotonic() + 1).detail == "already gone"
+
+
+@pytest.mark.parametrize("output,peers", [
+    # The simulated nvidia-smi's wording (docs/simulated-host.md).
+    ("Unable to reset GPU 00000000:18:00.0: it is connected through NVLink to GPUs that must be reset in the same "
+     "command: 00000000:28:00.0, 00000000:38:00.0\n", ["00000000:28:00.0", "00000000:38:00.0"]),
+    # Any wording that speaks of NVLink counts; the bus ids after it are the peers.
+    ("GPU 0000:1A:00.0: NVLINK peers 0000:1B:00.0 and 0000:1C:00.0 must be reset too", ["0000:1B:00.0",
+                                                                                       "0000:1C:00.0"]),
+    ("Reset of this GPU requires resetting its NVLink peers.", []),
+    ("The following GPUs could not be reset:\n  GPU 00000000:1A:00.0: In use by another client\n", None),
+    ("", None),
+])
+def test_a_reset_refused_for_nvlink_peers_is_told_apart_and_names_them(output, peers):
+    assert actions.nvlink_peers(output) == peers

@@ -21,9 +21,19 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "nvml_sim.h"
 #include "simstate.h"
+
+/* The driver branch whose entry points this library exports (gpuhook simulate passes the
+ * branch of --driver-version): NVML grew versioned entry points over time, and a client that
+ * calls one the installed driver lacks gets NVML_ERROR_FUNCTION_NOT_FOUND. Which branch
+ * brought which: docs/simulated-host.md ("Entry points by driver branch"). */
+#ifndef SIM_DRIVER_BRANCH
+#define SIM_DRIVER_BRANCH 9999
+#endif
+#define SIM_HAS(branch) (SIM_DRIVER_BRANCH >= (branch))
 
 /* A handle is the address of a slot in gpu_handles or mig_handles; the slot's position says
  * which GPU (and MIG device) it names, so handles stay valid when the state is re-read. */
@@ -33,6 +43,7 @@ struct nvmlDevice_st {
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned init_count;
+static int client_fd = -1;                      /* held while NVML is initialised (sim_client_attach) */
 static char state_path[4096];
 static struct sim_state state;
 static int loaded;
@@ -217,8 +228,11 @@ NVML_API nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
     }
     if ((r = refresh()) == NVML_SUCCESS) {
         /* Like NVML: only the first initialisation of a process attaches to the driver (the
-         * slow part without persistence mode); nested ones only count. */
+         * slow part without persistence mode); nested ones only count. Attached, this process
+         * is a client that keeps the simulated nvidia-smi from resetting any GPU. */
         latency = (init_count == 0 ? state.init_latency_ms : 0) + state.call_latency_ms;
+        if (init_count == 0)
+            client_fd = sim_client_attach(state_path);
         init_count++;
     }
     pthread_mutex_unlock(&lock);
@@ -241,9 +255,15 @@ NVML_API nvmlReturn_t nvmlShutdown(void)
     pthread_mutex_lock(&lock);
     if (init_count == 0)
         return finish(NVML_ERROR_UNINITIALIZED);
-    if (--init_count == 0 && loaded) {
-        sim_state_free(&state);
-        loaded = 0;
+    if (--init_count == 0) {
+        if (loaded) {
+            sim_state_free(&state);
+            loaded = 0;
+        }
+        if (client_fd >= 0) {
+            close(client_fd);
+            client_fd = -1;
+        }
     }
     return finish(NVML_SUCCESS);
 }
@@ -546,30 +566,38 @@ NVML_API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t 
     if (memory == NULL)
         return finish(NVML_ERROR_INVALID_ARGUMENT);
     total = t.mig != NULL ? t.mig->memory_total : t.gpu->memory_total;
-    used = used_memory(&t);
+    /* Version 1 counts the driver's reserve as used (on an idle H200: 615 MiB used, while
+     * version 2 says 615 reserved and 0 used). */
+    used = used_memory(&t) + (t.mig != NULL ? 0 : t.gpu->memory_reserved);
     memory->total = total;
     memory->used = used;
     memory->free = used < total ? total - used : 0;
     return finish(NVML_SUCCESS);
 }
 
+#if SIM_HAS(510)
 NVML_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
-    nvmlMemory_t v1;
+    struct target t;
     nvmlReturn_t r;
+    unsigned long long total, reserved, used;
 
     if (memory == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (memory->version != nvmlMemory_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    if ((r = nvmlDeviceGetMemoryInfo(device, &v1)) != NVML_SUCCESS)
+    if ((r = begin_device(device, 1, &t)) != NVML_SUCCESS)
         return r;
-    memory->total = v1.total;
-    memory->reserved = 0;
-    memory->free = v1.free;
-    memory->used = v1.used;
-    return NVML_SUCCESS;
+    total = t.mig != NULL ? t.mig->memory_total : t.gpu->memory_total;
+    reserved = t.mig != NULL ? 0 : t.gpu->memory_reserved;
+    used = used_memory(&t);
+    memory->total = total;
+    memory->reserved = reserved;
+    memory->used = used;
+    memory->free = used + reserved < total ? total - used - reserved : 0;
+    return finish(NVML_SUCCESS);
 }
+#endif
 
 /* The running-processes calls of every version: size query, then fill. */
 static nvmlReturn_t running_processes(nvmlDevice_t device, int graphics, unsigned *count, void *infos,
@@ -614,30 +642,38 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, int graphics, unsigne
     return finish(NVML_SUCCESS);
 }
 
+#if SIM_HAS(510)
 NVML_API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
 {
     return running_processes(d, 0, c, p, 1);
 }
+#endif
 
+#if SIM_HAS(455)
 NVML_API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_v2_t *p)
 {
     return running_processes(d, 0, c, p, 1);
 }
+#endif
 
 NVML_API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_v1_t *p)
 {
     return running_processes(d, 0, c, p, 0);
 }
 
+#if SIM_HAS(510)
 NVML_API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_t *p)
 {
     return running_processes(d, 1, c, p, 1);
 }
+#endif
 
+#if SIM_HAS(455)
 NVML_API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_v2_t *p)
 {
     return running_processes(d, 1, c, p, 1);
 }
+#endif
 
 NVML_API nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t d, unsigned int *c, nvmlProcessInfo_v1_t *p)
 {
@@ -741,6 +777,43 @@ NVML_API nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned in
     *isPending = (unsigned)t.gpu->remapped_pending;
     *failureOccurred = (unsigned)t.gpu->remapped_failure;
     return finish(NVML_SUCCESS);
+}
+
+/* ---- persistence mode -------------------------------------------------------------- */
+
+NVML_API nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode)
+{
+    struct target t;
+    nvmlReturn_t r = begin_device(device, 0, &t);
+
+    if (r != NVML_SUCCESS)
+        return r;
+    if (mode == NULL)
+        return finish(NVML_ERROR_INVALID_ARGUMENT);
+    *mode = t.gpu->persistence_mode ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return finish(NVML_SUCCESS);
+}
+
+/* Root only, as NVML's; written to the state file, where the simulated nvidia-smi sees it. */
+NVML_API nvmlReturn_t nvmlDeviceSetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t mode)
+{
+    struct target t;
+    char uuid[SIM_TEXT_LEN], message[SIM_MESSAGE_LEN];
+    nvmlReturn_t r = begin_device(device, 0, &t);
+
+    if (r != NVML_SUCCESS)
+        return r;
+    if (mode != NVML_FEATURE_ENABLED && mode != NVML_FEATURE_DISABLED)
+        return finish(NVML_ERROR_INVALID_ARGUMENT);
+    if (geteuid() != 0)
+        return finish(NVML_ERROR_NO_PERMISSION);
+    snprintf(uuid, sizeof uuid, "%s", t.gpu->uuid);
+    if (sim_set_gpu_bool(state_path, uuid, "persistence_mode", mode == NVML_FEATURE_ENABLED, message,
+                         sizeof message) != 0) {
+        report(message);
+        return finish(NVML_ERROR_UNKNOWN);
+    }
+    return finish(refresh());
 }
 
 /* ---- MIG --------------------------------------------------------------------------- */
@@ -866,5 +939,4 @@ NOT_SUPPORTED_QUERY(nvmlDeviceGetFanSpeed, unsigned int *speed)
 NOT_SUPPORTED_QUERY(nvmlDeviceGetClockInfo, unsigned int type, unsigned int *clock)
 NOT_SUPPORTED_QUERY(nvmlDeviceGetSerial, char *serial, unsigned int length)
 NOT_SUPPORTED_QUERY(nvmlDeviceGetVbiosVersion, char *version, unsigned int length)
-NOT_SUPPORTED_QUERY(nvmlDeviceGetPersistenceMode, nvmlEnableState_t *mode)
 NOT_SUPPORTED_QUERY(nvmlDeviceGetPerformanceState, unsigned int *pState)

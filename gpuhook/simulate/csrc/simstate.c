@@ -15,6 +15,7 @@
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <dirent.h>
 #include <unistd.h>
 
 #ifndef SIM_STATE_PATH
@@ -36,7 +37,8 @@ static const char *const top_keys[] = {
 };
 static const char *const gpu_keys[] = {
     "uuid", "name", "brand", "minor", "bus_id", "pci_device_id", "pci_subsystem_id",
-    "compute_capability", "memory_total", "memory_used", "compute_processes",
+    "compute_capability", "memory_total", "memory_used", "memory_reserved", "persistence_mode",
+    "reset_peers", "compute_processes",
     "graphics_processes", "ecc_enabled", "ecc_volatile_corrected", "ecc_volatile_uncorrected",
     "ecc_aggregate_corrected", "ecc_aggregate_uncorrected", "retired_pages_single_bit",
     "retired_pages_double_bit", "retired_pages_pending", "remapped_rows_correctable",
@@ -297,6 +299,28 @@ static void load_mig(struct check *c, const struct sj *gpu, struct sim_gpu *g, c
     g->nmig = i;
 }
 
+/* "reset_peers": the GPU UUIDs the driver resets only together with this GPU (NVLink). */
+static void load_peers(struct check *c, const struct sj *gpu, struct sim_gpu *g, const char *where)
+{
+    const struct sj *list = sj_get(gpu, "reset_peers"), *item;
+
+    g->npeers = 0;
+    if (list == NULL)
+        return;
+    if (list->type != SJ_ARRAY || sj_length(list) > SIM_MAX_PEERS) {
+        bad(c, where, "reset_peers", "must be a list of at most %d GPU UUIDs", SIM_MAX_PEERS);
+        return;
+    }
+    for (item = list->child; item != NULL; item = item->next) {
+        if (item->type != SJ_STRING || strncmp(item->string, "GPU-", 4) != 0 ||
+            strlen(item->string) >= SIM_TEXT_LEN) {
+            bad(c, where, "reset_peers", "must list GPU UUIDs (GPU-...)");
+            return;
+        }
+        strcpy(g->reset_peers[g->npeers++], item->string);
+    }
+}
+
 static void load_gpu(struct check *c, const struct sj *node, struct sim_gpu *g, const char *where)
 {
     const char *s;
@@ -336,6 +360,9 @@ static void load_gpu(struct check *c, const struct sj *node, struct sim_gpu *g, 
         bad(c, where, "compute_capability", "must look like 9.0, not '%s'", s);
     g->memory_total = get_u64(c, node, "memory_total", 0, LLONG_MAX, where);
     g->memory_used = get_u64(c, node, "memory_used", 0, LLONG_MAX, where);
+    g->memory_reserved = get_u64(c, node, "memory_reserved", 0, LLONG_MAX, where);
+    g->persistence_mode = get_bool(c, node, "persistence_mode", 0, where);
+    load_peers(c, node, g, where);
     g->compute = load_processes(c, node, "compute_processes", &g->ncompute, where);
     g->graphics = load_processes(c, node, "graphics_processes", &g->ngraphics, where);
     g->ecc_enabled = get_bool(c, node, "ecc_enabled", 1, where);
@@ -373,6 +400,13 @@ static void validate_unique(struct check *c, const struct sim_state *s)
 
     for (i = 0; i < s->ngpus; i++) {
         snprintf(where, sizeof where, "gpus[%u]", i);
+        for (k = 0; k < s->gpus[i].npeers; k++) {
+            for (j = 0; j < s->ngpus; j++)
+                if (j != i && strcmp(s->gpus[j].uuid, s->gpus[i].reset_peers[k]) == 0)
+                    break;
+            if (j == s->ngpus)
+                bad(c, where, "reset_peers", "%s is not another GPU of this host", s->gpus[i].reset_peers[k]);
+        }
         for (j = 0; j < i; j++) {
             if (strcmp(s->gpus[i].uuid, s->gpus[j].uuid) == 0)
                 bad(c, where, "uuid", "same as gpus[%u]", j);
@@ -515,13 +549,99 @@ void sim_state_free(struct sim_state *s)
     memset(s, 0, sizeof *s);
 }
 
+/* The state letter of /proc/<path>/stat ('R', 'S', 'Z', ...), or 0 when it cannot be read. */
+static char stat_state(const char *path)
+{
+    char text[512], *paren;
+    ssize_t n;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+
+    if (fd < 0)
+        return 0;
+    n = read(fd, text, sizeof text - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    text[n] = '\0';
+    /* "pid (comm) S ...": the command may hold spaces and parentheses; the state follows the last ')'. */
+    if ((paren = strrchr(text, ')')) == NULL || paren[1] != ' ')
+        return 0;
+    return paren[2];
+}
+
+int sim_pid_holds_files(unsigned pid)
+{
+    char path[64];
+    struct dirent *entry;
+    DIR *tasks;
+    char state;
+    int live = 0;
+
+    if (pid == 0 || pid > INT_MAX)
+        return 0;
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    state = stat_state(path);
+    if (state == 0)
+        return 0;
+    if (state != 'Z' && state != 'X')
+        return 1;
+    /* A zombie leader: do other threads of its group still run? */
+    snprintf(path, sizeof path, "/proc/%u/task", pid);
+    if ((tasks = opendir(path)) == NULL)
+        return 0;
+    while (!live && (entry = readdir(tasks)) != NULL) {
+        char task[300];
+
+        if (entry->d_name[0] == '.')
+            continue;
+        snprintf(task, sizeof task, "/proc/%u/task/%s/stat", pid, entry->d_name);
+        state = stat_state(task);
+        live = state != 0 && state != 'Z' && state != 'X';
+    }
+    closedir(tasks);
+    return live;
+}
+
 int sim_process_present(const struct sim_process *p)
 {
-    if (p->stale)
-        return 1;
-    /* A process that exited has no GPU context any more; the driver stops reporting it.
-     * EPERM means the pid exists but belongs to someone we may not signal. */
-    return p->pid > 0 && (kill((pid_t)p->pid, 0) == 0 || errno == EPERM);
+    /* The driver drops a process's contexts when its device files are closed, that is when
+     * its last thread exits: a zombie is no longer reported. `stale` keeps an entry anyway
+     * (a context left behind). */
+    return p->stale || sim_pid_holds_files(p->pid);
+}
+
+/* The directory of the state file, opened for an flock: the clients' lock lives on it, so an
+ * NVML client creates no file (a real driver's clients leave none either). */
+static int open_state_dir(const char *path)
+{
+    char dir[4096];
+    char *slash;
+
+    if ((size_t)snprintf(dir, sizeof dir, "%s", path) >= sizeof dir)
+        return -1;
+    if ((slash = strrchr(dir, '/')) == NULL)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == dir)
+        dir[1] = '\0';
+    else
+        *slash = '\0';
+    return open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+}
+
+int sim_client_attach(const char *path)
+{
+    int fd = open_state_dir(path);
+
+    if (fd < 0)
+        return -1;
+    /* Blocks only while a reset holds it exclusively: NVML waits for a reset to end. */
+    while (flock(fd, LOCK_SH) != 0) {
+        if (errno != EINTR) {
+            close(fd);
+            return -1;
+        }
+    }
+    return fd;
 }
 
 /* An flock on "<path><suffix>"; returns the fd, -1 with errno set (EWOULDBLOCK if busy). */
@@ -638,62 +758,218 @@ static void record_overlap(const char *path, const char *uuid, FILE *err)
     close(lock);
 }
 
-int sim_reset_gpu(const char *path, const char *id, FILE *out, FILE *err)
+int sim_set_gpu_bool(const char *path, const char *uuid, const char *key, int value, char *err, size_t errlen)
 {
     struct sim_state s;
-    struct sim_gpu *g;
-    struct sj *gpu, *mig, *item;
-    char msg[SIM_MESSAGE_LEN], bus[32], uuid[SIM_TEXT_LEN];
-    int e, fails, index, state_lock = -1, gpu_lock = -1, status = 255;
-    unsigned i, latency;
+    int lock, e, index, status = -1;
+
+    if ((lock = lock_file(path, ".lock", 0)) < 0) {
+        snprintf(err, errlen, "%s.lock: %s", path, strerror(errno));
+        return -1;
+    }
+    if (sim_state_load(path, &s, &e, err, errlen) == 0) {
+        if ((index = find_gpu(&s, uuid)) < 0)
+            snprintf(err, errlen, "no GPU %s in %s", uuid, path);
+        else if (sj_set_bool(gpu_node(&s, index), key, value) != 0)
+            snprintf(err, errlen, "out of memory");
+        else
+            status = write_doc(path, s.doc, err, errlen);
+        sim_state_free(&s);
+    }
+    close(lock);
+    return status;
+}
+
+/* NVIDIA's words when a GPU to reset has another client (an NVML session, persistence mode,
+ * a process): the listing nvidia-smi prints, as NVIDIA's gpu-operator and NVSentinel issues
+ * quote it. */
+static void print_in_use(FILE *err, const char *bus)
+{
+    fprintf(err, "The following GPUs could not be reset:\n  GPU %s: In use by another client\n\n"
+                 "1 device is currently being used by one or more other processes (e.g. Fabric Manager, CUDA "
+                 "application, graphics application such as an X server, or a monitoring application such as "
+                 "another instance of nvidia-smi). Please first kill all processes using this device and all "
+                 "compute applications running in the system.\n", bus);
+}
+
+/* Whether another process is an NVML client (holds the state file's directory shared).
+ * Concurrent resets take turns at this test (a blocking lock), so one reset's test never
+ * reads as another's client. */
+static int other_clients(const char *path)
+{
+    int fd, turn, busy = 0;
+
+    if ((turn = lock_file(path, SIM_CLIENTS_SUFFIX "-test", 0)) < 0)
+        return 0;
+    if ((fd = open_state_dir(path)) >= 0) {
+        while (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            if (errno == EINTR)
+                continue;
+            busy = errno == EWOULDBLOCK;
+            break;
+        }
+        close(fd);
+    }
+    close(turn);
+    return busy;
+}
+
+#define SIM_MAX_RESET SIM_MAX_GPUS
+
+/* Reset one GPU in the loaded document `s` (its index `index`): clear what a reset clears. */
+static int apply_reset(struct sim_state *s, int index)
+{
+    struct sim_gpu *g = &s->gpus[index];
+    struct sj *gpu = gpu_node(s, index), *mig;
+    int rc = 0;
+
+    if (!g->reset_does_not_fix) {
+        /* What a reset clears: volatile ECC counts, memory, processes; it applies pending row
+         * remaps, page retirements and MIG mode changes, and destroys MIG GPU and compute
+         * instances (they do not survive a reset). Aggregate counts survive. */
+        rc |= sj_set_integer(gpu, "ecc_volatile_corrected", 0);
+        rc |= sj_set_integer(gpu, "ecc_volatile_uncorrected", 0);
+        rc |= sj_set_bool(gpu, "retired_pages_pending", 0);
+        rc |= sj_set_bool(gpu, "remapped_rows_pending", 0);
+        rc |= sj_set_integer(gpu, "memory_used", 0);
+        rc |= sj_set_empty_array(gpu, "compute_processes");
+        rc |= sj_set_empty_array(gpu, "graphics_processes");
+        rc |= sj_set_bool(gpu, "mig_mode", g->mig_mode_pending);
+        if ((mig = sj_get(gpu, "mig_devices")) != NULL && mig->type == SJ_ARRAY && mig->child != NULL)
+            rc |= sj_set_empty_array(gpu, "mig_devices");
+    }
+    rc |= sj_set_integer(gpu, "reset_count", get_count(gpu, "reset_count") + 1);
+    return rc;
+}
+
+int sim_reset_gpu(const char *path, const char *ids, FILE *out, FILE *err)
+{
+    struct sim_state s;
+    char msg[SIM_MESSAGE_LEN], bus[32], list[1024];
+    char uuids[SIM_MAX_RESET][SIM_TEXT_LEN];
+    int chosen[SIM_MAX_GPUS] = {0};
+    int locks[SIM_MAX_RESET];
+    int e, n = 0, i, j, state_lock = -1, status = 255, fails = 0;
+    unsigned k, latency = 0;
+    const char *p = ids;
 
     if (sim_state_load(path, &s, &e, msg, sizeof msg) != 0) {
         fprintf(err, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver "
                      "(simulated: %s)\n", msg);
         return 9;
     }
-    if ((index = find_gpu(&s, id)) < 0) {
-        fprintf(err, "No devices were found matching \"%s\"\n", id);
-        sim_state_free(&s);
-        return 6;
+    /* -i takes a comma-separated list, as nvidia-smi's does. */
+    while (*p != '\0') {
+        char id[SIM_TEXT_LEN];
+        size_t len = strcspn(p, ",");
+        int index;
+
+        if (len == 0 || len >= sizeof id || n >= SIM_MAX_RESET) {
+            fprintf(err, "Invalid combination of input arguments.\n");
+            sim_state_free(&s);
+            return 2;
+        }
+        memcpy(id, p, len);
+        id[len] = '\0';
+        p += len + (p[len] == ',');
+        if ((index = find_gpu(&s, id)) < 0) {
+            fprintf(err, "No devices were found matching \"%s\"\n", id);
+            sim_state_free(&s);
+            return 6;
+        }
+        if (!chosen[index]) {
+            chosen[index] = 1;
+            strcpy(uuids[n++], s.gpus[index].uuid);
+        }
     }
-    g = &s.gpus[index];
-    sim_bus_id(g, bus, sizeof bus);
-    strcpy(uuid, g->uuid);
-    if (g->lost) {
-        fprintf(err, "Unable to reset GPU %s: GPU is lost\n", bus);
-        sim_state_free(&s);
-        return 15;
+    for (i = 0; i < (int)s.ngpus; i++) {
+        struct sim_gpu *g = &s.gpus[i];
+
+        if (!chosen[i])
+            continue;
+        sim_bus_id(g, bus, sizeof bus);
+        if (g->lost) {
+            fprintf(err, "Unable to reset GPU %s: GPU is lost\n", bus);
+            sim_state_free(&s);
+            return 15;
+        }
+        /* NVLink: "Any GPUs with NVLink connections to a GPU being reset must also be reset in
+         * the same command ... this command will issue an error identifying the additional
+         * GPUs" (nvidia-smi(1), -r). The wording here is the simulation's own. */
+        list[0] = '\0';
+        for (k = 0; k < g->npeers; k++) {
+            for (j = 0; j < (int)s.ngpus && strcmp(s.gpus[j].uuid, g->reset_peers[k]) != 0; j++)
+                ;
+            if (j < (int)s.ngpus && !chosen[j]) {
+                char peer[32];
+
+                sim_bus_id(&s.gpus[j], peer, sizeof peer);
+                snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", list[0] ? ", " : "", peer);
+            }
+        }
+        if (list[0]) {
+            fprintf(err, "Unable to reset GPU %s: it is connected through NVLink to GPUs that must be reset in "
+                         "the same command: %s\n", bus, list);
+            goto refuse;
+        }
+        if (g->persistence_mode) {
+            print_in_use(err, bus);  /* persistence mode attaches the driver to the GPU */
+            goto refuse;
+        }
+        for (k = 0; k < g->ncompute + g->ngraphics; k++) {
+            const struct sim_process *proc = k < g->ncompute ? &g->compute[k] : &g->graphics[k - g->ncompute];
+            if (sim_pid_holds_files(proc->pid)) {
+                fprintf(err, "Unable to reset this GPU because it's being used by some other process "
+                             "(e.g. CUDA application, graphics application like X server, monitoring "
+                             "application like other instance of nvidia-smi). Please first kill all "
+                             "processes using this GPU and all compute applications running in the "
+                             "system. (simulated: pid %u is alive)\n", proc->pid);
+                goto refuse;
+            }
+        }
+        if (g->reset_hangs) {
+            /* A reset that never returns: whoever runs it must bound it with a timeout. */
+            fprintf(out, "Resetting GPU %s ...\n", bus);
+            fflush(out);
+            sim_state_free(&s);
+            for (;;)
+                pause();
+        }
+        latency = g->reset_latency_ms > latency ? g->reset_latency_ms : latency;
+        fails |= g->reset_fails;
     }
-    if (g->reset_hangs) {
-        /* A reset that never returns: whoever runs it must bound it with a timeout. */
-        fprintf(out, "Resetting GPU %s ...\n", bus);
-        fflush(out);
-        sim_state_free(&s);
-        for (;;)
-            pause();
-    }
-    latency = g->reset_latency_ms;
-    fails = g->reset_fails;
+    for (i = 0; i < (int)s.ngpus; i++)
+        if (chosen[i]) {
+            sim_bus_id(&s.gpus[i], bus, sizeof bus);
+            break;
+        }
     sim_state_free(&s);
+    /* An NVML client anywhere (gpuhook's own sessions included) keeps the GPUs attached. */
+    if (other_clients(path)) {
+        print_in_use(err, bus);
+        return 255;
+    }
 
     /* The driver refuses a second reset of a GPU while one is in progress. */
-    snprintf(msg, sizeof msg, ".reset-%s.lock", uuid);
-    if ((gpu_lock = lock_file(path, msg, 1)) < 0) {
-        if (errno == EWOULDBLOCK) {
-            record_overlap(path, uuid, err);
-            fprintf(err, "Unable to reset GPU %s: a reset of this GPU is already in progress\n", bus);
-        } else {
-            fprintf(err, "Unable to reset GPU %s: simulated reset lock: %s\n", bus, strerror(errno));
+    for (i = 0; i < n; i++)
+        locks[i] = -1;
+    for (i = 0; i < n; i++) {
+        snprintf(msg, sizeof msg, ".reset-%.*s.lock", SIM_TEXT_LEN - 1, uuids[i]);
+        if ((locks[i] = lock_file(path, msg, 1)) < 0) {
+            if (errno == EWOULDBLOCK) {
+                record_overlap(path, uuids[i], err);
+                fprintf(err, "Unable to reset GPU %s: a reset of this GPU is already in progress\n", bus);
+            } else {
+                fprintf(err, "Unable to reset GPU %s: simulated reset lock: %s\n", bus, strerror(errno));
+            }
+            goto out;
         }
-        return 255;
     }
     sim_sleep_ms(latency);
     if (fails) {
         fprintf(err, "Unable to reset GPU %s: Unknown Error\n", bus);
         goto out;
     }
-
     if ((state_lock = lock_file(path, ".lock", 0)) < 0) {
         fprintf(err, "Unable to reset GPU %s: simulated state lock: %s\n", bus, strerror(errno));
         goto out;
@@ -703,55 +979,49 @@ int sim_reset_gpu(const char *path, const char *id, FILE *out, FILE *err)
         fprintf(err, "Unable to reset GPU %s: %s\n", bus, msg);
         goto out;
     }
-    if ((index = find_gpu(&s, uuid)) < 0) {
-        fprintf(err, "Unable to reset GPU %s: it disappeared from %s\n", bus, path);
-        goto free_state;
-    }
-    g = &s.gpus[index];
-    gpu = gpu_node(&s, index);
-    for (i = 0; i < g->ncompute + g->ngraphics; i++) {
-        const struct sim_process *p = i < g->ncompute ? &g->compute[i] : &g->graphics[i - g->ncompute];
-        if (p->pid > 0 && (kill((pid_t)p->pid, 0) == 0 || errno == EPERM)) {
-            fprintf(err, "Unable to reset this GPU because it's being used by some other process "
-                         "(e.g. CUDA application, graphics application like X server, monitoring "
-                         "application like other instance of nvidia-smi). Please first kill all "
-                         "processes using this GPU and all compute applications running in the "
-                         "system. (simulated: pid %u is alive)\n", p->pid);
+    for (i = 0; i < n; i++) {
+        int index = find_gpu(&s, uuids[i]);
+
+        if (index < 0) {
+            fprintf(err, "Unable to reset GPU %s: it disappeared from %s\n", bus, path);
             goto free_state;
         }
-    }
-    if (!g->reset_does_not_fix) {
-        /* What a reset clears: volatile ECC counts, memory, processes; it applies pending row
-         * remaps, page retirements and MIG mode changes. Aggregate counts survive. */
-        int rc = 0;
-        rc |= sj_set_integer(gpu, "ecc_volatile_corrected", 0);
-        rc |= sj_set_integer(gpu, "ecc_volatile_uncorrected", 0);
-        rc |= sj_set_bool(gpu, "retired_pages_pending", 0);
-        rc |= sj_set_bool(gpu, "remapped_rows_pending", 0);
-        rc |= sj_set_integer(gpu, "memory_used", 0);
-        rc |= sj_set_empty_array(gpu, "compute_processes");
-        rc |= sj_set_empty_array(gpu, "graphics_processes");
-        rc |= sj_set_bool(gpu, "mig_mode", g->mig_mode_pending);
-        if ((mig = sj_get(gpu, "mig_devices")) != NULL && mig->type == SJ_ARRAY)
-            for (item = mig->child; item != NULL; item = item->next)
-                rc |= sj_set_integer(item, "memory_used", 0);
-        if (rc != 0) {
+        for (k = 0; k < s.gpus[index].ncompute + s.gpus[index].ngraphics; k++) {
+            const struct sim_gpu *g = &s.gpus[index];
+            const struct sim_process *proc = k < g->ncompute ? &g->compute[k] : &g->graphics[k - g->ncompute];
+            if (sim_pid_holds_files(proc->pid)) {
+                fprintf(err, "Unable to reset this GPU because it's being used by some other process "
+                             "(simulated: pid %u is alive)\n", proc->pid);
+                goto free_state;
+            }
+        }
+        if (apply_reset(&s, index) != 0) {
             fprintf(err, "Unable to reset GPU %s: out of memory\n", bus);
             goto free_state;
         }
     }
-    if (sj_set_integer(gpu, "reset_count", get_count(gpu, "reset_count") + 1) != 0 ||
-        write_doc(path, s.doc, msg, sizeof msg) != 0) {
+    if (write_doc(path, s.doc, msg, sizeof msg) != 0) {
         fprintf(err, "Unable to reset GPU %s: %s\n", bus, msg);
         goto free_state;
     }
-    fprintf(out, "GPU %s was successfully reset.\nAll done.\n", bus);
+    for (i = 0; i < n; i++) {
+        int index = find_gpu(&s, uuids[i]);
+
+        sim_bus_id(&s.gpus[index], bus, sizeof bus);
+        fprintf(out, "GPU %s was successfully reset.\n", bus);
+    }
+    fprintf(out, "All done.\n");
     status = 0;
 free_state:
     sim_state_free(&s);
 out:
     if (state_lock >= 0)
         close(state_lock);
-    close(gpu_lock);
+    for (i = 0; i < n; i++)
+        if (locks[i] >= 0)
+            close(locks[i]);
     return status;
+refuse:
+    sim_state_free(&s);
+    return 255;
 }

@@ -23,6 +23,8 @@
 #define SIM_TEXT_LEN 96          /* NVML_DEVICE_UUID_V2_BUFFER_SIZE and _NAME_V2_BUFFER_SIZE */
 #define SIM_NOT_AVAILABLE 0xFFFFFFFFu
 #define SIM_MESSAGE_LEN 4608      /* room for a full path and the reason */
+#define SIM_MAX_PEERS 16          /* NVLink peers a GPU must be reset with (an 8- or 16-GPU board) */
+#define SIM_CLIENTS_SUFFIX ".clients"  /* <state>.clients-test: resets take turns testing for clients */
 
 /* NVML's nvmlBrandType_t values, by the tokens NVIDIA_REQUIRE_* constraints use. */
 extern const char *const sim_brand_names[];
@@ -54,6 +56,10 @@ struct sim_gpu {
     unsigned pci_device_id, pci_subsystem_id;
     int cc_major, cc_minor;
     unsigned long long memory_total, memory_used;
+    unsigned long long memory_reserved;  /* the driver's own reserve: "used" to v1, "reserved" to v2 */
+    int persistence_mode;
+    char reset_peers[SIM_MAX_PEERS][SIM_TEXT_LEN];  /* GPU UUIDs a reset must include (NVLink) */
+    unsigned npeers;
     struct sim_process *compute;
     unsigned ncompute;
     struct sim_process *graphics;
@@ -101,16 +107,37 @@ void sim_bus_id(const struct sim_gpu *gpu, char *out, size_t len);
 /* Parse "domain:bus:device.function" (and NVML's shorter forms); 0 on success. */
 int sim_parse_bus_id(const char *text, unsigned *domain, unsigned *bus, unsigned *device, unsigned *function);
 
-/* Whether a process entry is one the driver would still report (pid alive, or stale). */
+/* Whether a process entry is one the driver would still report: `stale`, or its pid holds
+ * its files (sim_pid_holds_files). */
 int sim_process_present(const struct sim_process *process);
+
+/*
+ * Whether process `pid` still holds its open files, GPU contexts included: it exists and at
+ * least one of its threads has not exited. A process closes its files when its last thread
+ * exits, before it becomes a zombie, so a zombie holds nothing; a thread-group leader that
+ * exited while other threads run shows as a zombie but still holds everything.
+ */
+int sim_pid_holds_files(unsigned pid);
+
+/*
+ * Mark this process as an NVML client for as long as the returned descriptor stays open (a
+ * shared flock on the state file's directory, close-on-exec): the simulated nvidia-smi
+ * refuses to reset while any client exists, as the driver does. Returns the descriptor or -1.
+ */
+int sim_client_attach(const char *path);
+
+/* Set a boolean field of the GPU named `uuid` in the state file under the state lock; 0 or -1
+ * with a message in err. */
+int sim_set_gpu_bool(const char *path, const char *uuid, const char *key, int value, char *err, size_t errlen);
 
 /* Sleep for `ms` milliseconds, resuming after signals. */
 void sim_sleep_ms(unsigned ms);
 
 /*
- * `nvidia-smi --gpu-reset -i ID` (ID = UUID, index or PCI bus id) against the state file.
- * Prints what nvidia-smi would to `out`/`err` and returns its exit status.
+ * `nvidia-smi --gpu-reset -i ID[,ID...]` (ID = UUID, index or PCI bus id) against the state
+ * file: the GPUs named are reset together. Prints what nvidia-smi would to `out`/`err` and
+ * returns its exit status.
  */
-int sim_reset_gpu(const char *path, const char *id, FILE *out, FILE *err);
+int sim_reset_gpu(const char *path, const char *ids, FILE *out, FILE *err);
 
 #endif
