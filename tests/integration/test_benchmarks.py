@@ -233,3 +233,21 @@ def test_quick_gpu_path_importtime_and_breakdown(tmp_path):
         assert any(p.startswith("[worker] ") for p in phases)  # timers reach the forked worker
     assert doc["breakdown"]["teardown"]["runc_run_ms_fast_exit"]["n"] >= 1
     assert not [n for n in os.listdir(tmp_path) if n.startswith("gpuhook-bench-")]  # scratch removed
+
+
+def test_trace_start_follows_the_hook_and_its_forked_worker(tmp_path):
+    require_root_tools("runc", "busybox", "gcc", "ldconfig")
+    out = tmp_path / "trace.json"
+    done = subprocess.run([sys.executable, os.path.join(BENCH, "trace_start.py"), "--health", "off", "--json",
+                           str(out), "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    figures = doc["figures"]
+    assert doc["setup"]["decision"] == "gpus injected"  # the traced hook did the start, unchanged
+    assert figures["processes"] == 2  # the hook and the namespace worker
+    assert {"gpuhook/launch.py", "gpuhook/hook.py", "gpuhook/plan.py", "gpuhook/nsworker.py"} <= set(figures["files"])
+    assert any(step.endswith("gpuhook/nsworker.py serve") for step in figures["step_list"])  # seen in the worker
+    assert figures["functions"] > 0 and figures["steps_between_files"] > 0 and figures["unmapped_modules"] == []
+    assert {b["what"] for b in figures["back_edges"]} <= {"real", "data", "passed-in"}
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("gpuhook-trace-")]  # scratch removed
