@@ -293,9 +293,11 @@ def group_runc(ctx) -> list:
     need_root_tools("runc")
     rc = Runc(f"{ctx.workdir}/runc")
     args = ["/bin/busybox", "true"]
+    bare = dict(runc_hook(ctx.hook), args=H.bare_interpreter_argv(ctx.hook))
     bundles = {
         "none": rc.bed.bundle("none", args),
         "true": rc.bed.bundle("true", args, hooks={"prestart": [true_hook(ctx.hook)]}),
+        "python": rc.bed.bundle("python", args, hooks={"prestart": [bare]}),
         "gpuhook": rc.bed.bundle("gpuhook", args, hooks={"prestart": [runc_hook(ctx.hook)]}),
     }
     candidates = {name: (lambda b=bundle: rc.run(b, "bench-runc")) for name, bundle in bundles.items()}
@@ -305,10 +307,15 @@ def group_runc(ctx) -> list:
     none = H.summary(samples["none"]["ms"])
     true = H.summary(samples["true"]["ms"])
     hooked = H.summary(samples["gpuhook"]["ms"])
+    python = H.summary(samples["python"]["ms"])
     return [
         H.row("runc.none", "runc", "runc run busybox, no hook (info)", "ms", none),
         H.row("runc.true", "runc", "runc run busybox, /bin/true as hook (baseline)", "ms", true,
               baseline="runc.none", baseline_stats=none),
+        H.row("runc.python", "runc", "runc run busybox, python3 -I -S -c pass as hook (info: a Python hook's floor)",
+              "ms", python, baseline="runc.true", baseline_stats=true,
+              paired=H.paired_ratios(samples["python"]["ms"], samples["true"]["ms"]),
+              note="the hook's interpreter, argv[0], flags and env, running nothing: no Python hook costs less"),
         H.row("runc.gpuhook", "runc", "runc run busybox, gpuhook as hook, no GPU request", "ms", hooked,
               baseline="runc.true", baseline_stats=true, target=TARGETS["runc"],
               paired=H.paired_ratios(samples["gpuhook"]["ms"], samples["true"]["ms"]),
