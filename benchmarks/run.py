@@ -279,6 +279,17 @@ class Runc:
         return done
 
 
+def build_native(ctx) -> str | None:
+    """native/prescan.c built into the scratch dir (native/build.py), or None without gcc."""
+    if shutil.which("gcc") is None or not os.path.exists(os.path.join(REPO, "native", "build.py")):
+        return None
+    done = subprocess.run([sys.executable, os.path.join(REPO, "native", "build.py"), f"{ctx.workdir}/native"],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"native/build.py failed: {done.stderr[-500:]}")
+    return done.stdout.strip()
+
+
 def true_hook(hook: dict) -> dict:
     return {"path": "/bin/true", "args": ["true"], "env": list(hook["env"]), "timeout": hook["timeout"]}
 
@@ -300,6 +311,10 @@ def group_runc(ctx) -> list:
         "python": rc.bed.bundle("python", args, hooks={"prestart": [bare]}),
         "gpuhook": rc.bed.bundle("gpuhook", args, hooks={"prestart": [runc_hook(ctx.hook)]}),
     }
+    native = build_native(ctx)
+    if native:  # the prototype in front of the same Python command (benchmarks/README.md)
+        entry = dict(runc_hook(ctx.hook), path=native, args=[native, *ctx.hook["args"]])
+        bundles["native"] = rc.bed.bundle("native", args, hooks={"prestart": [entry]})
     candidates = {name: (lambda b=bundle: rc.run(b, "bench-runc")) for name, bundle in bundles.items()}
     ctx.note_noise("runc", "start")
     samples = H.interleave(candidates, ctx.s["runc_rounds"], warmup=ctx.s["warmup"], seed=ctx.seed + 2)
@@ -316,6 +331,12 @@ def group_runc(ctx) -> list:
               "ms", python, baseline="runc.true", baseline_stats=true,
               paired=H.paired_ratios(samples["python"]["ms"], samples["true"]["ms"]),
               note="the hook's interpreter, argv[0], flags and env, running nothing: no Python hook costs less"),
+        *([] if "native" not in samples else [H.row(
+            "runc.native", "runc", "runc run busybox, gpuhook behind native/prescan.c, no GPU request (prototype, info)",
+            "ms", H.summary(samples["native"]["ms"]), baseline="runc.true", baseline_stats=true,
+            paired=H.paired_ratios(samples["native"]["ms"], samples["true"]["ms"]),
+            note=f"the hooks.d command run by native/build.py's binary; "
+                 f"{H.summary(samples['native']['ms'])['median'] - hooked['median']:+.2f} ms against the gpuhook row")]),
         H.row("runc.gpuhook", "runc", "runc run busybox, gpuhook as hook, no GPU request", "ms", hooked,
               baseline="runc.true", baseline_stats=true, target=TARGETS["runc"],
               paired=H.paired_ratios(samples["gpuhook"]["ms"], samples["true"]["ms"]),

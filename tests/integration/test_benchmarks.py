@@ -4,6 +4,7 @@ the figures themselves are benchmarks/RESULTS.md's business, not a test's."""
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -215,6 +216,9 @@ def test_quick_runc_run(tmp_path):
     assert doc["errors"] == {}
     assert_ratio_row(rows["runc.gpuhook"], "runc.true")
     assert rows["runc.none"]["median"] > 0
+    assert rows["runc.python"]["baseline"] == "runc.true" and rows["runc.python"]["ratio"] > 0
+    if shutil.which("gcc"):  # the native prescan prototype, in the same rounds
+        assert rows["runc.native"]["baseline"] == "runc.true" and rows["runc.native"]["target"] is None
 
 
 def test_quick_gpu_path_importtime_and_breakdown(tmp_path):
