@@ -23,7 +23,8 @@ DEFAULT_DIR = "/var/lib/kubelet/device-plugins"
               help="kubelet's device plugin directory (kubelet.sock; the plugin's socket goes here).")
 @click.option("--standalone", is_flag=True, help=(
     "No kubelet (podman, Docker): run only the health daemon, which keeps NVML loaded and "
-    "checks and cleans GPUs for the hook over [health] daemon-socket."))
+    "checks and cleans GPUs for the hook over [health] daemon-socket. Under systemd "
+    "(gpuhook-health.service, Type=notify) it reports READY=1 once that socket listens."))
 def plugin(config_path, device_plugin_dir, standalone):
     config = cfg.load(config_path, os.environ)
     if standalone:
