@@ -7,7 +7,11 @@ launch.py does, wraps gpuhook's functions with timers (module attributes, so the
 code runs unchanged), then calls gpuhook.entry.main. Each timed call appends one line to
 RECORD_FILE: phase, nesting depth, start and end in ms since this file started, pid. The
 forked namespace worker inherits the open file (it is opened before the worker enters the
-container's mount namespace, where the path would not resolve).
+container's mount namespace, where the path would not resolve). In the worker, each step it
+takes (every device node, bind mount, symlink, the /proc mask, ldconfig) gets its own record
+named "step: <the worker's name of the step>", e.g. "step: mount /usr/bin/nvidia-smi", and the
+mount system calls (open_tree, mount_setattr, move_mount, mount) are timed; "worker start-up"
+runs from the fork to gpuhook.nsworker loaded.
 
 With --fast-exit the process ends with os._exit after flushing stdio instead of the normal
 interpreter finalization; run.py times both side by side to measure what teardown costs.
@@ -31,6 +35,7 @@ if FAST_EXIT:
     del sys.argv[1]
 MAIN_PID = os.getpid()
 _depth = [0]
+READY_AT = [T0]  # when the namespace worker was forked (set just before the fork)
 
 
 def emit(name: str, depth: int, start: int, end: int) -> None:
@@ -94,16 +99,40 @@ class PatchOnImport:
         return spec
 
 
+# Prefix of the per-step records (one per device node, bind mount, symlink, the /proc mask
+# and ldconfig, named as the worker names its steps): run.py's per-mount table reads them.
+STEP = "step: "
+
+
+def patch_steps(work_class) -> None:
+    """Time each step the worker takes (_Work.steps yields (name, action) pairs), one record
+    per step, named by the step: "device node /dev/nvidia0", "mount /usr/bin/nvidia-smi"."""
+    original = getattr(work_class, "steps", None)
+    if not callable(original):
+        return
+
+    def steps(self, *args, **kwargs):
+        for name, action in original(self, *args, **kwargs):
+            yield name, timed(STEP + name, action)
+    work_class.steps = steps
+
+
 def patch_worker(nsworker) -> None:
     from gpuhook import linux, safepath
 
+    # The worker's start-up: from the fork to its module loaded, ready for the order.
+    emit("worker start-up (fork to gpuhook.nsworker loaded)", 1, READY_AT[0], time.perf_counter_ns())
     patch(nsworker, "_read_exactly", "nsworker._read_exactly (waiting for the order)")
     patch(nsworker, "run", "nsworker.run (in the container's mount ns)")
-    for method in ("open_sources", "node", "bind", "symlink", "mask_proc", "ldconfig"):
+    for method in ("open_sources", "check_rootfs", "node", "bind", "symlink", "mask_proc", "ldconfig"):
         patch(nsworker._Work, method, f"_Work.{method}")
+    for method in ("refuse_shared", "_new_mount_point", "_attach", "_bind_and_remount"):
+        patch(nsworker._Work, method, f"_Work.{method}")
+    patch_steps(nsworker._Work)
     patch(safepath, "make_dirs", "safepath.make_dirs")
     patch(safepath, "ensure_file", "safepath.ensure_file")
-    patch(linux, "mount", "linux.mount")
+    for name in ("mount", "setns", "open_tree_clone", "mount_setattr", "move_mount"):
+        patch(linux, name, f"linux.{name}")
 
 
 def main() -> None:
@@ -154,6 +183,12 @@ def main() -> None:
     from gpuhook import workerproc
 
     patch(workerproc, "start_early", "workerproc.start_early (fork the namespace worker)")
+    fork = workerproc.start
+
+    def start_marked(*args, **kwargs):
+        READY_AT[0] = time.perf_counter_ns()  # the child inherits it: its start-up begins here
+        return fork(*args, **kwargs)
+    workerproc.start = start_marked
     patch(workerproc.Worker, "send_order", "Worker.send_order")
     patch(workerproc.Worker, "report", "Worker.report (parent waits for the worker)")
     patch(workerproc.Worker, "commit", "Worker.commit (worker keeps its work, exits)")

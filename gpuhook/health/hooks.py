@@ -71,6 +71,7 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
 
     deadline = min(time.monotonic() + health.deadline_seconds, hook_deadline)
     policy = engine.Policy(True, health.kill_orphans, None, "needed")
+    started = time.monotonic()
     try:
         report = engine.run(todo, config, "prestart", policy, deadline, state.id, state.pid)
     except GpuhookError as err:
@@ -79,6 +80,8 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
             info["warning"] = f"GPUs not checked: {err.one_line()}"
             return
         raise
+    finally:
+        info["nvml"] = _why_loaded(health.mode, info.get("daemon"), config, time.monotonic() - started)
     info.update(report.as_dict())
     error = report.error()
     if error is None:
@@ -87,6 +90,16 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
         info["warning"] = error.one_line()
         return
     raise error
+
+
+def _why_loaded(mode: str, daemon_said, config, seconds: float) -> str:
+    """Why this start loaded NVML in the hook, where the health daemon would have spared it
+    (seconds on a host without persistence mode): the log line says what made it slow."""
+    if mode != FALLBACK:
+        return f"health.mode = {mode}: checked the GPUs in the hook, loading NVML ({seconds:.2f} s)"
+    from gpuhook.health import daemon
+
+    return f"{daemon_said} at {daemon.socket_path(config)}: checked the GPUs in the hook, loading NVML ({seconds:.2f} s)"
 
 
 def register_container(plan, state, config, names: dict, record: dict):

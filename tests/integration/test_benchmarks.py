@@ -4,6 +4,7 @@ the figures themselves are benchmarks/RESULTS.md's business, not a test's."""
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -215,6 +216,9 @@ def test_quick_runc_run(tmp_path):
     assert doc["errors"] == {}
     assert_ratio_row(rows["runc.gpuhook"], "runc.true")
     assert rows["runc.none"]["median"] > 0
+    assert rows["runc.python"]["baseline"] == "runc.true" and rows["runc.python"]["ratio"] > 0
+    if shutil.which("gcc"):  # the native prescan prototype, in the same rounds
+        assert rows["runc.native"]["baseline"] == "runc.true" and rows["runc.native"]["target"] is None
 
 
 def test_quick_gpu_path_importtime_and_breakdown(tmp_path):
@@ -224,13 +228,24 @@ def test_quick_gpu_path_importtime_and_breakdown(tmp_path):
     assert doc["errors"] == {}
     for name in ("static", "glibc", "all"):
         assert rows[f"gpu.{name}"]["ratio"] > 0  # each timed start checked /dev/nvidia* inside
-    assert rows["gpu.static"]["target"]["limit"] == 2.0 and rows["gpu.glibc"]["target"] is None
+    assert rows["gpu.static"]["target"]["limit"] == 1.5 and rows["gpu.glibc"]["target"]["limit"] == 1.8
     assert "gpuhook.hook" not in {e["module"] for e in doc["importtime"]["nogpu"]["beyond_bare"]}
     assert "gpuhook.hook" in {e["module"] for e in doc["importtime"]["gpu"]["top"]}
     for image in ("static", "glibc"):
         phases = [p["phase"] for p in doc["breakdown"][image]["phases"]]
         assert phases[0].startswith("total in the hook process") and "hook.run_hook" in phases
         assert any(p.startswith("[worker] ") for p in phases)  # timers reach the forked worker
+        # One record per step the worker takes: every device node, bind mount, symlink, the
+        # /proc mask (and, for the glibc image, ldconfig), each named by its container path.
+        steps = [p[len("[worker] step: "):] for p in phases if p.startswith("[worker] step: ")]
+        assert "device node /dev/nvidia0" in steps and "mount /usr/bin/nvidia-smi" in steps
+        assert any(s.startswith("symlink ") for s in steps) and any(s.startswith("mask ") for s in steps)
+        assert ("ldconfig" in steps) == (image == "glibc")
+        totals = doc["breakdown"][image]["steps"]
+        assert totals["mount"] > 0 and set(totals) <= {"device node", "mount", "symlink", "mask", "ldconfig"}
+        worker = doc["breakdown"][image]["worker"]
+        assert worker["worker start-up (fork to gpuhook.nsworker loaded)"] > 0
+    assert "per step of the namespace worker" in stdout
     assert doc["breakdown"]["teardown"]["runc_run_ms_fast_exit"]["n"] >= 1
     assert not [n for n in os.listdir(tmp_path) if n.startswith("gpuhook-bench-")]  # scratch removed
 
@@ -251,3 +266,24 @@ def test_trace_start_follows_the_hook_and_its_forked_worker(tmp_path):
     assert figures["functions"] > 0 and figures["steps_between_files"] > 0 and figures["unmapped_modules"] == []
     assert {b["what"] for b in figures["back_edges"]} <= {"real", "data", "passed-in"}
     assert not [n for n in os.listdir(tmp_path) if n.startswith("gpuhook-trace-")]  # scratch removed
+
+
+def test_quick_installed_start_and_stop_with_the_packaged_services(tmp_path):
+    """The installed group: both hooks.d files, the packaged config, the services the packages
+    start (the health daemon, from its unit's ExecStart): start and stop timed apart."""
+    require_root_tools("runc", "busybox", "gcc")
+    # A short scratch dir: the daemon's unix socket lives in it (108 bytes at most).
+    doc, _ = run_runner(tmp_path, "--only", "installed", "--workdir", "/tmp")
+    rows = rows_by_id(doc)
+    assert doc["errors"] == {}
+    assert_ratio_row(rows["installed.start.installed"], "installed.start.none")
+    assert_ratio_row(rows["installed.stop.installed"], "installed.stop.none")
+    assert rows["installed.start.installed"]["target"]["limit"] == 1.6
+    assert rows["installed.stop.installed"]["target"]["limit"] == 1.2
+    assert "gpuhook-health.service" in rows["installed.start.none"]["note"]
+    # The daemon the package starts served the timed starts; the stops cleaned up after them.
+    note = rows["installed.life.installed"]["note"]
+    assert '"daemon": "prepared by the health daemon"' in note and "nvml: not loaded" in note
+    assert "poststop decisions: cleaned up" in note
+    for name in ("no-daemon", "nogpu"):
+        assert rows[f"installed.stop.{name}"]["ratio"] > 0 and rows[f"installed.stop.{name}"]["target"] is None

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tomllib
@@ -109,6 +111,10 @@ CDI_REFRESH_FILES = {
     "/usr/lib/udev/rules.d/71-gpuhook-cdi-refresh.rules": "71-gpuhook-cdi-refresh.rules",
 }
 
+# The health daemon (docs/packaging.md, "The health daemon"): enabled and started on install.
+HEALTH_UNIT = "gpuhook-health.service"
+SYSTEMD_FILES = {**CDI_REFRESH_FILES, f"/usr/lib/systemd/system/{HEALTH_UNIT}": HEALTH_UNIT}
+
 
 def test_the_cdi_refresh_service_runs_a_real_gpuhook_command():
     with open(os.path.join(REPO, "packaging", "systemd", "gpuhook-cdi-refresh.service")) as f:
@@ -159,12 +165,21 @@ def test_deb_holds_the_whole_package_the_generated_files_and_pynvml(packages, tm
         copyright_text = f.read()
     assert "License: BSD-3-clause" in copyright_text and "NVIDIA Corporation" in copyright_text
 
-    for path, name in CDI_REFRESH_FILES.items():  # CDI spec regeneration, byte for byte
+    for path, name in SYSTEMD_FILES.items():  # CDI spec regeneration, the health daemon, byte for byte
         path = path.replace("/usr/lib/", "/lib/")  # Debian 12's debhelper: units and rules in /lib
         with open(tmp_path / path.lstrip("/")) as f, open(os.path.join(REPO, "packaging", "systemd", name)) as g:
             assert f.read() == g.read(), path
     postinst = run("dpkg-deb", "--info", packages["deb"], "postinst").stdout
     assert "gpuhook-cdi-refresh.path" in postinst  # dh_installsystemd enables the path unit
+    # ... and enables the health daemon, starts it on install, restarts it on upgrade; stops it
+    # before removal and forgets it on purge.
+    assert f"deb-systemd-helper enable '{HEALTH_UNIT}'" in postinst
+    (invoke,) = [line for line in postinst.splitlines() if "deb-systemd-invoke $_dh_action" in line]
+    assert f"'{HEALTH_UNIT}'" in invoke and "_dh_action=start" in postinst and "_dh_action=restart" in postinst
+    (stop,) = [line for line in run("dpkg-deb", "--info", packages["deb"], "prerm").stdout.splitlines()
+               if "deb-systemd-invoke stop" in line]
+    assert f"'{HEALTH_UNIT}'" in stop
+    assert f"'{HEALTH_UNIT}'" in run("dpkg-deb", "--info", packages["deb"], "postrm").stdout
 
     fields = run("dpkg-deb", "--field", packages["deb"], "Version", "Depends", "Architecture").stdout
     assert f"Version: {__version__}" in fields and "Architecture: all" in fields
@@ -200,7 +215,7 @@ def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
     assert not files & {"/usr/share/containers", "/usr/share/containers/oci", "/usr/share/containers/oci/hooks.d"}
     assert any(p.endswith("/gpuhook-poststop-annotated.json") for p in files)  # the documented example
     assert any(p.startswith(f"{site}/gpuhook/__pycache__/entry.") for p in files)  # byte-compiled
-    assert set(CDI_REFRESH_FILES) <= files
+    assert set(SYSTEMD_FILES) <= files
     assert sorted(run("rpm", "-qpc", packages["rpm"]).stdout.split()) == \
         ["/etc/gpuhook/config.toml", "/etc/logrotate.d/gpuhook"]
     # One package for RHEL 9 and Fedora: it needs their python3.11 and nothing else of Python's.
@@ -225,7 +240,11 @@ def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
         assert doc["hook"]["args"][3:] == [f"{site}/gpuhook/launch.py", stage], name
     assert site == "/usr/lib/python3.11/site-packages"
     with open(tmp_path / "usr/lib/systemd/system-preset/50-gpuhook.preset") as f:
-        assert "enable gpuhook-cdi-refresh.path" in f.read().splitlines()
+        preset = f.read().splitlines()
+    assert "enable gpuhook-cdi-refresh.path" in preset and f"enable {HEALTH_UNIT}" in preset
+    with open(tmp_path / f"usr/lib/systemd/system/{HEALTH_UNIT}") as f, \
+            open(os.path.join(REPO, "packaging", "systemd", HEALTH_UNIT)) as g:
+        assert f.read() == g.read()
 
 
 def scriptlet(scripts: str, name: str) -> str:
@@ -235,15 +254,23 @@ def scriptlet(scripts: str, name: str) -> str:
 
 
 @pytest.mark.root
-def test_rpm_scriptlets_hand_the_refresh_unit_to_systemd_as_its_rpm_macros_do(packages):
-    """%systemd_post, %systemd_preun, %systemd_postun: systemd-update-helper presets the path
-    unit on first install (the package's preset enables it), disables it on erase and reloads
-    on upgrade; no scriptlet enables or starts a unit by itself."""
+def test_rpm_scriptlets_hand_the_units_to_systemd_as_its_rpm_macros_do(packages):
+    """%systemd_post, %systemd_preun, %systemd_postun(_with_restart): systemd-update-helper
+    presets both units on first install (the package's preset enables them), disables them on
+    erase, reloads and restarts the health daemon on upgrade. The one unit started by the
+    scriptlets themselves is the health daemon, on a first install, and only when the presets
+    left it enabled (an admin's preset that disables it wins); nothing is enabled by hand."""
     scripts = run("rpm", "-qp", "--scripts", packages["rpm"]).stdout
-    assert "systemd-update-helper install-system-units gpuhook-cdi-refresh.path" in scriptlet(scripts, "postinstall")
-    assert "systemd-update-helper remove-system-units gpuhook-cdi-refresh.path" in scriptlet(scripts, "preuninstall")
-    assert "systemd-update-helper system-reload" in scriptlet(scripts, "postuninstall")
-    assert "systemctl" not in scripts
+    post = scriptlet(scripts, "postinstall")
+    assert f"systemd-update-helper install-system-units gpuhook-cdi-refresh.path {HEALTH_UNIT}" in post
+    assert f"systemd-update-helper remove-system-units gpuhook-cdi-refresh.path {HEALTH_UNIT}" in \
+        scriptlet(scripts, "preuninstall")
+    postun = scriptlet(scripts, "postuninstall")
+    assert "systemd-update-helper system-reload" in postun
+    assert f"systemd-update-helper mark-restart-system-units {HEALTH_UNIT}" in postun
+    calls = [line.strip() for line in scripts.splitlines() if "systemctl" in line]
+    assert calls == [f"if [ $1 -eq 1 ] && [ -d /run/systemd/system ] && systemctl --quiet is-enabled {HEALTH_UNIT} "
+                     "2>/dev/null; then", f"systemctl --no-block start {HEALTH_UNIT} || :"]
 
 
 def dpkg_status(package: str = "gpuhook") -> str:
@@ -295,13 +322,26 @@ def test_installed_deb_runs_podman_containers_and_removes_cleanly(installed_deb,
         shown = json.loads(run("/usr/bin/gpuhook", "config", "--json").stdout)
         assert shown["source"] == cfg.DEFAULT_PATH and shown["values"]["log-file"] == gpus.log
 
-        result = gpus.run("deb-gpu1", env=["NVIDIA_VISIBLE_DEVICES=1"], before=other_gpu_node(0),
-                          paths=["/dev/other-gpu"])
+        # The health daemon as installed: enabled for boot, and its unit's ExecStart (the
+        # installed /usr/bin/gpuhook, the packaged config) serves the packaged hook, which then
+        # loads no NVML (this machine runs no systemd: the test starts what the unit starts).
+        assert os.path.realpath(f"/etc/systemd/system/multi-user.target.wants/{HEALTH_UNIT}") == \
+            os.path.realpath(f"/lib/systemd/system/{HEALTH_UNIT}")
+        with open(f"/lib/systemd/system/{HEALTH_UNIT}") as f:
+            (exec_start,) = [line.split("=", 1)[1].split() for line in f if line.startswith("ExecStart=")]
+        daemon = start_notify_service(exec_start, tmp_path)
+        try:
+            result = gpus.run("deb-gpu1", env=["NVIDIA_VISIBLE_DEVICES=1"], before=other_gpu_node(0),
+                              paths=["/dev/other-gpu"])
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            assert daemon.wait(timeout=15) == 0
         assert result.returncode == 0, result.stderr
         p = result.probes()
         assert gpu_nodes(p) == {"/dev/nvidia1"} and p["/dev/nvidia1"]["read"] == "ENXIO"
         assert p["/dev/other-gpu"]["read"] == "EPERM"
         (start,) = log_records(gpus, "prestart")
+        assert start["health"]["daemon"] == "prepared by the health daemon" and start["nvml"] == "not loaded"
         # The packaged poststop file: podman runs it when it removes the stopped container.
         assert wait_for_record(gpus, "poststop", start["container"])["decision"] == "cleaned up"
         assert not registered(gpus, start["container"])
@@ -309,8 +349,10 @@ def test_installed_deb_runs_podman_containers_and_removes_cleanly(installed_deb,
         assert result.returncode == 0, result.stderr
         assert not any(item["exists"] for path, item in result.probes().items() if path.startswith("/dev/nvidia"))
         assert gpus.podman.wait_until_idle()
-        assert [(line["stage"], line["decision"]) for line in gpus.log_lines()] == \
+        lines = gpus.log_lines()
+        assert [(line["stage"], line["decision"]) for line in lines if line["stage"] != "prepare"] == \
             [("prestart", "gpus injected"), ("poststop", "cleaned up")]
+        assert [line["stage"] for line in lines].count("prepare") == 1  # the daemon's, for that start
     finally:
         gpus.podman.close()
 
@@ -343,6 +385,25 @@ def test_installed_deb_runs_podman_containers_and_removes_cleanly(installed_deb,
     assert dpkg_status() in ("", "unknown ok not-installed") and not os.path.exists(os.path.dirname(cfg.DEFAULT_PATH))
     # The hook wrote its parsed config's cache under the state-dir its config names, not in /run/gpuhook.
     assert os.path.isdir(f"{os.path.dirname(gpus.log)}/run/config-cache")
+    assert not os.path.lexists(f"/etc/systemd/system/multi-user.target.wants/{HEALTH_UNIT}")
+
+
+def start_notify_service(argv: list, tmp_path) -> subprocess.Popen:
+    """Start `argv` as systemd starts a Type=notify service (NOTIFY_SOCKET, a clean
+    environment); returns once it sent READY=1."""
+    path = f"{tmp_path}/notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(path)
+        notify.settimeout(60)
+        served = subprocess.Popen(argv, cwd="/", env={**CLEAN_ENV, "NOTIFY_SOCKET": path},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert notify.recv(4096) == b"READY=1"
+        except BaseException:
+            served.kill()
+            served.wait()
+            raise
+    return served
 
 
 CHECK_REPO_DEPS = os.path.join(REPO, "packaging", "rpm", "check-repo-deps")

@@ -16,7 +16,9 @@ def spec(env=(), **extra) -> bytes:
 STATE = json.dumps({"ociVersion": "1.0.2", "id": "c", "status": "creating", "pid": 3, "bundle": "/b"}).encode()
 
 
-@pytest.mark.parametrize("document,expected", [
+# The corpus of hostile and ordinary inputs; tests/unit/test_native_prescan.py runs it through
+# native/prescan.c too.
+MAY_REQUEST_CASES = [
     (spec(["PATH=/bin"]), False),
     (spec([]), False),
     (spec(["NVIDIA_VISIBLE_DEVICES=void"]), False),
@@ -36,7 +38,10 @@ STATE = json.dumps({"ociVersion": "1.0.2", "id": "c", "status": "creating", "pid
     # Escapes of characters no marker uses are harmless (Go escapes & < > like this).
     (b'{"process":{"env":["URL=http://x/?a=1\\u0026b=2"]}}', False),
     (b'{"process":{"env":["bad escape \\uZZZZ"]}}', True),
-])
+]
+
+
+@pytest.mark.parametrize("document,expected", MAY_REQUEST_CASES)
 def test_may_request_gpu(document, expected):
     assert prescan.may_request_gpu(STATE, document) is expected
 
@@ -46,7 +51,7 @@ def test_state_annotations_are_scanned_too():
     assert prescan.may_request_gpu(state, spec(["PATH=/bin"])) is True
 
 
-@pytest.mark.parametrize("state,bundle", [
+BUNDLE_CASES = [
     (b'{"ociVersion":"1.0.2","id":"x","status":"creating","pid":1,"bundle":"/run/b"}', "/run/b"),
     (b' {\n "bundle" : "/a b/c" , "id": "x"}', "/a b/c"),
     # A value that merely contains "bundle": ... is not the member.
@@ -61,7 +66,10 @@ def test_state_annotations_are_scanned_too():
     (b'', None),
     (b'not json', None),
     (b'{"bundle":"/x\\\\"}', None),
-])
+]
+
+
+@pytest.mark.parametrize("state,bundle", BUNDLE_CASES)
 def test_bundle_of(state, bundle):
     assert prescan.bundle_of(state) == bundle
 
@@ -71,13 +79,16 @@ def test_escaped_quotes_and_backslashes_are_skipped_correctly():
     assert prescan.top_level_strings(raw) == {b"a": b"x\\\\", b"bundle": b"/b", b"c": b'\\"}{[', b"id": b"i"}
 
 
-@pytest.mark.parametrize("argv,expected", [
+ARGV_CASES = [
     (["prestart"], ("prestart", None)),
     (["prestart", "--config", "/etc/x.toml"], ("prestart", "/etc/x.toml")),
     (["createRuntime", "--config=/x"], ("createRuntime", "/x")),
     (["prestart", "--dry-run"], None),
     (["prestart", "--config"], None),
     ([], None),
-])
+]
+
+
+@pytest.mark.parametrize("argv,expected", ARGV_CASES)
 def test_split_hook_args(argv, expected):
     assert prescan.split_hook_args(argv) == expected

@@ -1,0 +1,287 @@
+/* gpuhook-prescan: the hook's no-GPU path without starting Python (a prototype; built by
+ * native/build.py, measured by benchmarks/run.py's runc group, written up in
+ * benchmarks/README.md, "The native prescan").
+ *
+ *     gpuhook-prescan PYTHON [FLAGS...] .../gpuhook/launch.py STAGE [--config FILE]
+ *
+ * argv[1..] is the Python hook's own command line, as hooks.d registers it today. This program
+ * decides nothing gpuhook's Python does not: it exits 0 only when neither the OCI state (stdin)
+ * nor the bundle's config.json contains any of gpuhook/prescan.py's MARKERS, nor a \u escape
+ * that could spell one (markers.h is generated from prescan.py at build time), i.e. only where
+ * gpuhook.entry would also exit 0 on its fast path. In every other case (a marker, anything it
+ * cannot read or parse, an invocation other than a plain hook stage) it execs the Python hook,
+ * handing it the state bytes it read as its stdin, on a memfd.
+ *
+ * Hostile input (the state and config.json come from whoever made the container): every read
+ * is bounded by prescan.py's limits, the scanner never indexes past its buffer, config.json is
+ * opened non-blocking and read only when it is a regular file, the bundle path is bounded and
+ * must be plain ASCII. tests/unit/test_native_prescan.py runs prescan.py's corpus and random
+ * mutations of it through this program.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "markers.h"
+
+struct buf {
+	unsigned char *data;
+	size_t len;
+};
+
+/* Read fd until EOF or `limit` bytes; 0 on success, -1 on a read error. */
+static int read_bounded(int fd, size_t limit, size_t hint, struct buf *out)
+{
+	size_t cap = hint ? hint + 1 : 65536;
+	if (cap > limit)
+		cap = limit;
+	out->data = malloc(cap ? cap : 1);
+	out->len = 0;
+	if (!out->data)
+		return -1;
+	while (out->len < limit) {
+		if (out->len == cap) {
+			size_t next = cap * 2 > limit ? limit : cap * 2;
+			unsigned char *grown = realloc(out->data, next);
+			if (!grown)
+				return -1;
+			out->data = grown;
+			cap = next;
+		}
+		ssize_t got = read(fd, out->data + out->len, cap - out->len);
+		if (got < 0) {
+			if (errno == EINTR)
+				continue;
+			return -1;
+		}
+		if (got == 0)
+			break;
+		out->len += (size_t)got;
+	}
+	return 0;
+}
+
+static int hexval(unsigned char c)
+{
+	if (c >= '0' && c <= '9')
+		return c - '0';
+	if (c >= 'a' && c <= 'f')
+		return c - 'a' + 10;
+	if (c >= 'A' && c <= 'F')
+		return c - 'A' + 10;
+	return -1;
+}
+
+static int is_marker_char(unsigned code)
+{
+	for (size_t i = 0; i < sizeof MARKER_CHARS; i++)
+		if (MARKER_CHARS[i] == code)
+			return 1;
+	return 0;
+}
+
+/* 1 when `d` might carry a GPU request (a marker, or a \u escape that is not plain hex or
+ * that spells a marker character), 0 when it certainly does not. */
+static int may_request(const unsigned char *d, size_t n)
+{
+	for (size_t m = 0; m < MARKER_COUNT; m++)
+		if (memmem(d, n, MARKERS[m], strlen(MARKERS[m])))
+			return 1;
+	const unsigned char *p = d, *end = d + n;
+	while ((p = memmem(p, (size_t)(end - p), "\\u", 2)) != NULL) {
+		if (end - p < 6)
+			return 1;
+		unsigned code = 0;
+		for (int k = 2; k < 6; k++) {
+			int v = hexval(p[k]);
+			if (v < 0)
+				return 1;
+			code = code * 16 + (unsigned)v;
+		}
+		if (is_marker_char(code))
+			return 1;
+		p += 2;
+	}
+	return 0;
+}
+
+/* The raw value of the top-level "bundle" member of a JSON object, as prescan.py's
+ * top_level_strings reads it (nested values skipped, escaped quotes honoured, the last of
+ * duplicate keys wins). 1 found, 0 not there, -1 not a well-formed-looking object. */
+static int top_level_bundle(const unsigned char *d, size_t n, const unsigned char **val, size_t *vlen)
+{
+	size_t i = 0, klen = 0;
+	long depth = 0;
+	int expecting_key = 0, have_key = 0, found = 0;
+	const unsigned char *key = NULL;
+	while (i < n) {
+		unsigned char c = d[i];
+		if (c == '"') {
+			size_t j = i + 1;
+			for (;;) {
+				const unsigned char *q = j < n ? memchr(d + j, '"', n - j) : NULL;
+				if (!q)
+					return -1;
+				j = (size_t)(q - d);
+				size_t k = j;
+				while (d[k - 1] == '\\')  /* stops at the opening quote, d[i] */
+					k--;
+				if ((j - k) % 2 == 0)
+					break;
+				j++;
+			}
+			if (depth == 1) {
+				if (expecting_key) {
+					key = d + i + 1;
+					klen = j - i - 1;
+					have_key = 1;
+					expecting_key = 0;
+				} else if (have_key) {
+					if (klen == 6 && memcmp(key, "bundle", 6) == 0) {
+						*val = d + i + 1;
+						*vlen = j - i - 1;
+						found = 1;
+					}
+					have_key = 0;
+				}
+			}
+			i = j + 1;
+			continue;
+		}
+		if (c == '{' || c == '[') {
+			depth++;
+			if (depth == 1) {
+				if (c != '{')
+					return -1;
+				expecting_key = 1;
+			} else if (depth == 2) {
+				have_key = 0;
+			}
+		} else if (c == '}' || c == ']') {
+			depth--;
+			if (depth == 0)
+				return found;
+			if (depth < 0)
+				return -1;
+		} else if (c == ',' && depth == 1) {
+			expecting_key = 1;
+			have_key = 0;
+		}
+		i++;
+	}
+	return -1;
+}
+
+/* 1 when the hook would read config.json at `bundle` and find no request there: the
+ * bundle path must be one prescan.bundle_of accepts (absolute, no escape, no control byte,
+ * ASCII here: anything else is the Python hook's to judge). */
+static int config_has_no_request(const unsigned char *bundle, size_t blen)
+{
+	static const char name[] = "/config.json";
+	char path[4096];
+	if (blen == 0 || bundle[0] != '/' || blen + sizeof name > sizeof path)
+		return 0;
+	for (size_t i = 0; i < blen; i++)
+		if (bundle[i] == '\\' || bundle[i] < 0x20 || bundle[i] >= 0x80)
+			return 0;
+	memcpy(path, bundle, blen);
+	memcpy(path + blen, name, sizeof name);
+	/* Non-blocking: a FIFO planted there must not hold the runtime (prescan.read_regular_file). */
+	int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0)
+		return 0;
+	struct stat st;
+	struct buf spec = {0};
+	int none = 0;
+	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+	    read_bounded(fd, MAX_CONFIG_BYTES + 1, (size_t)st.st_size, &spec) == 0 &&
+	    spec.len <= MAX_CONFIG_BYTES)
+		none = !may_request(spec.data, spec.len);
+	free(spec.data);
+	close(fd);
+	return none;
+}
+
+/* argv as `PYTHON ... .../gpuhook/launch.py STAGE [--config F | --config=F]...`, the plain hook
+ * invocation gpuhook.entry serves on its fast path (prescan.split_hook_args). */
+static int plain_hook_invocation(int argc, char **argv)
+{
+	int at = -1;
+	for (int i = 2; i < argc; i++) {
+		size_t len = strlen(argv[i]);
+		if (len >= 18 && strcmp(argv[i] + len - 18, "/gpuhook/launch.py") == 0) {
+			at = i;
+			break;
+		}
+	}
+	if (at < 0 || at + 1 >= argc)
+		return 0;
+	int stage = 0;
+	for (size_t s = 0; s < STAGE_COUNT; s++)
+		stage |= strcmp(argv[at + 1], HOOK_STAGES[s]) == 0;
+	if (!stage)
+		return 0;
+	for (int i = at + 2; i < argc; i++) {
+		if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
+			i++;
+		else if (strncmp(argv[i], "--config=", 9) != 0)
+			return 0;
+	}
+	return 1;
+}
+
+/* Run the Python hook; with `state`, on a memfd holding exactly those bytes as its stdin. */
+static int hand_off(char **python, const struct buf *state)
+{
+	if (state) {
+		int fd = memfd_create("gpuhook-state", MFD_CLOEXEC);
+		size_t done = 0;
+		if (fd < 0)
+			goto fail;
+		while (done < state->len) {
+			ssize_t put = write(fd, state->data + done, state->len - done);
+			if (put < 0 && errno == EINTR)
+				continue;
+			if (put <= 0)
+				goto fail;
+			done += (size_t)put;
+		}
+		if (lseek(fd, 0, SEEK_SET) != 0 || dup2(fd, 0) != 0)  /* dup2: fd 0 is not close-on-exec */
+			goto fail;
+		close(fd);
+	}
+	execv(python[0], python);
+fail:
+	fprintf(stderr, "gpuhook: cannot start the hook %s: %s\n", python[0], strerror(errno));
+	return 4;  /* gpuhook/errors.py: a host problem */
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 2) {
+		fputs("gpuhook: usage: gpuhook-prescan PYTHON ARGS... (the hook's Python command)\n", stderr);
+		return 2;
+	}
+	if (!plain_hook_invocation(argc, argv))
+		return hand_off(argv + 1, NULL);
+	struct buf state;
+	if (read_bounded(0, MAX_STATE_BYTES + 1, 0, &state) != 0)
+		/* Unreadable stdin: the Python hook reads it itself and says why; what was read
+		 * before an error mid-way is all there is to hand it. */
+		return hand_off(argv + 1, state.len ? &state : NULL);
+	if (state.len > MAX_STATE_BYTES)
+		return hand_off(argv + 1, &state);
+	if (may_request(state.data, state.len))
+		return hand_off(argv + 1, &state);
+	const unsigned char *bundle;
+	size_t blen;
+	if (top_level_bundle(state.data, state.len, &bundle, &blen) != 1 || !config_has_no_request(bundle, blen))
+		return hand_off(argv + 1, &state);
+	return 0;
+}
