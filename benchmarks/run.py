@@ -966,7 +966,7 @@ def breakdown_gpu(ctx) -> dict:
 
 
 WORKER_STEP = "[worker] step: "  # hook_profile.STEP, as recorded by the forked worker
-STEP_KINDS = ("device node", "mount", "symlink", "mask", "ldconfig")
+STEP_KINDS = ("device node", "mount", "symlink", "mask", "ldconfig", "install")
 
 
 def step_kind(step: str) -> str:

@@ -242,7 +242,7 @@ def test_quick_gpu_path_importtime_and_breakdown(tmp_path):
         assert any(s.startswith("symlink ") for s in steps) and any(s.startswith("mask ") for s in steps)
         assert ("ldconfig" in steps) == (image == "glibc")
         totals = doc["breakdown"][image]["steps"]
-        assert totals["mount"] > 0 and set(totals) <= {"device node", "mount", "symlink", "mask", "ldconfig"}
+        assert totals["mount"] > 0 and set(totals) <= {"device node", "mount", "symlink", "mask", "ldconfig", "install"}
         worker = doc["breakdown"][image]["worker"]
         assert worker["worker start-up (fork to gpuhook.nsworker loaded)"] > 0
     assert "per step of the namespace worker" in stdout
