@@ -118,7 +118,8 @@ def patch_steps(work_class) -> None:
 
 
 def patch_worker(nsworker) -> None:
-    from gpuhook import linux, safepath
+    from gpuhook import safepath
+    from gpuhook.kernel import linux
 
     # The worker's start-up: from the fork to its module loaded, ready for the order.
     emit("worker start-up (fork to gpuhook.nsworker loaded)", 1, READY_AT[0], time.perf_counter_ns())

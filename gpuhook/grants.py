@@ -25,7 +25,8 @@ GPU granted to nobody.
 
 import os
 
-from gpuhook import cache, procstat
+from gpuhook import cache
+from gpuhook.kernel import procstat
 from gpuhook.devrules.devices import parse_v1_line
 
 FORMAT = 1

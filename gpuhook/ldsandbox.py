@@ -35,7 +35,8 @@ import select
 import stat
 import time
 
-from gpuhook import child, fastjson, linux, mountinfo, safepath, workerproc
+from gpuhook import fastjson, safepath, workerproc
+from gpuhook.kernel import child, linux, mountinfo
 
 CACHE_LIMIT = 32 << 20  # largest ld.so.cache accepted (a big image's is a few MiB)
 OUTPUT_LIMIT = 4096  # bytes of ldconfig's output kept for the log

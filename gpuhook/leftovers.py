@@ -23,7 +23,8 @@ import errno
 import os
 import stat
 
-from gpuhook import cache, procstat, safepath
+from gpuhook import cache, safepath
+from gpuhook.kernel import procstat
 
 DIRECTORY = "leftovers"
 MAX_RECORDS = 256  # records looked at by one reap

@@ -16,7 +16,8 @@ import select
 import stat
 import time
 
-from gpuhook import fastjson, linux, mountinfo, safepath, workerproc
+from gpuhook import fastjson, safepath, workerproc
+from gpuhook.kernel import linux, mountinfo
 from gpuhook.actions import ProcMask, decode_order
 
 _MS = {"ro": linux.MS_RDONLY, "nosuid": linux.MS_NOSUID, "nodev": linux.MS_NODEV, "noexec": linux.MS_NOEXEC}

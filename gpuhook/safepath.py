@@ -8,7 +8,7 @@ a chroot. Results are O_PATH file descriptors, so what was checked is what gets 
 
 Two resolvers give the same answers: openat2(RESOLVE_IN_ROOT) where the kernel has it (5.6+),
 and a component walk over O_NOFOLLOW descriptors elsewhere (RHEL 8's 4.18, for one). Tests
-run both. openat2 needs ctypes (gpuhook.linux), which costs about 3 ms to load; the planning
+run both. openat2 needs ctypes (gpuhook.kernel.linux), which costs about 3 ms to load; the planning
 side only asks `exists_in_root`, which walks, so the hook process does not load ctypes while
 the namespace worker (gpuhook.workerproc) loads it on another core.
 
@@ -25,7 +25,7 @@ import errno
 import os
 import stat
 
-from gpuhook.mountinfo import mount_id
+from gpuhook.kernel.mountinfo import mount_id
 
 MAX_SYMLINKS = 40
 _CLOEXEC = os.O_CLOEXEC
@@ -74,7 +74,7 @@ def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH, follow_final: 
     if not follow_final:
         flags |= os.O_NOFOLLOW
     if use_openat2:
-        from gpuhook import linux
+        from gpuhook.kernel import linux
 
         resolve = (linux.RESOLVE_BENEATH if beneath else linux.RESOLVE_IN_ROOT) | linux.RESOLVE_NO_MAGICLINKS
         if same_mount:

@@ -24,7 +24,8 @@ poststops, can come long after its init exited).
 import os
 import time
 
-from gpuhook import cache, procstat
+from gpuhook import cache
+from gpuhook.kernel import procstat
 
 DIRECTORY = "served"
 PRUNE_AFTER = 3600

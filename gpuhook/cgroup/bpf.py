@@ -7,7 +7,7 @@ BPF_F_REPLACE, PROG_DETACH). Struct layouts follow include/uapi/linux/bpf.h; the
 accepts a shorter attribute than its own and treats the rest as zero, so each command gets
 a structure with just the fields it uses.
 
-Like gpuhook.linux, every failure is an OSError carrying the errno and the command's name;
+Like gpuhook.kernel.linux, every failure is an OSError carrying the errno and the command's name;
 gpuhook.cgroup.v2 turns them into one gpuhook error. Imported only on the GPU path.
 """
 
@@ -15,7 +15,7 @@ import ctypes
 import errno
 import os
 
-from gpuhook import linux
+from gpuhook.kernel import linux
 from gpuhook.record import record
 
 PROG_LOAD = 5

@@ -19,7 +19,7 @@ unit's devices would widen a cgroup that is not the container's (docs/cgroup-v2.
 `status` answers the question `gpuhook cgroup show` asks: which allowed devices systemd
 does not know, and so would take away on the next daemon-reload.
 
-systemctl runs through gpuhook.child (minimal environment, timeout, no leftovers).
+systemctl runs through gpuhook.kernel.child (minimal environment, timeout, no leftovers).
 Everything that touches the host is a parameter of `Systemd`, so tests run it against a
 stand-in systemctl, runtime directory and /dev.
 """
@@ -203,7 +203,7 @@ class Systemd:
 
     def _call(self, args: list) -> tuple:
         """(exit status or None on timeout, output) of systemctl ARGS."""
-        from gpuhook import child
+        from gpuhook.kernel import child
 
         run = self._run or child.run
         result = run([self._systemctl(), "--no-pager", "--no-ask-password", *args], self.timeout)

@@ -10,7 +10,7 @@ Resetting: `reset-command` (default ``nvidia-smi --gpu-reset -i {uuid}``) is spl
 shell would (no shell runs it). A program name without a slash is looked up only in the
 driver root's binary directories (gpuhook.discover.BINARY_DIRS), never in a PATH and never
 in a container's image; it must be a regular executable file there. It runs through
-gpuhook.child: explicit minimal environment, / as working directory, its own process
+gpuhook.kernel.child: explicit minimal environment, / as working directory, its own process
 group, killed whole at its timeout.
 
 Around the command (`reset_gpu`, docs/health.md "Resetting"), what NVIDIA's driver requires:
@@ -35,7 +35,8 @@ import select
 import signal
 import time
 
-from gpuhook import child, discover, nvml
+from gpuhook import discover, nvml
+from gpuhook.kernel import child
 from gpuhook.errors import ConfigError, GpuhookError, HostError, NvmlError
 from gpuhook.health import registry, store
 from gpuhook.record import record

@@ -46,8 +46,8 @@ import time
 
 from gpuhook.cgroup import hierarchy
 from gpuhook.health import store
-from gpuhook import procstat
-from gpuhook.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)
+from gpuhook.kernel import procstat
+from gpuhook.kernel.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)
 from gpuhook.record import record
 
 FORMAT = 1

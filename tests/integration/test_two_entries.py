@@ -56,7 +56,8 @@ def test_a_new_start_of_the_same_id_is_served_again(gpus):
 def test_records_of_stopped_starts_are_pruned_once_there_are_many(tmp_path):
     """A record outlives its start only until the registry of served starts grows: then the
     records of gone inits that a poststop marked stopped go, and live ones stay."""
-    from gpuhook import procstat, served
+    from gpuhook import served
+    from gpuhook.kernel import procstat
 
     state = str(tmp_path / "run")
     me = procstat.read_stat(os.getpid())

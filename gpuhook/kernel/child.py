@@ -14,8 +14,8 @@ import os
 import select
 import time
 
-from gpuhook import linux
-from gpuhook.linux import SIGKILL
+from gpuhook.kernel import linux
+from gpuhook.kernel.linux import SIGKILL
 
 MINIMAL_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
