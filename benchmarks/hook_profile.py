@@ -148,7 +148,8 @@ def main() -> None:
     start = time.perf_counter_ns()
     from gpuhook import apply
     emit("import gpuhook.apply (workerproc, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
-    from gpuhook import cache, config, discover, inventory, journal, oci, request
+    from gpuhook import cache, config, journal, oci, request
+    from gpuhook.discover import host as discover, inventory
     from gpuhook.cgroup import hierarchy
 
     patch(entry, "run_stage", "entry.run_stage (stdin, config.json, prescan, hook)")
@@ -162,7 +163,7 @@ def main() -> None:
     patch(hook, "prestart", "hook.prestart")
     patch(hook, "plan_start", "hook.plan_start")
     patch(request, "resolve", "request.resolve")
-    from gpuhook import survey
+    from gpuhook.discover import survey
 
     patch(survey, "survey", "survey.survey (discovery)")
     patch(inventory, "read", "inventory.read (cached)")

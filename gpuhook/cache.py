@@ -11,7 +11,7 @@ everything that could change its content:
 - the parsed configuration file, keyed by the file's identity and timestamps (tomllib and
   its imports cost more than the rest of the hook's decision), in <state-dir>/config-cache,
   the state-dir that file names (gpuhook.config.load says how it is found before parsing);
-- the host inventory (gpuhook.inventory) in <state-dir>, keyed by driver version, boot id
+- the host inventory (gpuhook.discover.inventory) in <state-dir>, keyed by driver version, boot id
   and the cheap fingerprints of what the expensive reads depend on.
 
 Caching is best effort: a cache that cannot be written never fails a container start.

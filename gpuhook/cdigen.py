@@ -10,11 +10,11 @@ as the createRuntime and poststop hook. The hook finds the exact GPUs through th
 privileged or not, and adds what a spec cannot: the files in the image's own library dir,
 the ld cache, the /proc/driver/nvidia mask and the health check-and-reset.
 
-Generation reads the host like the hook does (gpuhook.inventory; NVML only for MIG) and
+Generation reads the host like the hook does (gpuhook.discover.inventory; NVML only for MIG) and
 changes nothing; the command writes the result.
 """
 
-from gpuhook import discover, inventory
+from gpuhook.discover import host as discover, inventory
 from gpuhook import request as req
 from gpuhook.plan import CONTROL_MINOR, LIBRARY_CAPABILITIES
 
@@ -134,7 +134,7 @@ def neighbours(output: str, directories) -> tuple:
     a kind of its own, they collide with NVIDIA's spec the same way."""
     import os
 
-    from gpuhook import cdi
+    from gpuhook.discover import cdi
 
     output = os.path.abspath(output)
     here = os.path.dirname(output)

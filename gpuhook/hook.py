@@ -134,7 +134,7 @@ def plan_start(state, spec, config) -> tuple:
     request = req.resolve(spec, state.annotations, config)
     if request.empty:
         return empty_plan(state, spec, request), None
-    from gpuhook import survey
+    from gpuhook.discover import survey
 
     host = survey.survey(request, spec, config)
     return make_plan(state, spec, request, host, config), host
@@ -159,7 +159,8 @@ def prestart(state, spec, config, deadline: float, record: dict | None = None, b
     plan, host = plan_start(state, spec, config)
     if plan.empty:
         return plan, None
-    from gpuhook import apply, leftovers, survey
+    from gpuhook import apply, leftovers
+    from gpuhook.discover import survey
 
     survey.write_caches(config, host)
     # What an earlier start on this rootfs could not take back is taken back first; while its
@@ -272,7 +273,7 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         backstop.finish(code)
         if line is not None:
             print(line, file=sys.stderr)
-        nvml = sys.modules.get("gpuhook.nvml")
+        nvml = sys.modules.get("gpuhook.discover.nvml")
         loaded = nvml.INITIALISED[0] if nvml is not None else 0
         record["nvml"] = f"loaded ({loaded} init{'s' if loaded != 1 else ''})" if loaded else "not loaded"
         record["seconds"] = round(time.monotonic() - started, 4)

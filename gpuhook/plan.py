@@ -11,7 +11,7 @@ gpuhook.apply turns it into system calls (docs/architecture.md).
 from gpuhook import request as req
 from gpuhook import requirements as reqs
 from gpuhook.devrules.devices import char_device
-from gpuhook.discover import LIBRARIES
+from gpuhook.discover.host import LIBRARIES
 from gpuhook.errors import HostError
 from gpuhook.actions import BindMount, DeviceNode, LdCacheUpdate, ProcMask, Symlink  # noqa: F401 (re-exported)
 from gpuhook.record import record

@@ -13,7 +13,7 @@ import json
 import os
 import stat
 
-from gpuhook import discover
+from gpuhook.discover import host as discover
 from gpuhook.errors import GpuhookError
 from gpuhook.record import record
 
@@ -301,7 +301,7 @@ def _health_daemon(config) -> HostCheck:
 
 
 def _nvml(config, inventory) -> HostCheck:
-    from gpuhook import nvml
+    from gpuhook.discover import nvml
 
     off = config.health.mode == "off"
     try:

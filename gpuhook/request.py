@@ -19,7 +19,7 @@ Channels, in order of trust (docs/requests.md has the whole table):
 An orchestrator's grant (1, 2 or 3) is never widened by the environment: when one is
 present, NVIDIA_VISIBLE_DEVICES cannot add a GPU, and a grant that cannot be resolved fails
 the start. Resolution is pure: it reads the parsed spec and returns data; CDI names that
-only a CDI spec can resolve (a DRA claim) are resolved by gpuhook.cdi, and matching ids and
+only a CDI spec can resolve (a DRA claim) are resolved by gpuhook.discover.cdi, and matching ids and
 nodes to real GPUs happens in `select`.
 """
 
@@ -67,7 +67,7 @@ class Request(record("Request", "wants ids capabilities channel notes mig_config
     """`ids` are the requested device ids as written (indices, UUIDs, GPU:MIG pairs, MIG
     UUIDs), deduplicated. `mig_config` / `mig_monitor` are the GPU ids (or ("all",)) of
     NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES, honoured for privileged
-    containers only. `cdi` are CDI names only a CDI spec can resolve (gpuhook.cdi turns them
+    containers only. `cdi` are CDI names only a CDI spec can resolve (gpuhook.discover.cdi turns them
     into `nodes`); `nodes` are granted device nodes (oci.Device: GPU and MIG access nodes);
     `requirements` the image's NVIDIA_REQUIRE_* constraints (gpuhook.requirements), parsed once
     here for discovery (they decide whether NVML is loaded) and planning (which checks them);
@@ -214,7 +214,7 @@ def _is_direct_name(kind: str, name: str) -> bool:
 
 class _Grant:
     """What the orchestrator's channels (mounts, CDI annotations) name: `ids` for the GPU
-    matcher, `cdi` for gpuhook.cdi, and whether any channel was present at all."""
+    matcher, `cdi` for gpuhook.discover.cdi, and whether any channel was present at all."""
 
     def __init__(self, where: str):
         self.where = where
@@ -343,7 +343,7 @@ UNSUPPORTED = {
 OFF_VALUES = ("", "void", "none", "disabled", "false")
 # Optional devices a GPU container turns on with VARIABLE=enabled, as NVIDIA's toolkit does
 # (internal/modifier/gated.go: only the exact value "enabled"; internal/discover/nvswitch.go
-# and gdrcopy.go: the nodes). gpuhook.survey finds the host's nodes, gpuhook.plan adds them.
+# and gdrcopy.go: the nodes). gpuhook.discover.survey finds the host's nodes, gpuhook.plan adds them.
 FEATURES = {
     "NVIDIA_NVSWITCH": "nvswitch",  # /dev/nvidia-nvswitchctl and every /dev/nvidia-nvswitch<N>
     "NVIDIA_GDRCOPY": "gdrcopy",  # /dev/gdrdrv (GDRCopy's gdrdrv module)

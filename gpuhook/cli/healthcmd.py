@@ -18,7 +18,7 @@ def resolve_devices(text: str | None, config) -> list:
     """GPU and MIG UUIDs from a comma-separated list of NVML indices, GPU UUIDs, PCI bus ids
     and MIG UUIDs; every GPU of the host when `text` is None. A device this host does not
     have is bad input (exit 2), named: nothing is checked and no report is written for it."""
-    from gpuhook import discover
+    from gpuhook.discover import host as discover
     from gpuhook import request as req
 
     host = discover.gpus(config.proc_root)
@@ -47,7 +47,7 @@ def resolve_devices(text: str | None, config) -> list:
 
 def _mig_uuids(config) -> dict:
     """Lower-cased MIG UUID -> MIG UUID of every MIG device NVML reports."""
-    from gpuhook.inventory import nvml_facts
+    from gpuhook.discover.inventory import nvml_facts
 
     facts, _ = nvml_facts(config)
     return {mig.uuid.lower(): mig.uuid for gpu in facts.gpus.values() for mig in gpu.mig_devices}

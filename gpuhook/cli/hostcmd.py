@@ -21,7 +21,7 @@ from gpuhook.cli import CONFIG_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def list_gpus(config_path, as_json):
     from gpuhook.errors import GpuhookError
-    from gpuhook.inventory import load, nvml_facts
+    from gpuhook.discover.inventory import load, nvml_facts
 
     config = cfg.load(config_path, os.environ)
     host = load(config)

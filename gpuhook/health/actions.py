@@ -8,7 +8,7 @@ signal goes through the pidfd (pidfd_send_signal). The wait for its exit is boun
 
 Resetting: `reset-command` (default ``nvidia-smi --gpu-reset -i {uuid}``) is split like a
 shell would (no shell runs it). A program name without a slash is looked up only in the
-driver root's binary directories (gpuhook.discover.BINARY_DIRS), never in a PATH and never
+driver root's binary directories (gpuhook.discover.host.BINARY_DIRS), never in a PATH and never
 in a container's image; it must be a regular executable file there. It runs through
 gpuhook.kernel.child: explicit minimal environment, / as working directory, its own process
 group, killed whole at its timeout.
@@ -20,7 +20,7 @@ Around the command (`reset_gpu`, docs/health.md "Resetting"), what NVIDIA's driv
     persistence mode off              it keeps the driver attached ("In use by another client");
                                       recorded first, so a later check restores it whatever
                                       happens in between
-    every NVML session closed         this process's (gpuhook.nvml.closed_for_reset), the
+    every NVML session closed         this process's (gpuhook.discover.nvml.closed_for_reset), the
                                       health daemon's (gpuhook.health.daemon.nvml_closed) and
                                       other gpuhook processes' (nvml.exclusive)
     the command                       one GPU; a driver that resets it only with its NVLink
@@ -35,7 +35,7 @@ import select
 import signal
 import time
 
-from gpuhook import discover, nvml
+from gpuhook.discover import host as discover, nvml
 from gpuhook.kernel import child
 from gpuhook.errors import ConfigError, GpuhookError, HostError, NvmlError
 from gpuhook.health import registry, store
@@ -210,7 +210,7 @@ class ResetOutcome(record("ResetOutcome", "actions refused")):
 
 
 def client_lock(config) -> str:
-    """The file every gpuhook NVML session holds shared and a reset exclusively (gpuhook.nvml)."""
+    """The file every gpuhook NVML session holds shared and a reset exclusively (gpuhook.discover.nvml)."""
     return f"{store.health_dir(config.state_dir)}/nvml.lock"
 
 

@@ -203,7 +203,7 @@ class Daemon:
         import socket
         import threading
 
-        from gpuhook import nvml
+        from gpuhook.discover import nvml
         from gpuhook.errors import GpuhookError
 
         from gpuhook.health import actions
@@ -310,7 +310,7 @@ class Daemon:
     def _answer(self, data: bytes, request, started: float) -> dict:
         """The answer to one request (`data`, parsed as `request`, received since monotonic
         time `started`)."""
-        from gpuhook import discover
+        from gpuhook.discover import host as discover
         from gpuhook.errors import GpuhookError
         from gpuhook.health import engine
 
@@ -347,7 +347,7 @@ class Daemon:
     def _close_nvml(self, conn, request) -> None:
         """Keep this process's NVML closed while the asker (about to reset a GPU) holds the
         connection open, MAX_CLOSED_SECONDS at most."""
-        from gpuhook import nvml
+        from gpuhook.discover import nvml
 
         seconds = request.get("seconds")
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:

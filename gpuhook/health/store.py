@@ -22,7 +22,7 @@ import time
 
 from gpuhook import cache
 from gpuhook.cache import boot_id  # noqa: F401  (re-exported: reports, stamps and the registry use it)
-from gpuhook.discover import is_uuid
+from gpuhook.discover.host import is_uuid
 from gpuhook.errors import InputError
 
 FORMAT = 2  # 2: stamps carry the allocation they were made for

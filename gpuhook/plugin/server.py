@@ -21,7 +21,8 @@ from collections import OrderedDict
 
 import grpc
 
-from gpuhook import cache, discover, journal
+from gpuhook import cache, journal
+from gpuhook.discover import host as discover
 from gpuhook import request as req
 from gpuhook.errors import GpuhookError, HostError, InputError, printable
 from gpuhook.health import store
@@ -80,7 +81,7 @@ def offered_devices(config) -> Devices:
     ids, gpu_of, numa = [], {}, {}
     migs = {}
     if config.plugin.mig_strategy == "single" and discover.has_mig_instances(discover.capabilities(config.proc_root)):
-        from gpuhook.inventory import nvml_facts
+        from gpuhook.discover.inventory import nvml_facts
 
         facts, _ = nvml_facts(config, write=False)
         migs = {uuid: g.mig_devices for uuid, g in facts.gpus.items() if g.mig_mode}

@@ -32,8 +32,8 @@ import stat
 import subprocess
 import uuid as uuidlib
 
-from gpuhook.discover import LIBRARIES, MULTIARCH
-from gpuhook.nvml import BRANDS
+from gpuhook.discover.host import LIBRARIES, MULTIARCH
+from gpuhook.discover.nvml import BRANDS
 from gpuhook.simulate import SimulationError
 from gpuhook.simulate import nvml as simnvml
 
@@ -419,7 +419,7 @@ def _lay_out_driver(driver: str, layout: str, multiarch: str, version: str, stat
 
 def _static_ldconfig() -> str:
     """This machine's statically linked ldconfig, to stand for a driver container's own."""
-    from gpuhook import elf
+    from gpuhook.discover import elf
 
     for path in ("/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig", "/usr/bin/ldconfig"):
         try:

@@ -19,7 +19,7 @@ import fcntl
 import json
 import os
 
-from gpuhook.nvml import BRANDS
+from gpuhook.discover.nvml import BRANDS
 from gpuhook.simulate import SimulationError
 
 STATE_FILE = "nvml.json"

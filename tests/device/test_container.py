@@ -22,7 +22,7 @@ import time
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import nvml
+from gpuhook.discover import nvml
 from gpuhook.simulate import runner
 
 import target

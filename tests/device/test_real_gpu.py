@@ -17,7 +17,7 @@ import time
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import discover, nvml
+from gpuhook.discover import host as discover, nvml
 from gpuhook.health import actions, checks, engine, owners, store
 
 import target

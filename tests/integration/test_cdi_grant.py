@@ -11,13 +11,13 @@ import os
 
 import pytest
 
-from gpuhook import cdi
+from gpuhook.discover import cdi
 from gpuhook import config as cfg
 from gpuhook import oci
 from gpuhook import request as req
-from gpuhook.discover import Gpu, Inventory
+from gpuhook.discover.host import Gpu, Inventory
 from gpuhook.errors import HostError, RequestError
-from gpuhook.inventory import GpuFacts, MigEntry, NvmlFacts
+from gpuhook.discover.inventory import GpuFacts, MigEntry, NvmlFacts
 
 from conftest import require_root_tools
 
@@ -325,7 +325,7 @@ def test_a_legacy_image_gets_every_capability_whatever_channel_names_its_gpus():
 
 
 def test_graphics_and_display_bring_the_icd_vendor_and_xorg_files(tmp_path):
-    from gpuhook import discover
+    from gpuhook.discover import host as discover
 
     files = {
         "/usr/share/glvnd/egl_vendor.d/10_nvidia.json": "graphics",

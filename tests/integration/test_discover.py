@@ -5,7 +5,7 @@ import os
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import discover
+from gpuhook.discover import host as discover
 from gpuhook.errors import HostError
 
 

@@ -60,7 +60,7 @@ def test_the_gke_layouts_wrappers_are_skipped_and_the_real_programs_run_in_the_c
 def test_named_driver_dirs_are_the_only_places_looked_at(bed, gke_host, probe, tmp_path):
     """driver-bin-dirs and driver-lib-dirs: the operator says where the driver is."""
     from gpuhook import config as cfg
-    from gpuhook import discover
+    from gpuhook.discover import host as discover
 
     gpus = containers(bed, gke_host, probe, tmp_path, **{"driver-bin-dirs": ["/usr/bin"],
                                                           "driver-lib-dirs": ["/usr/local/nvidia/lib64"]})

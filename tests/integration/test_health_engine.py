@@ -22,7 +22,7 @@ from gpuhook.cgroup import hierarchy
 from gpuhook.errors import GpuUnhealthyError, HealthDeadlineError, HostError
 from gpuhook.health import engine, hooks, owners, registry, store
 from gpuhook.health.owners import Owner
-from gpuhook.nvml import Process
+from gpuhook.discover.nvml import Process
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
 
@@ -555,7 +555,7 @@ def test_a_reset_waits_for_the_other_gpus_nvml_calls_and_they_go_on_after_it(con
 # Another gpuhook process with an NVML session open (as a concurrent start's check has).
 OTHER_SESSION = r"""
 import sys, time
-from gpuhook import nvml
+from gpuhook.discover import nvml
 with nvml.Session(sys.argv[1], client_lock=sys.argv[2]):
     print("open", flush=True)
     time.sleep(float(sys.argv[3]))

@@ -644,7 +644,7 @@ def test_mode_off_loads_no_nvml_no_threads_and_no_health_code(hgpus, tmp_path):
     hgpus.configure(health={"mode": "off"})
     off = imported(hgpus, "imports-off", tmp_path)
     assert "gpuhook.apply" in off  # it went all the way
-    assert not off & {"pynvml", "psutil", "threading", "gpuhook.nvml"}
+    assert not off & {"pynvml", "psutil", "threading", "gpuhook.discover.nvml"}
     assert not {m for m in off if m.startswith("gpuhook.health")}
     hgpus.configure(health={"mode": "always"})
     on = imported(hgpus, "imports-on", tmp_path)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import discover, inventory
+from gpuhook.discover import host as discover, inventory
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from gpuhook import ldcache
+from gpuhook.discover import ldcache
 from gpuhook.errors import HostError
 
 from conftest import require

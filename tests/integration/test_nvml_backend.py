@@ -1,4 +1,4 @@
-"""gpuhook.nvml, the NVML backend, against the simulated NVML; and its import boundary."""
+"""gpuhook.discover.nvml, the NVML backend, against the simulated NVML; and its import boundary."""
 
 import ast
 import os
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import discover, nvml
+from gpuhook.discover import host as discover, nvml
 from gpuhook.errors import HostError, NvmlError
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
@@ -264,14 +264,14 @@ def test_library_path_follows_the_config(sim, tmp_path):
 
 
 def test_importing_the_backend_does_not_load_pynvml():
-    done = subprocess.run([sys.executable, "-c", "import sys, gpuhook.nvml, gpuhook.requirements; "
+    done = subprocess.run([sys.executable, "-c", "import sys, gpuhook.discover.nvml, gpuhook.requirements; "
                            "print('pynvml' in sys.modules)"], capture_output=True, text=True, cwd=REPO, check=True)
     assert done.stdout.strip() == "False"
 
 
 def test_the_backend_finds_pynvml_under_the_hooks_interpreter_flags(sim, state):
     # The runtime starts the hook as `python3 -I -S launch.py`: no site-packages until asked.
-    code = (f"import sys; sys.path.insert(0, {REPO!r}); from gpuhook import nvml\n"
+    code = (f"import sys; sys.path.insert(0, {REPO!r}); from gpuhook.discover import nvml\n"
             f"with nvml.Session({sim['nvml_library']!r}) as s: print(s.driver_version())")
     done = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", simnvml.ENV_VAR: state}, cwd="/")
@@ -307,7 +307,7 @@ def test_only_the_nvml_module_imports_pynvml():
                 path = os.path.join(root, name)
                 if imports_of_pynvml(path):
                     importers[os.path.relpath(path, REPO)] = imports_of_pynvml(path)
-    assert list(importers) == ["gpuhook/nvml.py"], importers
+    assert list(importers) == ["gpuhook/discover/nvml.py"], importers
 
 
 def test_the_import_scan_sees_every_spelling(tmp_path):

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from gpuhook import nvml, requirements
+from gpuhook import requirements
+from gpuhook.discover import nvml
 from gpuhook.errors import HostError, RequestError, RequirementError
 from gpuhook.requirements import GpuTraits, HostFacts
 from gpuhook.simulate import host as simhost

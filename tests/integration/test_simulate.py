@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import ldcache
+from gpuhook.discover import ldcache
 from gpuhook.simulate import SimulationError
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml

@@ -26,7 +26,7 @@ from conftest import (LIBDIR, GpuContainers, assert_rootfs_clean, require_root_t
 from helpers.hangfs import StalledFuse
 from test_bad_input import snapshot
 
-from gpuhook import ldcache
+from gpuhook.discover import ldcache
 from gpuhook.simulate import host as simhost
 
 pytestmark = pytest.mark.root

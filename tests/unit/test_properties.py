@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from gpuhook import config as cfg
 from gpuhook import oci, prescan
 from gpuhook import request as req
-from gpuhook.discover import Gpu
+from gpuhook.discover.host import Gpu
 from gpuhook.errors import InputError, RequestError
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,7 +7,7 @@ import pytest
 from gpuhook import config as cfg
 from gpuhook import oci
 from gpuhook import request as req
-from gpuhook.discover import Gpu
+from gpuhook.discover.host import Gpu
 from gpuhook.errors import RequestError
 
 GPUS = tuple(Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", i, f"0000:{i}0:00.0", "Sim") for i in range(4))

@@ -161,7 +161,7 @@ def library_path(config) -> str:
         return config.nvml_library
     if config.driver_root == "/" and not config.driver_lib_dirs:
         return SYSTEM_LIBRARY
-    from gpuhook import discover
+    from gpuhook.discover import host as discover
 
     for lib in discover.libraries(config.driver_root, lib_dirs=config.driver_lib_dirs):
         if lib.bits == 64 and SYSTEM_LIBRARY in lib.sonames:
@@ -389,7 +389,7 @@ class Session:
                     raise NvmlError("nvmlInit", "NVML stayed closed for a GPU reset for too long")
                 _gate.cond.wait(left)
             # Shared before NVML attaches: a reset in another gpuhook process that holds it
-            # exclusively must never find this process attached (gpuhook.nvml.exclusive).
+            # exclusively must never find this process attached (gpuhook.discover.nvml.exclusive).
             if self.client_lock:
                 _hold_client_lock(self.client_lock)
             try:
@@ -834,9 +834,9 @@ def _call(pynvml, call: str, gpu, fn, *args):
 
 
 def _uuid(pynvml, gpu, handle) -> str:
-    """nvmlDeviceGetUUID, refusing anything that is not a UUID's form (gpuhook.discover.is_uuid):
+    """nvmlDeviceGetUUID, refusing anything that is not a UUID's form (gpuhook.discover.host.is_uuid):
     UUIDs name files and log lines."""
-    from gpuhook.discover import is_uuid
+    from gpuhook.discover.host import is_uuid
 
     uuid = _call(pynvml, "nvmlDeviceGetUUID", gpu, pynvml.nvmlDeviceGetUUID, handle)
     if not is_uuid(uuid):

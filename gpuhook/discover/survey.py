@@ -9,8 +9,8 @@ alone.
 
 import os
 
-from gpuhook import discover
-from gpuhook import inventory as inv
+from gpuhook.discover import host as discover
+from gpuhook.discover import inventory as inv
 from gpuhook import request as req
 from gpuhook.record import record
 
@@ -25,7 +25,7 @@ class Host(record("Host", "inventory facts facts_source container nodes cdi_node
     needs NVML; `facts_source` says where they came from); `container` (discover.
     ContainerFacts) the image's library dirs and glibc; `nodes` maps a container device path
     (/dev/nvidia0) to the host node's (mode, uid, gid, host path); `cdi_nodes` the GPU nodes
-    of CDI names only a spec resolves (gpuhook.cdi); `cache` the inventory cache document to
+    of CDI names only a spec resolves (gpuhook.discover.cdi); `cache` the inventory cache document to
     write, or None; `ldconfig` the host's ldconfig (discover.HostLdconfig) for a glibc
     image, None for others; `feature_nodes` the (feature, path, major, minor) of the host's
     nodes for the request's `features` (NVIDIA_NVSWITCH, NVIDIA_GDRCOPY)."""
@@ -37,7 +37,7 @@ def survey(request, spec, config) -> Host:
     """Read what planning `request` for the container of `spec` needs."""
     cdi_nodes = ()
     if request.cdi:
-        from gpuhook import cdi
+        from gpuhook.discover import cdi
 
         cdi_nodes = req.gpu_nodes(cdi.resolve(request.cdi, config.cdi_spec_dirs))
     names_mig = request._replace(nodes=request.nodes + cdi_nodes).names_mig

@@ -248,7 +248,7 @@ def _sorted_libraries(libs) -> tuple:
 
 
 def _libraries_in_ld_cache(driver_root: str, machine: str) -> list:
-    from gpuhook import ldcache  # only when the inventory is (re)built, not on a cached start
+    from gpuhook.discover import ldcache  # only when the inventory is (re)built, not on a cached start
 
     arch = ldcache.ARCH_FLAGS.get(machine)
     if arch is None:
@@ -299,7 +299,7 @@ def libraries_in_dirs(driver_root: str, dirs, version: str | None, machine: str 
     this machine, with the soname their ELF header gives. Of several files of one library,
     the one named for the driver `version` wins (NVIDIA's toolkit also locates
     lib*.so.<version>), else the last by name."""
-    from gpuhook import elf
+    from gpuhook.discover import elf
 
     machine = machine or os.uname().machine
     capability_of = _capability_of()
@@ -369,7 +369,7 @@ def find_binaries(driver_root: str, dirs=()) -> BinaryLookup:
     """Each driver program (BINARIES) from the first of `dirs` (BINARY_DIRS when empty) that
     holds it as an ELF program, links followed inside the driver root. A shell script of that
     name is never taken: mounted into a container it would run whatever it names there."""
-    from gpuhook import elf
+    from gpuhook.discover import elf
 
     found, skipped = [], []
     for cap, names in BINARIES.items():
@@ -447,7 +447,7 @@ def find_ldconfig(configured: str, driver_root: str = "/", root: str = "/") -> H
 
 def _ldconfig_problem(path: str):
     """None when `path` is a 64-bit statically linked ELF program, else why it is not one."""
-    from gpuhook import elf
+    from gpuhook.discover import elf
 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)

@@ -20,7 +20,8 @@ rebuilds the inventory but keeps NVML's facts.
 
 import os
 
-from gpuhook import cache, discover
+from gpuhook import cache
+from gpuhook.discover import host as discover
 from gpuhook.record import record
 
 FORMAT = 4  # 4: the key holds the watched directories; binaries are ELF programs only
@@ -162,7 +163,7 @@ def write_cache(config, pending) -> None:
 
 
 def _query_nvml(config) -> tuple:
-    from gpuhook import nvml
+    from gpuhook.discover import nvml
 
     with nvml.Session(nvml.library_path(config)) as session:
         seen = session.inventory()
