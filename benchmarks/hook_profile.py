@@ -148,7 +148,8 @@ def main() -> None:
     start = time.perf_counter_ns()
     from gpuhook import apply
     emit("import gpuhook.apply (workerproc, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
-    from gpuhook import cache, config, journal, oci, request
+    from gpuhook import cache, config, journal
+    from gpuhook.request import oci, resolve as request
     from gpuhook.discover import host as discover, inventory
     from gpuhook.cgroup import hierarchy
 

@@ -3,7 +3,7 @@
 The spec (docs/cdi.md), of gpuhook's own kind `gpuhook.example/gpu`, names every GPU by index and UUID, every MIG device by `GPU:MIG` and
 MIG UUID, and `all`. Each device injects its device nodes and one marker: a read-only bind
 of /dev/null at /var/run/nvidia-container-devices/<UUID> (or `all`), the device plugin's
-volume-mount channel (gpuhook.request), which only a runtime or a spec can create. The
+volume-mount channel (gpuhook.request.resolve), which only a runtime or a spec can create. The
 spec-wide edits inject the control nodes, read-only mounts of the driver files for the
 chosen capabilities at their host paths (as NVIDIA's own generator does), and gpuhook itself
 as the createRuntime and poststop hook. The hook finds the exact GPUs through the markers,
@@ -15,7 +15,7 @@ changes nothing; the command writes the result.
 """
 
 from gpuhook.discover import host as discover, inventory
-from gpuhook import request as req
+from gpuhook.request import resolve as req
 from gpuhook.plan import CONTROL_MINOR, LIBRARY_CAPABILITIES
 
 # 0.5.0: what podman 4.3 (Debian 12) and containerd 1.7 read. Spec-level annotations (0.6.0)

@@ -20,8 +20,9 @@ import sys
 import time
 
 from gpuhook import config as cfg
-from gpuhook import journal, oci
-from gpuhook import request as req
+from gpuhook import journal
+from gpuhook.request import oci
+from gpuhook.request import resolve as req
 from gpuhook.errors import INTERNAL_ERROR, DeadlineError, GpuhookError, InputError, from_os_error, printable
 from gpuhook.plan import empty_plan, make_plan
 
@@ -225,7 +226,7 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
             record.update(container=state.id, **journal.k8s_names({**spec.annotations, **state.annotations}))
             docker_root = os.environ.get("GPUHOOK_DOCKER_DATA_ROOT")  # set by the Docker launcher only
             if docker_root:
-                from gpuhook import dockerd
+                from gpuhook.request import dockerd
 
                 spec = dockerd.daemon_request(spec, state.id, docker_root)
             from gpuhook import served

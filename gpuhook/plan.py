@@ -8,8 +8,8 @@ gpuhook.apply turns it into system calls (docs/architecture.md).
 """
 
 
-from gpuhook import request as req
-from gpuhook import requirements as reqs
+from gpuhook.request import resolve as req
+from gpuhook.request import requirements as reqs
 from gpuhook.devrules.devices import char_device
 from gpuhook.discover.host import LIBRARIES
 from gpuhook.errors import HostError
@@ -24,7 +24,7 @@ MPS_OPTIONS = ("nosuid", "nodev", "noexec")
 LIBRARY_CAPABILITIES = frozenset(LIBRARIES)
 DEFAULT_NODE_MODE = 0o666
 CONTROL_MINOR = 255
-# What each optional device (gpuhook.request.FEATURES) needs of the host, for the note when it is missing.
+# What each optional device (gpuhook.request.resolve.FEATURES) needs of the host, for the note when it is missing.
 FEATURE_NODES = {"nvswitch": "/dev/nvidia-nvswitch* node (nvidia-nvswitch driver)",
                  "gdrcopy": "/dev/gdrdrv node (gdrdrv module)"}
 MODESET_MINOR = 254

@@ -19,7 +19,7 @@ def resolve_devices(text: str | None, config) -> list:
     and MIG UUIDs; every GPU of the host when `text` is None. A device this host does not
     have is bad input (exit 2), named: nothing is checked and no report is written for it."""
     from gpuhook.discover import host as discover
-    from gpuhook import request as req
+    from gpuhook.request import resolve as req
 
     host = discover.gpus(config.proc_root)
     if text is None:

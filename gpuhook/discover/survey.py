@@ -11,7 +11,7 @@ import os
 
 from gpuhook.discover import host as discover
 from gpuhook.discover import inventory as inv
-from gpuhook import request as req
+from gpuhook.request import resolve as req
 from gpuhook.record import record
 
 MAX_CAPS_NODES = 4096  # /dev/nvidia-caps entries looked at
@@ -89,7 +89,7 @@ GDRDRV_MINOR = 0
 
 def feature_nodes(config, features) -> tuple:
     """(feature, path, major, minor) of the device nodes the host has for `features`
-    (gpuhook.request.FEATURES): /dev/gdrdrv; /dev/nvidia-nvswitchctl and each
+    (gpuhook.request.resolve.FEATURES): /dev/gdrdrv; /dev/nvidia-nvswitchctl and each
     /dev/nvidia-nvswitch<N>. A node counts only while its driver's major is in /proc/devices,
     read now: the inventory cache keys only the nvidia lines, and gdrdrv may load later."""
     if not features:

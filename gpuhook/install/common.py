@@ -52,7 +52,7 @@ TIMEOUT_MARGIN = 5
 # The annotation-gated variant: podman and CRI-O start the hook only for containers with a
 # CDI annotation naming a device of any NVIDIA kind (nvidia.com/gpu, k8s.device-plugin.nvidia.com/gpu,
 # a DRA claim k8s.gpu.nvidia.com/claim) or of gpuhook's own (gpuhook.example/gpu), the kinds the
-# annotation channel accepts (gpuhook.request.is_gpu_kind) and the one request channel that is
+# annotation channel accepts (gpuhook.request.resolve.is_gpu_kind) and the one request channel that is
 # also an annotation (podman matches `when.annotations` keys and values as unanchored regular
 # expressions).
 CDI_WHEN = {r"^cdi\.k8s\.io/.*$": r"(nvidia\.com/[a-zA-Z0-9_.-]+|gpuhook\.example/gpu)="}

@@ -23,7 +23,7 @@ import grpc
 
 from gpuhook import cache, journal
 from gpuhook.discover import host as discover
-from gpuhook import request as req
+from gpuhook.request import resolve as req
 from gpuhook.errors import GpuhookError, HostError, InputError, printable
 from gpuhook.health import store
 

@@ -13,8 +13,8 @@ import pytest
 
 from gpuhook.discover import cdi
 from gpuhook import config as cfg
-from gpuhook import oci
-from gpuhook import request as req
+from gpuhook.request import oci
+from gpuhook.request import resolve as req
 from gpuhook.discover.host import Gpu, Inventory
 from gpuhook.errors import HostError, RequestError
 from gpuhook.discover.inventory import GpuFacts, MigEntry, NvmlFacts

@@ -17,7 +17,7 @@ import uuid as uuidlib
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import oci
+from gpuhook.request import oci
 from gpuhook.cgroup import hierarchy
 from gpuhook.errors import GpuUnhealthyError, HealthDeadlineError, HostError
 from gpuhook.health import engine, hooks, owners, registry, store

@@ -264,7 +264,7 @@ def test_library_path_follows_the_config(sim, tmp_path):
 
 
 def test_importing_the_backend_does_not_load_pynvml():
-    done = subprocess.run([sys.executable, "-c", "import sys, gpuhook.discover.nvml, gpuhook.requirements; "
+    done = subprocess.run([sys.executable, "-c", "import sys, gpuhook.discover.nvml, gpuhook.request.requirements; "
                            "print('pynvml' in sys.modules)"], capture_output=True, text=True, cwd=REPO, check=True)
     assert done.stdout.strip() == "False"
 

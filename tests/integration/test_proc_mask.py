@@ -19,7 +19,7 @@ pytestmark = pytest.mark.root
 SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook import apply, nsworker, oci
+from gpuhook import apply, nsworker; from gpuhook.request import oci
 from gpuhook.plan import Plan, ProcMask
 
 root = {root!r}

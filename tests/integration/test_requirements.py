@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from gpuhook import requirements
+from gpuhook.request import requirements
 from gpuhook.discover import nvml
 from gpuhook.errors import HostError, RequestError, RequirementError
-from gpuhook.requirements import GpuTraits, HostFacts
+from gpuhook.request.requirements import GpuTraits, HostFacts
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
 

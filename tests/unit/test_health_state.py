@@ -12,7 +12,7 @@ import time
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import oci
+from gpuhook.request import oci
 from gpuhook.errors import ConfigError, HostError, InputError
 from gpuhook.health import actions, registry, store
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import oci
-from gpuhook import request as req
+from gpuhook.request import oci
+from gpuhook.request import resolve as req
 from gpuhook.discover.host import ContainerFacts, Gpu, HostFile, HostLdconfig, Inventory, Library
 from gpuhook.errors import HostError
 from gpuhook.plan import make_plan, render_text

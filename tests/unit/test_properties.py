@@ -6,8 +6,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpuhook import config as cfg
-from gpuhook import oci, prescan
-from gpuhook import request as req
+from gpuhook import prescan
+from gpuhook.request import oci
+from gpuhook.request import resolve as req
 from gpuhook.discover.host import Gpu
 from gpuhook.errors import InputError, RequestError
 
@@ -148,7 +149,7 @@ def test_oversized_requests_are_request_errors_never_crashes(value, channel):
     try:
         request = req.resolve(spec, {}, cfg.from_mapping({}))
         req.select(request, GPUS)
-        from gpuhook import requirements as reqs
+        from gpuhook.request import requirements as reqs
 
         for requirement in reqs.collect(spec.env):
             reqs.check(requirement, reqs.HostFacts("12.4", "550.54.15", []))

@@ -69,7 +69,7 @@ class Request(record("Request", "wants ids capabilities channel notes mig_config
     NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES, honoured for privileged
     containers only. `cdi` are CDI names only a CDI spec can resolve (gpuhook.discover.cdi turns them
     into `nodes`); `nodes` are granted device nodes (oci.Device: GPU and MIG access nodes);
-    `requirements` the image's NVIDIA_REQUIRE_* constraints (gpuhook.requirements), parsed once
+    `requirements` the image's NVIDIA_REQUIRE_* constraints (gpuhook.request.requirements), parsed once
     here for discovery (they decide whether NVML is loaded) and planning (which checks them);
     `features` the optional devices the environment enabled (FEATURES: "nvswitch", "gdrcopy")."""
 
@@ -360,7 +360,7 @@ def resolve(spec, state_annotations: dict, config) -> Request:
             what = "; ".join(f"{name} asks for {UNSUPPORTED[name]}" for name in refused)
             raise RequestError(f"{what}, which gpuhook does not provide",
                                f"unset {', '.join(refused)}, or use NVIDIA's toolkit for this container")
-        from gpuhook import requirements as reqs
+        from gpuhook.request import requirements as reqs
 
         request = request._replace(requirements=reqs.collect(spec.env), **_features(spec.env, request.notes))
     return request
@@ -538,7 +538,7 @@ def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
 
 def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_facts: bool,
                  lenient: bool = False) -> tuple:
-    """([(GPU, MigTarget or None) for each granted node (gpuhook.oci.Device)], whether any
+    """([(GPU, MigTarget or None) for each granted node (gpuhook.request.oci.Device)], whether any
     node is the NVIDIA driver's). With `lenient`
     (nodes the runtime put in linux.devices), a node of another driver's major that only
     carries an NVIDIA name is not NVIDIA's and is skipped; from an orchestrator's grant it

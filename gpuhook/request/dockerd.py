@@ -98,8 +98,8 @@ def watch_for_stop(state_bytes: bytes, pid: int, start_time: int, config_path: s
     import sys
     import tempfile
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    poststop = [sys.executable, "-I", "-S", os.path.join(here, "launch.py"), "poststop"]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gpuhook/
+    poststop = [sys.executable, "-I", "-S", os.path.join(package, "launch.py"), "poststop"]
     if config_path:
         poststop += ["--config", os.path.abspath(config_path)]
     with tempfile.TemporaryFile(dir="/tmp") as state:
