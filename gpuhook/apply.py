@@ -28,10 +28,11 @@ gpuhook.nsworker.
 
 import os
 
-from gpuhook import actions, workerproc
+from gpuhook import workerproc
+from gpuhook.plan import records as actions
 from gpuhook.cgroup import hierarchy
 from gpuhook.errors import GpuhookError, HostError, InputError
-from gpuhook.plan import ProcMask
+from gpuhook.plan.records import ProcMask
 
 # The worker's and the health step's deadlines are this much shorter than the hook's, so
 # that undoing a start (the worker's steps, the grant) still fits in the hook's own time.

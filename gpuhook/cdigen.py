@@ -16,7 +16,7 @@ changes nothing; the command writes the result.
 
 from gpuhook.discover import host as discover, inventory
 from gpuhook.request import resolve as req
-from gpuhook.plan import CONTROL_MINOR, LIBRARY_CAPABILITIES
+from gpuhook.plan.make import CONTROL_MINOR, LIBRARY_CAPABILITIES
 
 # 0.5.0: what podman 4.3 (Debian 12) and containerd 1.7 read. Spec-level annotations (0.6.0)
 # make their CDI library reject the whole spec, so the spec has none.

@@ -24,7 +24,7 @@ from gpuhook import journal
 from gpuhook.request import oci
 from gpuhook.request import resolve as req
 from gpuhook.errors import INTERNAL_ERROR, DeadlineError, GpuhookError, InputError, from_os_error, printable
-from gpuhook.plan import empty_plan, make_plan
+from gpuhook.plan.make import empty_plan, make_plan
 
 BACKSTOP_GRACE = 0.6  # seconds past the deadline at which the backstop ends the hook itself
 FINAL_GRACE = 0.9  # ... and at which it ends it even when the main thread was writing its own line

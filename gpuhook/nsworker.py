@@ -18,7 +18,7 @@ import time
 
 from gpuhook import fastjson, safepath, workerproc
 from gpuhook.kernel import linux, mountinfo
-from gpuhook.actions import ProcMask, decode_order
+from gpuhook.plan.records import ProcMask, decode_order
 
 _MS = {"ro": linux.MS_RDONLY, "nosuid": linux.MS_NOSUID, "nodev": linux.MS_NODEV, "noexec": linux.MS_NOEXEC}
 _MOUNT_ATTR = {"ro": linux.MOUNT_ATTR_RDONLY, "nosuid": linux.MOUNT_ATTR_NOSUID, "nodev": linux.MOUNT_ATTR_NODEV,

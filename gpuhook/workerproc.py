@@ -11,7 +11,7 @@ from a process whose health-check threads may be stuck in a driver call.
 
 The exchange, over two pipes (docs/architecture.md, "The namespace worker"):
 
-1. parent -> child: the work order, length-prefixed (gpuhook.actions.encode_order: plain
+1. parent -> child: the work order, length-prefixed (gpuhook.plan.records.encode_order: plain
    data only, the plan's records as tuples, packed with marshal, which is built in).
 2. child -> parent: one JSON line, the report: ``{"ok": true, ...}`` once every step is
    done, or ``{"ok": false, "step", "error", "cleanup"}`` after undoing them. Meanwhile the

@@ -3,7 +3,7 @@
 `survey(request, spec, config)` is the only step of a start that reads the host and the
 image before planning (docs/architecture.md). It changes nothing: the inventory cache it
 would refresh comes back as `Host.cache`, which the hook writes in one place
-(`write_caches`) and a dry run never does. gpuhook.plan.make_plan then plans from the Host
+(`write_caches`) and a dry run never does. gpuhook.plan.make.make_plan then plans from the Host
 alone.
 """
 

@@ -17,7 +17,7 @@ WARN = "warn"
 
 def plan_gpus(plan) -> list:
     """UUIDs of the GPUs a plan gives the container, each once: whole GPUs and the parent
-    GPUs of its MIG devices (gpuhook.plan keeps both in `gpus`)."""
+    GPUs of its MIG devices (gpuhook.plan.make keeps both in `gpus`)."""
     uuids = []
     for gpu in plan.gpus:
         if gpu.uuid not in uuids:

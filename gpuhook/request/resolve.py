@@ -101,7 +101,7 @@ class Selection(record("Selection", "gpus migs mig_config mig_monitor runtime_gr
     container gets (whole GPUs and MIG parents, once each, in request order); `migs` the MIG
     devices; `mig_config` / `mig_monitor` whether the container gets those capabilities;
     `runtime_grant` whether the GPUs are the NVIDIA nodes the runtime put in linux.devices
-    (their access then stays within the runtime's own rules: gpuhook.plan)."""
+    (their access then stays within the runtime's own rules: gpuhook.plan.make)."""
 
     __slots__ = ()
 
@@ -343,7 +343,7 @@ UNSUPPORTED = {
 OFF_VALUES = ("", "void", "none", "disabled", "false")
 # Optional devices a GPU container turns on with VARIABLE=enabled, as NVIDIA's toolkit does
 # (internal/modifier/gated.go: only the exact value "enabled"; internal/discover/nvswitch.go
-# and gdrcopy.go: the nodes). gpuhook.discover.survey finds the host's nodes, gpuhook.plan adds them.
+# and gdrcopy.go: the nodes). gpuhook.discover.survey finds the host's nodes, gpuhook.plan.make adds them.
 FEATURES = {
     "NVIDIA_NVSWITCH": "nvswitch",  # /dev/nvidia-nvswitchctl and every /dev/nvidia-nvswitch<N>
     "NVIDIA_GDRCOPY": "gdrcopy",  # /dev/gdrdrv (GDRCopy's gdrdrv module)

@@ -261,7 +261,7 @@ def test_trace_start_follows_the_hook_and_its_forked_worker(tmp_path):
     figures = doc["figures"]
     assert doc["setup"]["decision"] == "gpus injected"  # the traced hook did the start, unchanged
     assert figures["processes"] == 2  # the hook and the namespace worker
-    assert {"gpuhook/launch.py", "gpuhook/hook.py", "gpuhook/plan.py", "gpuhook/nsworker.py"} <= set(figures["files"])
+    assert {"gpuhook/launch.py", "gpuhook/hook.py", "gpuhook/plan/make.py", "gpuhook/nsworker.py"} <= set(figures["files"])
     assert any(step.endswith("gpuhook/nsworker.py serve") for step in figures["step_list"])  # seen in the worker
     assert figures["functions"] > 0 and figures["steps_between_files"] > 0 and figures["unmapped_modules"] == []
     assert {b["what"] for b in figures["back_edges"]} <= {"real", "data", "passed-in"}

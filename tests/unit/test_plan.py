@@ -9,7 +9,7 @@ from gpuhook.request import oci
 from gpuhook.request import resolve as req
 from gpuhook.discover.host import ContainerFacts, Gpu, HostFile, HostLdconfig, Inventory, Library
 from gpuhook.errors import HostError
-from gpuhook.plan import make_plan, render_text
+from gpuhook.plan.make import make_plan, render_text
 from gpuhook.discover.survey import Host
 
 GPUS = (Gpu(0, "GPU-a", 0, "0000:18:00.0", "Sim"), Gpu(1, "GPU-b", 3, "0000:28:00.0", "Sim"))

@@ -13,7 +13,7 @@ from gpuhook.request import requirements as reqs
 from gpuhook.devrules.devices import char_device
 from gpuhook.discover.host import LIBRARIES
 from gpuhook.errors import HostError
-from gpuhook.actions import BindMount, DeviceNode, LdCacheUpdate, ProcMask, Symlink  # noqa: F401 (re-exported)
+from gpuhook.plan.records import BindMount, DeviceNode, LdCacheUpdate, ProcMask, Symlink  # noqa: F401 (re-exported)
 from gpuhook.record import record
 
 # Mount options, as in `mount -o`; the apply layer maps them to MS_* flags.

@@ -1,6 +1,6 @@
 """The container-side actions of a plan, and the order that carries them to the worker.
 
-These records are the part of a gpuhook.plan.Plan that the namespace worker (gpuhook.nsworker)
+These records are the part of a gpuhook.plan.make.Plan that the namespace worker (gpuhook.nsworker)
 carries out inside the container's mount namespace. They live apart from the planning so the
 worker, forked before the planning starts (gpuhook.workerproc), loads only this module and
 not the planner's. `encode_order` packs them, as plain tuples, for the pipe to the worker;
