@@ -11,7 +11,7 @@ container's mount namespace, where the path would not resolve). In the worker, e
 takes (every device node, bind mount, symlink, the /proc mask, ldconfig) gets its own record
 named "step: <the worker's name of the step>", e.g. "step: mount /usr/bin/nvidia-smi", and the
 mount system calls (open_tree, mount_setattr, move_mount, mount) are timed; "worker start-up"
-runs from the fork to gpuhook.nsworker loaded.
+runs from the fork to gpuhook.apply.nsworker loaded.
 
 With --fast-exit the process ends with os._exit after flushing stdio instead of the normal
 interpreter finalization; run.py times both side by side to measure what teardown costs.
@@ -122,7 +122,7 @@ def patch_worker(nsworker) -> None:
     from gpuhook.kernel import linux
 
     # The worker's start-up: from the fork to its module loaded, ready for the order.
-    emit("worker start-up (fork to gpuhook.nsworker loaded)", 1, READY_AT[0], time.perf_counter_ns())
+    emit("worker start-up (fork to gpuhook.apply.nsworker loaded)", 1, READY_AT[0], time.perf_counter_ns())
     patch(nsworker, "_read_exactly", "nsworker._read_exactly (waiting for the order)")
     patch(nsworker, "run", "nsworker.run (in the container's mount ns)")
     for method in ("open_sources", "check_rootfs", "node", "bind", "symlink", "mask_proc", "ldconfig"):
@@ -146,12 +146,12 @@ def main() -> None:
     emit("import gpuhook.hook (config, oci, request, discover, inventory, plan, journal, fastjson, ...)",
          1, start, time.perf_counter_ns())
     start = time.perf_counter_ns()
-    from gpuhook import apply
-    emit("import gpuhook.apply (workerproc, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
+    from gpuhook.apply import run as apply
+    emit("import gpuhook.apply.run (workerproc, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
     from gpuhook import cache, config, journal
     from gpuhook.request import oci, resolve as request
     from gpuhook.discover import host as discover, inventory
-    from gpuhook.cgroup import hierarchy
+    from gpuhook.apply.cgroup import hierarchy
 
     patch(entry, "run_stage", "entry.run_stage (stdin, config.json, prescan, hook)")
     patch(prescan, "may_request_gpu", "prescan.may_request_gpu")
@@ -183,27 +183,27 @@ def main() -> None:
     patch(apply, "read_proc_files", "apply.read_proc_files")
     patch(hierarchy, "placement", "cgroup.hierarchy.placement")
     patch(apply, "_grant", "apply._grant (devices.allow / device program, systemd)")
-    from gpuhook import workerproc
+    from gpuhook.apply import worker
 
-    patch(workerproc, "start_early", "workerproc.start_early (fork the namespace worker)")
-    fork = workerproc.start
+    patch(worker, "start_early", "workerproc.start_early (fork the namespace worker)")
+    fork = worker.start
 
     def start_marked(*args, **kwargs):
         READY_AT[0] = time.perf_counter_ns()  # the child inherits it: its start-up begins here
         return fork(*args, **kwargs)
-    workerproc.start = start_marked
-    patch(workerproc.Worker, "send_order", "Worker.send_order")
-    patch(workerproc.Worker, "report", "Worker.report (parent waits for the worker)")
-    patch(workerproc.Worker, "commit", "Worker.commit (worker keeps its work, exits)")
-    patch(workerproc, "discard", "workerproc.discard")
-    # The worker imports gpuhook.nsworker itself, after the fork (that is the point of
+    worker.start = start_marked
+    patch(worker.Worker, "send_order", "Worker.send_order")
+    patch(worker.Worker, "report", "Worker.report (parent waits for the worker)")
+    patch(worker.Worker, "commit", "Worker.commit (worker keeps its work, exits)")
+    patch(worker, "discard", "workerproc.discard")
+    # The worker imports gpuhook.apply.nsworker itself, after the fork (that is the point of
     # forking early): its phases are patched as that import finishes, in the worker.
-    sys.meta_path.insert(0, PatchOnImport("gpuhook.nsworker", patch_worker))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.nsworker", patch_worker))
     # Health (only with [health] mode on) is imported where it is used: patched likewise.
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.hooks", lambda m: (
         patch(m, "before_start", "health.before_start (stamps, daemon or own checks)"),
         patch(m, "register_container", "health.register_container"))))
-    sys.meta_path.insert(0, PatchOnImport("gpuhook.grants", lambda m: patch(m, "record", "grants.record (cgroup v1)")))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.grants", lambda m: patch(m, "record", "grants.record (cgroup v1)")))
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.daemon", lambda m: patch(m, "ask", "health.daemon.ask")))
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.store", lambda m: patch(m, "claim_stamp",
                                                                                    "health.store.claim_stamp")))

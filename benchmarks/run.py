@@ -986,7 +986,7 @@ def step_totals(steps: list) -> dict:
 
 def worker_timeline(per_run: list) -> dict:
     """Medians over the runs of when the namespace worker was ready (its start-up: fork to
-    gpuhook.nsworker loaded) and when the hook sent its order: start-up is off the critical
+    gpuhook.apply.nsworker loaded) and when the hook sent its order: start-up is off the critical
     path while it ends before the order is sent."""
     startup, ready, order, waited = [], [], [], []
     for _, records in per_run:
@@ -1000,7 +1000,7 @@ def worker_timeline(per_run: list) -> dict:
     if not startup:
         return {}
     med = lambda values: H.summary(values)["median"]  # noqa: E731
-    return {"worker start-up (fork to gpuhook.nsworker loaded)": med(startup),
+    return {"worker start-up (fork to gpuhook.apply.nsworker loaded)": med(startup),
             "worker ready, ms after the hook's first line": med(ready),
             "order sent, ms after the hook's first line": med(order),
             "worker idle before its order (> 0: start-up off the critical path)": med(waited)}

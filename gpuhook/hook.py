@@ -3,7 +3,7 @@
 Reached only when gpuhook.prescan could not rule a GPU request out (or from the CLI for a
 dry run). `plan_start` is everything up to the plan and changes nothing (a dry run is
 exactly it); `prestart` then writes gpuhook's caches in one place and hands the plan to
-gpuhook.apply.run, the only code that changes the system (health step included). The
+gpuhook.apply.run.run, the only code that changes the system (health step included). The
 boundary at the bottom turns every failure into one ``gpuhook: ...`` line on stderr and a
 non-zero exit; the runtime then aborts the start and shows that line.
 
@@ -34,7 +34,7 @@ class Backstop:
     """The hook's last line of defence against its own deadline: a thread (started with the
     built-in _thread, no threading import) that sleeps until `deadline` + BACKSTOP_GRACE.
     If the main thread has not ended the hook by then (`finish`), it stops the namespace
-    worker (what that leaves is taken back or recorded: gpuhook.leftovers), prints one
+    worker (what that leaves is taken back or recorded: gpuhook.apply.leftovers), prints one
     ``gpuhook:`` line naming the phase, writes the log record and exits 7 (0 at poststop).
     A main thread stuck in a call that holds the GIL delays it, which is why every input is
     bounded in size first."""
@@ -105,7 +105,7 @@ class Backstop:
             os._exit(code)
 
     def _where(self) -> str:
-        workers = sys.modules.get("gpuhook.workerproc")
+        workers = sys.modules.get("gpuhook.apply.worker")
         for worker in workers.live if workers is not None else ():
             if worker.ordered and not worker.reaped and not worker.settled:
                 return f"{self.phase} ({worker.step()})"
@@ -113,8 +113,8 @@ class Backstop:
 
     def _stop_workers(self, record: dict) -> str:
         """Kill a worker still at work; its leftovers are taken back or recorded. One the
-        main thread is already settling (gpuhook.apply) is left to it, for a moment."""
-        workers = sys.modules.get("gpuhook.workerproc")
+        main thread is already settling (gpuhook.apply.run) is left to it, for a moment."""
+        workers = sys.modules.get("gpuhook.apply.worker")
         notes = []
         for worker in list(workers.live) if workers is not None else ():
             while worker.settling and time.monotonic() < self.deadline + FINAL_GRACE:
@@ -123,7 +123,7 @@ class Backstop:
                 continue
             worker.close()
             if worker.unsettled and worker.context and self.state_dir:
-                from gpuhook import leftovers
+                from gpuhook.apply import leftovers
 
                 notes.append(leftovers.settle(worker, *worker.context, self.state_dir, record))
         return "; ".join(filter(None, notes))
@@ -149,7 +149,7 @@ def read_container(state_bytes: bytes, spec_bytes: bytes | None = None, base_dir
 
 
 def prestart(state, spec, config, deadline: float, record: dict | None = None, backstop=None) -> tuple:
-    """Plan, write the caches discovery refreshed, apply the whole plan (gpuhook.apply.run:
+    """Plan, write the caches discovery refreshed, apply the whole plan (gpuhook.apply.run.run:
     health, devices, registration). `record` (the log record) receives the decisions;
     `backstop` (Backstop) is told the phase."""
     if state.status and state.status not in oci.STARTING_STATUSES:
@@ -160,12 +160,12 @@ def prestart(state, spec, config, deadline: float, record: dict | None = None, b
     plan, host = plan_start(state, spec, config)
     if plan.empty:
         return plan, None
-    from gpuhook import apply, leftovers
+    from gpuhook.apply import leftovers, run as apply
     from gpuhook.discover import survey
 
     survey.write_caches(config, host)
     # What an earlier start on this rootfs could not take back is taken back first; while its
-    # worker is still stuck in the kernel, the start is refused (gpuhook.leftovers).
+    # worker is still stuck in the kernel, the start is refused (gpuhook.apply.leftovers).
     leftovers.reap(config.state_dir, {} if record is None else record, rootfs=plan.rootfs)
     if backstop is not None:
         backstop.phase = "applying"
@@ -179,9 +179,9 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
     the state's id is needed; a bundle that is already gone costs the log its names only."""
     state = oci.parse_state(state_bytes, base_dir)
     record["container"] = state.id
-    from gpuhook import served
+    from gpuhook.apply import served
 
-    # A second poststop entry of one start (gpuhook.served) finds the first one's work done.
+    # A second poststop entry of one start (gpuhook.apply.served) finds the first one's work done.
     stops = served.stop(config.state_dir, state.id, state.pid)
     if stops and all(doc.get("stopped") is True for _, doc in stops):
         record["decision"] = "nothing to do: another poststop hook of this container already cleaned up"
@@ -192,7 +192,7 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
         record.update(journal.k8s_names({**spec.annotations, **state.annotations}))
     except GpuhookError:
         record.update(journal.k8s_names(state.annotations))
-    from gpuhook import grants, leftovers
+    from gpuhook.apply import grants, leftovers
 
     leftovers.reap(config.state_dir, record, container_id=state.id)
     record["grants"] = grants.release(config.state_dir, state.id)
@@ -229,10 +229,10 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
                 from gpuhook.request import dockerd
 
                 spec = dockerd.daemon_request(spec, state.id, docker_root)
-            from gpuhook import served
+            from gpuhook.apply import served
 
             # The same start can run gpuhook twice (a base spec's prestart and a CDI spec's
-            # createRuntime: gpuhook.served); the first entry did the work.
+            # createRuntime: gpuhook.apply.served); the first entry did the work.
             earlier = served.served_by(config.state_dir, state.id, state.pid)
             if earlier is not None:
                 record["decision"] = f"untouched: gpuhook's {earlier} hook already served this start"
@@ -243,7 +243,9 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
                 if docker_root:  # dockerd registers no poststop: leave a waiter that runs it
                     start = served.start_of(state.pid) or 0
                     try:  # the start is committed: a waiter that cannot be left is only logged
-                        dockerd.watch_for_stop(state_bytes, state.pid, start, config_path)
+                        from gpuhook.apply import dockerwait
+
+                        dockerwait.watch_for_stop(state_bytes, state.pid, start, config_path)
                         record["poststop"] = "a waiter runs it when the container's init exits (Docker)"
                     except (OSError, TypeError) as err:
                         record["poststop"] = f"no waiter: {err}; nothing runs gpuhook's poststop for this container"
@@ -279,7 +281,7 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         record["nvml"] = f"loaded ({loaded} init{'s' if loaded != 1 else ''})" if loaded else "not loaded"
         record["seconds"] = round(time.monotonic() - started, 4)
         journal.write(backstop.log[0], record, backstop.log[1], backstop.log[2])
-        workers = sys.modules.get("gpuhook.workerproc")
+        workers = sys.modules.get("gpuhook.apply.worker")
         if workers is not None:  # reap the committed worker, which exited meanwhile
             workers.discard()
         backstop.returned = True

@@ -174,7 +174,7 @@ def _ldconfig(config) -> HostCheck:
 
 
 def _cgroup(root: str) -> HostCheck:
-    from gpuhook.cgroup.hierarchy import cgroup_mounts
+    from gpuhook.apply.cgroup.hierarchy import cgroup_mounts
 
     try:
         with open("/proc/self/mountinfo") as f:

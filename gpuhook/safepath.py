@@ -10,7 +10,7 @@ Two resolvers give the same answers: openat2(RESOLVE_IN_ROOT) where the kernel h
 and a component walk over O_NOFOLLOW descriptors elsewhere (RHEL 8's 4.18, for one). Tests
 run both. openat2 needs ctypes (gpuhook.kernel.linux), which costs about 3 ms to load; the planning
 side only asks `exists_in_root`, which walks, so the hook process does not load ctypes while
-the namespace worker (gpuhook.workerproc) loads it on another core.
+the namespace worker (gpuhook.apply.worker) loads it on another core.
 
 Writes stay on one mount (docs/security.md, "Writes only on the rootfs and the runtime's
 /dev"): a path resolved `same_mount` never crosses into another mount, neither down into a
@@ -189,7 +189,7 @@ class Changes:
     `journal`, when given, hears of every change as it is made and of every one undone
     (`add(kind, path, parent_fd, name, extra)` returns a token for `undone(token)`; `clear()`
     at the commit): the namespace worker keeps it in memory its parent can read, so what a
-    worker killed or stuck in the kernel leaves behind is known exactly (gpuhook.leftovers)."""
+    worker killed or stuck in the kernel leaves behind is known exactly (gpuhook.apply.leftovers)."""
 
     def __init__(self, journal=None):
         # (kind, parent dir fd, name, extra, journal token): kind is dir, file, relink or

@@ -1,6 +1,6 @@
 """The health checks at the hook's stages: before a start, after it, and after a stop.
 
-gpuhook.apply.run calls these only when the plan has a health step ([health] mode is not
+gpuhook.apply.run.run calls these only when the plan has a health step ([health] mode is not
 off and the plan has GPUs), so a
 container without GPUs, and every container with mode = "off", never loads NVML, threads or
 this package. Each fills the hook's log record (`record`) with what it decided.
@@ -211,7 +211,7 @@ def cleanup(entry, config, deadline: float) -> tuple:
 def processes_left(entry, proc: str = "/proc") -> list:
     """Pids still in the container's own cgroups (one read of each cgroup.procs; an unreadable
     cgroup that still exists counts as holding something)."""
-    from gpuhook.cgroup import hierarchy
+    from gpuhook.apply.cgroup import hierarchy
 
     try:
         with open(f"{proc}/self/mountinfo") as f:

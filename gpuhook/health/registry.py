@@ -44,7 +44,7 @@ another boot, is dropped when the registry is read.
 import os
 import time
 
-from gpuhook.cgroup import hierarchy
+from gpuhook.apply.cgroup import hierarchy
 from gpuhook.health import store
 from gpuhook.kernel import procstat
 from gpuhook.kernel.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)

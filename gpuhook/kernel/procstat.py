@@ -1,5 +1,5 @@
 """Process identity from /proc, and file names for container ids: what the health registry
-(gpuhook.health.registry) and the grant records (gpuhook.grants) both key their files by.
+(gpuhook.health.registry) and the grant records (gpuhook.apply.grants) both key their files by.
 Standard library only and cheap to import: the grant record is on every v1 GPU start."""
 
 from gpuhook.record import record

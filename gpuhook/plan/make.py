@@ -4,7 +4,7 @@
 it selects the GPUs, checks NVIDIA_REQUIRE_* and lays out the nodes, rules, mounts, links,
 /proc mask, ld cache update and the health step. It reads nothing and changes nothing.
 ``gpuhook prestart --dry-run`` prints exactly this data, tests compare it, and only
-gpuhook.apply turns it into system calls (docs/architecture.md).
+gpuhook.apply.run turns it into system calls (docs/architecture.md).
 """
 
 

@@ -244,7 +244,7 @@ def test_quick_gpu_path_importtime_and_breakdown(tmp_path):
         totals = doc["breakdown"][image]["steps"]
         assert totals["mount"] > 0 and set(totals) <= {"device node", "mount", "symlink", "mask", "ldconfig", "install"}
         worker = doc["breakdown"][image]["worker"]
-        assert worker["worker start-up (fork to gpuhook.nsworker loaded)"] > 0
+        assert worker["worker start-up (fork to gpuhook.apply.nsworker loaded)"] > 0
     assert "per step of the namespace worker" in stdout
     assert doc["breakdown"]["teardown"]["runc_run_ms_fast_exit"]["n"] >= 1
     assert not [n for n in os.listdir(tmp_path) if n.startswith("gpuhook-bench-")]  # scratch removed
@@ -261,8 +261,8 @@ def test_trace_start_follows_the_hook_and_its_forked_worker(tmp_path):
     figures = doc["figures"]
     assert doc["setup"]["decision"] == "gpus injected"  # the traced hook did the start, unchanged
     assert figures["processes"] == 2  # the hook and the namespace worker
-    assert {"gpuhook/launch.py", "gpuhook/hook.py", "gpuhook/plan/make.py", "gpuhook/nsworker.py"} <= set(figures["files"])
-    assert any(step.endswith("gpuhook/nsworker.py serve") for step in figures["step_list"])  # seen in the worker
+    assert {"gpuhook/launch.py", "gpuhook/hook.py", "gpuhook/plan/make.py", "gpuhook/apply/nsworker.py"} <= set(figures["files"])
+    assert any(step.endswith("gpuhook/apply/nsworker.py serve") for step in figures["step_list"])  # seen in the worker
     assert figures["functions"] > 0 and figures["steps_between_files"] > 0 and figures["unmapped_modules"] == []
     assert {b["what"] for b in figures["back_edges"]} <= {"real", "data", "passed-in"}
     assert not [n for n in os.listdir(tmp_path) if n.startswith("gpuhook-trace-")]  # scratch removed

@@ -8,7 +8,7 @@ nsenter. From outside, the namespace's cgroup tree is reachable under /proc/HOLD
 Access is checked by errno inside the container as in tests/integration/test_runc_v1.py: ENXIO = the
 device programs allow the node but no driver is behind it, EPERM = they deny it.
 
-The last part tests gpuhook.cgroup.systemd against a stand-in systemctl (systemd cannot run
+The last part tests gpuhook.apply.cgroup.systemd against a stand-in systemctl (systemd cannot run
 here); docs/cgroup-v2.md says how to check it on a systemd host.
 """
 
@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from gpuhook.simulate import runner as testbed
-from gpuhook.cgroup import bpf, systemd, v2
+from gpuhook.apply.cgroup import bpf, systemd, v2
 from gpuhook.devrules import program
 from gpuhook.devrules.devices import DeviceRule, parse_v1_line
 from gpuhook.errors import ApplyError
@@ -222,7 +222,7 @@ def test_one_program_holds_runcs_rules_then_ours_and_runc_update_changes_nothing
 
 def test_running_the_hook_twice_leaves_the_programs_rules_unchanged(v2ns, bed, gpus, runc_rules):
     # A second gpuhook with a state dir of its own (the same one would find the start served:
-    # gpuhook.served) grants again on the same container.
+    # gpuhook.apply.served) grants again on the same container.
     other = write_config(f"{bed.workdir}/other.toml", sim_config_values(gpus.sim, gpus.log),
                          **{"state-dir": f"{bed.workdir}/other-run"})
 
@@ -291,7 +291,7 @@ def test_missing_capability_is_one_line_and_changes_nothing(v2ns, bed, gpus):
         assert box.started.returncode == 0, box.output
         before = box.program_ids()
         script = ("import sys; sys.path.insert(0, sys.argv[1]);"
-                  "from gpuhook.cgroup import v2; from gpuhook.devrules.devices import char_device;"
+                  "from gpuhook.apply.cgroup import v2; from gpuhook.devrules.devices import char_device;"
                   "from gpuhook.errors import ApplyError\n"
                   "try: v2.grant(sys.argv[2], [char_device(195, 0)])\n"
                   "except ApplyError as err: print(err.one_line()); sys.exit(5)\n")
@@ -400,7 +400,7 @@ HYBRID = "\n".join(HYBRID_WITH_V2_ON_TOP.splitlines()[:4]) + "\n"
     (HYBRID_WITH_V2_ON_TOP, "/", ("v2", "/sys/fs/cgroup/ctr")),
 ])
 def test_policy_is_found_where_the_runtime_put_it(tmp_path, mountinfo, devices_path, expected):
-    from gpuhook.cgroup import hierarchy
+    from gpuhook.apply.cgroup import hierarchy
 
     (tmp_path / "42").mkdir()
     (tmp_path / "42" / "cgroup").write_text(f"9:name=systemd:/\n5:devices:{devices_path}\n0::/ctr\n")
@@ -409,7 +409,7 @@ def test_policy_is_found_where_the_runtime_put_it(tmp_path, mountinfo, devices_p
 
 
 def test_a_v2_policy_this_namespace_cannot_see_is_said_not_guessed(tmp_path):
-    from gpuhook.cgroup import hierarchy
+    from gpuhook.apply.cgroup import hierarchy
     from gpuhook.errors import HostError
 
     (tmp_path / "42").mkdir()
@@ -422,7 +422,7 @@ def test_a_v2_policy_this_namespace_cannot_see_is_said_not_guessed(tmp_path):
 
 
 def test_hidden_v1_devices_cgroup_that_restricts_is_an_error_not_a_silent_v2(tmp_path):
-    from gpuhook.cgroup import hierarchy
+    from gpuhook.apply.cgroup import hierarchy
     from gpuhook.errors import HostError
 
     (tmp_path / "42").mkdir()
@@ -769,7 +769,7 @@ def test_a_parent_cgroup_program_that_denies_the_gpu_fails_the_start_clearly(v2n
 FOREIGN_HOOK = r'''
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from gpuhook.cgroup import bpf
+from gpuhook.apply.cgroup import bpf
 from gpuhook.devrules import program
 from gpuhook.devrules.devices import parse_v1_line as R
 state = json.load(sys.stdin)

@@ -18,7 +18,7 @@ import pytest
 
 from gpuhook import config as cfg
 from gpuhook.request import oci
-from gpuhook.cgroup import hierarchy
+from gpuhook.apply.cgroup import hierarchy
 from gpuhook.errors import GpuUnhealthyError, HealthDeadlineError, HostError
 from gpuhook.health import engine, hooks, owners, registry, store
 from gpuhook.health.owners import Owner

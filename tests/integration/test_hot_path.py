@@ -89,7 +89,7 @@ def test_gpu_path_on_an_unchanged_host_avoids_the_heavy_stdlib(tmp_path, sim_hos
     done = run_hook_process(args, state, python_flags=("-X", "importtime"))
     assert b"shares the hook's mount namespace" in done.stderr  # it went all the way to apply
     loaded = module_names(done.stderr.decode())
-    assert {"gpuhook.hook", "gpuhook.discover.inventory", "gpuhook.apply"} <= loaded
+    assert {"gpuhook.hook", "gpuhook.discover.inventory", "gpuhook.apply.run"} <= loaded
     heavy = loaded & {"json", "re", "enum", "tomllib", "typing", "dataclasses", "subprocess", "signal",
                       "platform", "inspect"}
     assert heavy == set()

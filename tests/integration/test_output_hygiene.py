@@ -8,7 +8,7 @@ import pytest
 from conftest import require_root_tools
 
 from gpuhook import journal
-from gpuhook.cgroup import v1
+from gpuhook.apply.cgroup import v1
 from gpuhook.errors import ApplyError, InputError, printable
 
 

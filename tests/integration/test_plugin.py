@@ -478,7 +478,7 @@ def test_sigterm_stops_serving_removes_the_socket_and_exits_0(cluster):
 
 
 def test_the_hook_never_imports_grpc():
-    code = ("import sys; import gpuhook.hook, gpuhook.apply, gpuhook.discover.survey, gpuhook.plan.make, gpuhook.health.hooks, "
+    code = ("import sys; import gpuhook.hook, gpuhook.apply.run, gpuhook.discover.survey, gpuhook.plan.make, gpuhook.health.hooks, "
             "gpuhook.health.engine, gpuhook.entry, gpuhook.prescan; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('grpc', 'gpuhook.plugin')))))")
     done = subprocess.run([sys.executable, "-I", "-c", "import json; " + code], capture_output=True, text=True,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.root
 SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook import apply, nsworker; from gpuhook.request import oci
+from gpuhook.apply import run as apply, nsworker; from gpuhook.request import oci
 from gpuhook.plan.make import Plan; from gpuhook.plan.records import ProcMask
 
 root = {root!r}
@@ -76,7 +76,7 @@ def test_proc_driver_nvidia_is_masked_read_only_with_only_the_containers_gpus(tm
 
 
 def test_params_rewrite_adds_the_line_when_missing():
-    from gpuhook.apply import _no_device_files
+    from gpuhook.apply.run import _no_device_files
 
     assert _no_device_files(b"A: 1\nModifyDeviceFiles: 1\n") == b"A: 1\nModifyDeviceFiles: 0\n"
     assert _no_device_files(b"A: 1\n") == b"A: 1\nModifyDeviceFiles: 0\n"

@@ -195,7 +195,7 @@ def test_debian_family_image_gets_the_multiarch_library_dir(gpus):
 
 def test_hook_run_twice_is_idempotent(gpus):
     # A second gpuhook with a state dir of its own (the same one would find the start served:
-    # gpuhook.served) applies again on the same container.
+    # gpuhook.apply.served) applies again on the same container.
     other = write_config(f"{gpus.workdir}/other.toml", sim_config_values(gpus.sim, gpus.log),
                          **{"state-dir": f"{gpus.workdir}/other-run"})
 

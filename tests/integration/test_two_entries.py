@@ -1,6 +1,6 @@
 """One start that carries gpuhook twice (docs/packaging.md, "containerd": a base spec's prestart
 and a CDI spec's createRuntime, and both poststops), in real runc: the first entry of each kind
-does the work, the other is a no-op (gpuhook.served)."""
+does the work, the other is a no-op (gpuhook.apply.served)."""
 
 import os
 
@@ -56,7 +56,7 @@ def test_a_new_start_of_the_same_id_is_served_again(gpus):
 def test_records_of_stopped_starts_are_pruned_once_there_are_many(tmp_path):
     """A record outlives its start only until the registry of served starts grows: then the
     records of gone inits that a poststop marked stopped go, and live ones stay."""
-    from gpuhook import served
+    from gpuhook.apply import served
     from gpuhook.kernel import procstat
 
     state = str(tmp_path / "run")

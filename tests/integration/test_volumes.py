@@ -11,7 +11,7 @@ runtime's /dev, and a volume that stops answering never holds a start past its d
 - When a filesystem gpuhook must use stalls anyway (here a driver binary on such a FUSE),
   the worker stuck in the kernel is not waited for: the start ends one line, exit 7 and a
   log record of exactly what is left, within a second of its deadline; the record is reaped
-  once the worker is gone (gpuhook.leftovers).
+  once the worker is gone (gpuhook.apply.leftovers).
 """
 
 import json
@@ -260,10 +260,11 @@ def test_a_worker_stuck_in_the_kernel_is_left_recorded_and_reaped_later(bed, sta
 
 
 def test_the_reaper_takes_back_its_own_records_keeps_others_and_drops_those_of_rootfses_gone(tmp_path):
-    """Records as gpuhook.leftovers.settle writes them, for three rootfses whose workers are
+    """Records as gpuhook.apply.leftovers.settle writes them, for three rootfses whose workers are
     gone: the one being started is taken back, another's stays for its own poststop or
     start, one whose rootfs the runtime already removed is dropped."""
-    from gpuhook import cache, leftovers
+    from gpuhook import cache
+    from gpuhook.apply import leftovers
 
     state_dir = str(tmp_path / "state")
     rootfses = {}

@@ -1,6 +1,6 @@
 """The namespace worker's process, seen from the hook: fork it early, hand it the work, commit.
 
-gpuhook.nsworker does the container-side work in a child process (it must join the
+gpuhook.apply.nsworker does the container-side work in a child process (it must join the
 container's mount namespace, which a process can do only for itself). That child is forked
 here, and as early as the hook knows it may need one: gpuhook.entry starts it right after
 the prescan could not rule out a GPU request, so the child loads its modules (ctypes among
@@ -11,21 +11,21 @@ from a process whose health-check threads may be stuck in a driver call.
 
 The exchange, over two pipes (docs/architecture.md, "The namespace worker"):
 
-1. parent -> child: the work order, length-prefixed (gpuhook.plan.records.encode_order: plain
+1. parent -> child: the work order, length-prefixed (gpuhook.apply.order.encode_order: plain
    data only, the plan's records as tuples, packed with marshal, which is built in).
 2. child -> parent: one JSON line, the report: ``{"ok": true, ...}`` once every step is
    done, or ``{"ok": false, "step", "error", "cleanup"}`` after undoing them. Meanwhile the
    child names the step it is on in a shared page (`progress`), so a deadline names it.
 3. parent -> child, after an ok report: one byte, COMMIT (keep everything, exit) or ABORT
    (undo everything, answer ``{"undone": [problems]}``, exit). The parent grants the cgroup
-   rules and runs the health step while the child works (gpuhook.apply) and aborts when
+   rules and runs the health step while the child works (gpuhook.apply.run) and aborts when
    either fails, so either the whole start happens or none of it does.
 
 Besides the step, the shared memory holds the child's journal (`Journal`): every file,
 directory, link and mount it made, as it makes it, and which of them it has undone. A child
 that is killed before it undid its work (the deadline), or that is stuck in the kernel where
 no signal reaches it (a filesystem that stopped answering), leaves exactly what its journal
-says; gpuhook.leftovers takes that back or records it for later. No wait on the child is
+says; gpuhook.apply.leftovers takes that back or records it for later. No wait on the child is
 unbounded: a child that does not end within REAP_GRACE of its SIGKILL is left to the kernel
 (it ends when the call it is stuck in returns) and reported.
 
@@ -36,81 +36,15 @@ every start, ahead of the planning.
 import os
 
 from gpuhook import fastjson
+from gpuhook.apply.order import ABORT, COMMIT, JOURNAL_BYTES, PROGRESS_BYTES, REPORT_LIMIT, Journal, write_all
 from gpuhook.errors import ApplyError, DeadlineError
 
-PROGRESS_BYTES = 4096  # the shared page the worker names its current step in
-JOURNAL_BYTES = 60 << 10  # after it: the worker's journal of what it made (`Journal`)
 REAP_GRACE = 0.2  # seconds a killed worker gets to be gone before it counts as stuck
-# How long past its own deadline (the hook's, less apply.CLEANUP_MARGIN) a worker waits for
-# COMMIT or ABORT before it undoes its work itself: well after the hook is gone whatever
-# happened (its backstop ends it within a second of its deadline).
-COMMIT_WAIT = 4.0
-ORDER_LIMIT = 16 << 20  # an order is a few KiB; a bigger length prefix is a bug
-REPORT_LIMIT = 16 << 20
-COMMIT = b"c"
-ABORT = b"a"
 SIGKILL = 9  # as signal.SIGKILL, without importing signal (and enum) on the hook's path
 
 _early = None  # the worker gpuhook.entry forked ahead of the planning, until taken
 _exiting: list = []  # committed workers on their way out, reaped by `discard`
 live: list = []  # every worker this process forked (a hook forks one or two): gpuhook.hook.Backstop stops them
-
-
-class Journal:
-    """What the worker made and has not undone, in memory shared with the hook (after the
-    progress page): the hook can read it whatever became of the worker. The worker appends
-    (`add`, from safepath.Changes), marks undone (`undone`) and clears it when it keeps its
-    work (`clear`); the hook reads it (`entries`). Records: status byte (MADE or UNDONE), a
-    length, then [kind, container path, name, extra, st_dev, st_ino, st_ctime_ns] as JSON."""
-
-    MADE = 0x2B  # '+'
-    UNDONE = 0x30  # '0'
-    HEADER = 8  # u32 bytes used, u8 overflowed, padding
-
-    def __init__(self, memory):
-        self.memory = memory
-        self.base = PROGRESS_BYTES
-
-    def add(self, kind: str, path: str, parent_fd: int, name: str, extra: str):
-        """Append a change just made (`name` in the directory `parent_fd`, at container path
-        `path`); returns its token for `undone`, or None when the journal is full."""
-        try:  # the entry's identity, so that it is only ever taken back if it is still the same
-            st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-            ident = [st.st_dev, st.st_ino, st.st_ctime_ns]  # ctime: an inode number is reused at once
-        except OSError:
-            ident = [0, 0, 0]
-        data = fastjson.dumps([kind, path, name, extra, *ident]).encode("utf-8", "surrogateescape")
-        used = int.from_bytes(self.memory[self.base:self.base + 4], "little")
-        at = self.base + self.HEADER + used
-        if at + 3 + len(data) > self.base + JOURNAL_BYTES:
-            self.memory[self.base + 4] = 1
-            return None
-        self.memory[at + 1:at + 3 + len(data)] = len(data).to_bytes(2, "little") + data
-        self.memory[at] = self.MADE
-        self.memory[self.base:self.base + 4] = (used + 3 + len(data)).to_bytes(4, "little")
-        return at
-
-    def undone(self, token) -> None:
-        if token is not None:
-            self.memory[token] = self.UNDONE
-
-    def clear(self) -> None:
-        self.memory[self.base:self.base + 5] = bytes(5)
-
-    def entries(self) -> tuple:
-        """([kind, path, name, extra, st_dev, st_ino, st_ctime_ns] of each change still made, oldest
-        first; whether the journal overflowed, so that more was made than it lists)."""
-        used = min(int.from_bytes(self.memory[self.base:self.base + 4], "little"), JOURNAL_BYTES - self.HEADER)
-        at, end, found = self.base + self.HEADER, self.base + self.HEADER + used, []
-        while at + 3 <= end:
-            size = int.from_bytes(self.memory[at + 1:at + 3], "little")
-            if self.memory[at] == self.MADE:
-                try:
-                    found.append(fastjson.loads(bytes(self.memory[at + 3:at + 3 + size])))
-                except ValueError:
-                    pass
-            at += 3 + size
-        return found, bool(self.memory[self.base + 4])
 
 
 class Worker:
@@ -130,7 +64,7 @@ class Worker:
         self.unsettled = False  # it was killed while it may still have had changes made
         self.stuck = False  # it did not end after SIGKILL: a call in the kernel holds it
         self.left: list = []  # what it reported leaving stuck itself (an ldconfig sandbox)
-        self.context = None  # (rootfs, container id) of its order, for gpuhook.leftovers
+        self.context = None  # (rootfs, container id) of its order, for gpuhook.apply.leftovers
         self.settling = False  # the hook is taking back (or recording) what it left
 
     def send_order(self, order: bytes) -> None:
@@ -290,7 +224,7 @@ class Worker:
 
 
 def start() -> Worker:
-    """Fork a worker that loads gpuhook.nsworker and waits for its order."""
+    """Fork a worker that loads gpuhook.apply.nsworker and waits for its order."""
     import mmap
 
     progress = mmap.mmap(-1, PROGRESS_BYTES + JOURNAL_BYTES)
@@ -313,7 +247,7 @@ def start() -> Worker:
             for fd in (0, 1, 2):  # never hold the runtime's pipes, from the first moment
                 os.dup2(devnull, fd)
             os.close(devnull)
-            from gpuhook import nsworker
+            from gpuhook.apply import nsworker
 
             code = nsworker.serve(order_r, result_w, progress, parent)
         finally:
@@ -357,10 +291,3 @@ def discard() -> None:
         done = _exiting.pop()
         done.close()
         done.release()
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write all of `data` to `fd` (a pipe may take it in parts)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]

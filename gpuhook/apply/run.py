@@ -13,7 +13,7 @@ Two halves, at the same time, and why:
 
 Neither half needs the other (the worker's mknod is checked against the hook's own cgroup,
 not the container's), so the worker gets its order first and the grant runs while it works
-(gpuhook.workerproc), and so does the health step (gpuhook.health.hooks: check and repair
+(gpuhook.apply.worker), and so does the health step (gpuhook.health.hooks: check and repair
 the GPUs; none of it touches the container). The worker keeps its work only when the hook
 commits, after the grant and the health step succeeded; the container runs no code before
 the hook returns, so it never gets a GPU that failed its check. Any failure undoes both
@@ -23,14 +23,14 @@ names the step that was cut off.
 
 This module is the host side: the cgroup grant, the health step, the records poststop needs,
 and the worker's supervision. What runs inside the container's mount namespace is
-gpuhook.nsworker.
+gpuhook.apply.nsworker.
 """
 
 import os
 
-from gpuhook import workerproc
-from gpuhook.plan import records as actions
-from gpuhook.cgroup import hierarchy
+from gpuhook.apply import worker as workers
+from gpuhook.apply.order import encode_order
+from gpuhook.apply.cgroup import hierarchy
 from gpuhook.errors import GpuhookError, HostError, InputError
 from gpuhook.plan.records import ProcMask
 
@@ -117,9 +117,9 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
     once both are fine, commit (`Pending.finish`). What poststop needs is recorded on the
     way: the health registry entry, with the container's Kubernetes `names`
     (journal.k8s_names), before the commit (taken back if the start fails), and the cgroup
-    v1 grant record (gpuhook.grants) after it. A failed health step undoes the rest: the
+    v1 grant record (gpuhook.apply.grants) after it. A failed health step undoes the rest: the
     container never gets a GPU that failed its check. A worker that had to be killed before
-    it undid its work leaves what its journal says: gpuhook.leftovers takes it back (or
+    it undid its work leaves what its journal says: gpuhook.apply.leftovers takes it back (or
     records it). `record` (the hook's log record) receives the decisions; nothing is read
     from it."""
     if plan.empty:
@@ -162,7 +162,7 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
 def _settle_worker(worker, plan, config, record: dict, err: BaseException) -> None:
     """After a failed start: what the worker reported leaving stuck goes to the log, and a
     worker killed before it undid its work has its leftovers taken back or recorded
-    (gpuhook.leftovers); the error's hint says so in a few words."""
+    (gpuhook.apply.leftovers); the error's hint says so in a few words."""
     if worker is None:
         return
     worker.settling = True  # the hook's backstop leaves it to this thread
@@ -170,7 +170,7 @@ def _settle_worker(worker, plan, config, record: dict, err: BaseException) -> No
         if worker.left:
             record["left_behind_processes"] = worker.left
         if worker.unsettled:
-            from gpuhook import leftovers
+            from gpuhook.apply import leftovers
 
             note = leftovers.settle(worker, plan.rootfs, plan.container_id, config.state_dir, record)
             if note and isinstance(err, GpuhookError):
@@ -182,9 +182,9 @@ def _settle_worker(worker, plan, config, record: dict, err: BaseException) -> No
 
 def _record_grant(plan, state, config, outcome, record: dict) -> None:
     """Remember a cgroup v1 grant, so poststop can take it back from a cgroup that outlives
-    the container (gpuhook.grants). Best effort, like the health registry: the log says
+    the container (gpuhook.apply.grants). Best effort, like the health registry: the log says
     when it failed."""
-    from gpuhook import grants
+    from gpuhook.apply import grants
 
     try:
         grants.record(config.state_dir, state.id, plan.pid, outcome.cgroup_directory, plan.rules,
@@ -195,7 +195,7 @@ def _record_grant(plan, state, config, outcome, record: dict) -> None:
 
 def begin(plan, deadline: float, pending: "Pending") -> "Pending":
     """Set both halves of a start going in `pending`: the namespace worker
-    (gpuhook.workerproc, usually forked before the planning began) gets its order and works
+    (gpuhook.apply.worker, usually forked before the planning began) gets its order and works
     in the container while this process grants the cgroup rules. Raises after undoing when
     the grant fails."""
     if plan.pid <= 0:
@@ -209,14 +209,14 @@ def begin(plan, deadline: float, pending: "Pending") -> "Pending":
             pending.user_fd = open_container_userns(plan.pid)
         proc_files = read_proc_files(plan.proc_mask) if plan.proc_mask else {}
         pending.place = hierarchy.placement(plan.pid)
-        pending.worker = workerproc.take()
+        pending.worker = workers.take()
         pending.worker.context = (plan.rootfs, plan.container_id)
-        pending.worker.send_order(actions.encode_order(
+        pending.worker.send_order(encode_order(
             plan, _identity(ns_fd), None if pending.user_fd is None else _identity(pending.user_fd), proc_files,
             deadline - CLEANUP_MARGIN))
         pending.added = _grant(pending.place, plan.rules)
         if pending.place.mode == hierarchy.V1 and plan.rules:
-            from gpuhook import grants  # noqa: F401 - loaded while the worker works (run records the grant)
+            from gpuhook.apply import grants  # noqa: F401 - loaded while the worker works (run records the grant)
     except BaseException as err:
         if pending.worker is not None:
             _add_undo_problems(err, pending.worker.abort(deadline))
@@ -251,12 +251,12 @@ class Pending:
         _add_undo_problems(err, self.worker.abort(deadline) + _revoke(self.place, self.added))
 
     def close(self):
-        """End the worker (a committed one is reaped by workerproc.discard, once the hook's
+        """End the worker (a committed one is reaped by workers.discard, once the hook's
         log line is written) and close the namespaces. Returns an uncommitted worker, ended
         (or given up on: `stuck`), whose shared memory the caller releases; else None."""
         worker, self.worker = self.worker, None
         if worker is not None and worker.committed:
-            workerproc.reap_later(worker)
+            workers.reap_later(worker)
             worker = None
         elif worker is not None:
             worker.close()
@@ -279,11 +279,11 @@ def _identity(fd: int) -> tuple:
 
 def _grant(place, rules) -> list:
     if place.mode == hierarchy.V1:
-        from gpuhook.cgroup import v1
+        from gpuhook.apply.cgroup import v1
 
         added = v1.grant(place.directory, rules)
     else:
-        from gpuhook.cgroup import v2
+        from gpuhook.apply.cgroup import v2
 
         added = v2.grant(place.directory, rules)
     # systemd re-applies a scope's device list on daemon-reload and would drop what it does
@@ -291,7 +291,7 @@ def _grant(place, rules) -> list:
     # Only a scope can be systemd's (cgroupfs-driver containers never are): skip the import.
     if not place.cgroup_path.rstrip("/").endswith(".scope"):
         return added
-    from gpuhook.cgroup import systemd
+    from gpuhook.apply.cgroup import systemd
 
     try:
         systemd.Systemd().register(place.cgroup_path, rules)
@@ -311,9 +311,9 @@ def _revoke(place, added) -> list:
     if not added:
         return []
     if place.mode == hierarchy.V1:
-        from gpuhook.cgroup import v1
+        from gpuhook.apply.cgroup import v1
 
         return v1.revoke(place.directory, added)
-    from gpuhook.cgroup import v2
+    from gpuhook.apply.cgroup import v2
 
     return v2.revoke(place.directory, added)

@@ -1,6 +1,6 @@
 """Device access gpuhook wrote into a cgroup v1 devices cgroup, taken back once its container is gone.
 
-On cgroup v1 gpuhook adds allow rules to the container's devices cgroup (gpuhook.cgroup.v1).
+On cgroup v1 gpuhook adds allow rules to the container's devices cgroup (gpuhook.apply.cgroup.v1).
 A cgroup the container has to itself is removed with it, rules and all. But two containers
 can share one cgroup (one `cgroupsPath`; runc removes a cgroup only once it is empty): then
 the rules outlive the container they were written for, and the other container keeps a GPU
@@ -12,7 +12,7 @@ it was never granted (docs/security.md, "shared cgroups"). So every v1 grant is 
      "added": ["c 195:0 rw", ...]}
 
 `planned` is every rule the container was to have, `added` only what the cgroup lacked
-(gpuhook.cgroup.v1.grant). At poststop, whatever the health mode, `release` denies `added`
+(gpuhook.apply.cgroup.v1.grant). At poststop, whatever the health mode, `release` denies `added`
 again once the container's init is gone (pid and start time, as in gpuhook.health.registry)
 and its cgroup still exists, except for devices that another live container's grant in the
 same cgroup planned. A poststop naming a live container changes nothing.
@@ -105,7 +105,7 @@ def _forget(grant: Grant) -> None:
 def release(state_dir: str, container_id: str) -> str:
     """Take back what was granted to the stopped container `container_id` (every gone init
     recorded under that id); returns the decision for the log. Never raises."""
-    from gpuhook.cgroup import v1
+    from gpuhook.apply.cgroup import v1
 
     try:
         everything = _load(state_dir)

@@ -34,7 +34,7 @@ class Swap(record("Swap", "old_id old_fd new_id new_fd how")):
 class ProgramGrant:
     """What a v2 grant changed.
 
-    Iterates over the rules it added, like the list gpuhook.cgroup.v1.grant returns (the
+    Iterates over the rules it added, like the list gpuhook.apply.cgroup.v1.grant returns (the
     hook logs them); holds the cgroup and the original programs open so that `revoke` can
     put them back. `close` releases them; the hook simply exits.
     """
@@ -107,7 +107,7 @@ def grant(directory: str, rules, *, build=program.prepend, use_replace: bool = T
     instructions and `use_replace` False forces the attach-then-detach swap of kernels
     before 5.6; both exist for tests. Raises ApplyError with the original programs attached.
     """
-    from gpuhook.cgroup import bpf
+    from gpuhook.apply.cgroup import bpf
 
     wanted = _unique(rules)
     done = ProgramGrant()
@@ -271,7 +271,7 @@ def revoke(directory: str, added) -> list:
     """Put back the programs a ProgramGrant replaced, newest first; returns problems, never raises."""
     if not isinstance(added, ProgramGrant):
         return [f"{directory}: nothing recorded to restore"] if added else []
-    from gpuhook.cgroup import bpf
+    from gpuhook.apply.cgroup import bpf
 
     problems = []
     for swap in reversed(added.swaps):
@@ -302,7 +302,7 @@ class AttachedProgram(record("AttachedProgram", "id name tag inherited instructi
 def attached_programs(directory: str) -> list:
     """The device programs that run for the cgroup at `directory`: its own first, then
     those inherited from its ancestors."""
-    from gpuhook.cgroup import bpf
+    from gpuhook.apply.cgroup import bpf
 
     fd = _open_cgroup(directory)
     try:
@@ -351,7 +351,7 @@ def _describe_program(info, inherited: bool) -> AttachedProgram:
 
 class CgroupReport(record("CgroupReport", "mode directory cgroup_path rules programs systemd")):
     """What `gpuhook cgroup show` prints: v1 `rules` from devices.list, or v2 `programs`;
-    `systemd` is a gpuhook.cgroup.systemd.UnitStatus."""
+    `systemd` is a gpuhook.apply.cgroup.systemd.UnitStatus."""
 
     __slots__ = ()
 
@@ -376,7 +376,7 @@ class CgroupReport(record("CgroupReport", "mode directory cgroup_path rules prog
 def placement_of_directory(directory: str, mountinfo: str | None = None):
     """A hierarchy.Placement for a cgroup directory given by path: v1 if it has
     devices.list, v2 if it has cgroup.controllers; its cgroup path from the mount table."""
-    from gpuhook.cgroup import hierarchy
+    from gpuhook.apply.cgroup import hierarchy
 
     # abspath, not realpath: /proc/PID/root/... must keep naming the other mount namespace.
     directory = os.path.abspath(directory)
@@ -403,13 +403,13 @@ def placement_of_directory(directory: str, mountinfo: str | None = None):
 
 def describe(place, systemd=None) -> CgroupReport:
     """The effective device rules of the cgroup at `place` (a hierarchy.Placement), and
-    whether systemd knows the allowed ones. `systemd` is a gpuhook.cgroup.systemd.Systemd."""
-    from gpuhook.cgroup import hierarchy
-    from gpuhook.cgroup import systemd as sd
+    whether systemd knows the allowed ones. `systemd` is a gpuhook.apply.cgroup.systemd.Systemd."""
+    from gpuhook.apply.cgroup import hierarchy
+    from gpuhook.apply.cgroup import systemd as sd
 
     systemd = systemd or sd.Systemd()
     if place.mode == hierarchy.V1:
-        from gpuhook.cgroup import v1
+        from gpuhook.apply.cgroup import v1
 
         try:
             rules = v1.current_rules(place.directory)

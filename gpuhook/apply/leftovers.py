@@ -1,9 +1,9 @@
 """What a start could not take back, exactly, and the reaper that takes it back later.
 
-The namespace worker undoes its own work when a start fails (gpuhook.nsworker). It cannot
+The namespace worker undoes its own work when a start fails (gpuhook.apply.nsworker). It cannot
 when the hook had to kill it first (the deadline), and it cannot be killed at all while a
 filesystem call holds it in the kernel (a volume or driver root that stopped answering:
-SIGKILL waits for that call to return). Its journal (gpuhook.workerproc.Journal) says what it
+SIGKILL waits for that call to return). Its journal (gpuhook.apply.order.Journal) says what it
 had made and not undone. Then (docs/security.md, "A stalled filesystem"):
 
 - a killed worker is gone: the hook removes what it left in the rootfs at once (`settle`);

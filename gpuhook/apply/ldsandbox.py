@@ -35,7 +35,8 @@ import select
 import stat
 import time
 
-from gpuhook import fastjson, safepath, workerproc
+from gpuhook import fastjson, safepath
+from gpuhook.apply.order import write_all
 from gpuhook.kernel import child, linux, mountinfo
 
 CACHE_LIMIT = 32 << 20  # largest ld.so.cache accepted (a big image's is a few MiB)
@@ -200,7 +201,7 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, ne
         report["ok"] = True
     except BaseException as err:  # noqa: BLE001 - reported to the worker
         report["error"] = str(err) if isinstance(err, SandboxError) else _describe(err)
-    workerproc.write_all(out, fastjson.dumps(report).encode())
+    write_all(out, fastjson.dumps(report).encode())
     return 0
 
 

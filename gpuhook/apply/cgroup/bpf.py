@@ -8,7 +8,7 @@ accepts a shorter attribute than its own and treats the rest as zero, so each co
 a structure with just the fields it uses.
 
 Like gpuhook.kernel.linux, every failure is an OSError carrying the errno and the command's name;
-gpuhook.cgroup.v2 turns them into one gpuhook error. Imported only on the GPU path.
+gpuhook.apply.cgroup.v2 turns them into one gpuhook error. Imported only on the GPU path.
 """
 
 import ctypes

@@ -1,6 +1,6 @@
 """The namespace worker: what gpuhook does inside the container's mount namespace.
 
-gpuhook.workerproc forks a child that runs `serve` here: it waits for its work order (the
+gpuhook.apply.worker forks a child that runs `serve` here: it waits for its work order (the
 part of the plan it carries out), opens the host's sources, joins the container's mount
 namespace (and user namespace), checks it is the right one, then makes the device nodes,
 bind mounts, symlinks, the /proc/driver/nvidia mask and the ld cache update, each container
@@ -16,9 +16,11 @@ import select
 import stat
 import time
 
-from gpuhook import fastjson, safepath, workerproc
+from gpuhook import fastjson, safepath
+from gpuhook.apply.order import (COMMIT, COMMIT_WAIT, ORDER_LIMIT, Journal, decode_order, read_exactly, set_progress,
+                                 write_all)
 from gpuhook.kernel import linux, mountinfo
-from gpuhook.plan.records import ProcMask, decode_order
+from gpuhook.plan.records import ProcMask
 
 _MS = {"ro": linux.MS_RDONLY, "nosuid": linux.MS_NOSUID, "nodev": linux.MS_NODEV, "noexec": linux.MS_NOEXEC}
 _MOUNT_ATTR = {"ro": linux.MOUNT_ATTR_RDONLY, "nosuid": linux.MOUNT_ATTR_NOSUID, "nodev": linux.MOUNT_ATTR_NODEV,
@@ -37,23 +39,18 @@ def _flags(options) -> int:
     return flags
 
 
-def _set_progress(progress, step: str) -> None:
-    data = step.encode("utf-8", "replace")[: workerproc.PROGRESS_BYTES - 2]
-    progress[0:2 + len(data)] = len(data).to_bytes(2, "little") + data
-
-
 def serve(orders: int, out: int, progress, parent: int) -> int:
-    """The forked worker's life (gpuhook.workerproc.start): wait for the order on `orders`,
+    """The forked worker's life (gpuhook.apply.worker.start): wait for the order on `orders`,
     carry it out, report on `out`, then commit or undo as `orders` says. Returns the exit
     code; never raises."""
     try:
         linux.prctl_set_pdeathsig(linux.SIGKILL)
         if os.getppid() != parent:  # the hook ended before the line above: nobody to serve
             return 0
-        size = _read_exactly(orders, 8)
+        size = read_exactly(orders, 8)
         if len(size) < 8:
             return 0  # the start needed no worker
-        data = _read_exactly(orders, min(int.from_bytes(size, "little"), workerproc.ORDER_LIMIT))
+        data = read_exactly(orders, min(int.from_bytes(size, "little"), ORDER_LIMIT))
         order, mntns, userns, proc_files, deadline = decode_order(data)
     except BaseException as err:  # noqa: BLE001 - nothing done yet: say why and end
         _send_quietly(out, {"ok": False, "step": "read the work order", "error": f"{type(err).__name__}: {err}"})
@@ -85,18 +82,8 @@ def _open_same_namespace(pid: int, kind: str, expected) -> int:
     return fd
 
 
-def _read_exactly(fd: int, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = os.read(fd, count - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
 def _send(out: int, message: dict) -> None:
-    workerproc.write_all(out, (fastjson.dumps(message) + "\n").encode())
+    write_all(out, (fastjson.dumps(message) + "\n").encode())
 
 
 def _send_quietly(out: int, message: dict) -> None:
@@ -112,7 +99,7 @@ def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, 
     namespace `ns_fd`; report on `out`; after an ok report keep the work only on COMMIT from
     `decisions`. Returns the exit code; never raises."""
     step = "enter mount namespace"
-    work = _Work(plan, deadline, workerproc.Journal(progress))
+    work = _Work(plan, deadline, Journal(progress))
     try:
         os.umask(0)
         # Host files (and the host's ldconfig) are opened here, in the hook's own mount
@@ -147,12 +134,12 @@ def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, 
             os.setresgid(0, 0, 0)
             os.setresuid(0, 0, 0)
         for step, action in work.steps(proc_files):
-            _set_progress(progress, step)
+            set_progress(progress, step)
             if time.monotonic() > deadline:
                 raise TimeoutError("deadline passed")
             action()
         step = "wait for the hook's commit"
-        _set_progress(progress, step)
+        set_progress(progress, step)
         _send(out, {"ok": True, "notes": work.notes, "steps": work.count, "ldconfig_output": work.ldconfig_output})
     except BaseException as err:  # noqa: BLE001 - the worker reports everything
         problems = work.undo()
@@ -163,11 +150,11 @@ def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, 
         # The hook commits before its own deadline or not at all (its backstop ends it by
         # then, gpuhook.hook.FINAL_GRACE): a hook that is still alive but cannot act past
         # that (stuck in the kernel) gets no wait without bound either.
-        last = deadline + workerproc.COMMIT_WAIT - time.monotonic()
+        last = deadline + COMMIT_WAIT - time.monotonic()
         decision = os.read(decisions, 1) if select.select([decisions], [], [], max(0.0, last))[0] else b""
     except OSError:
         decision = b""
-    if decision == workerproc.COMMIT:
+    if decision == COMMIT:
         work.changes.forget()
         work.forget_mounts()
         work.close_sources()
@@ -333,7 +320,7 @@ class _Work:
                 raise OSError(err.errno, f"host ldconfig {path}: {err.strerror}") from None
             if not stat.S_ISREG(os.fstat(self.ldconfig_fd).st_mode):
                 raise OSError(errno.EINVAL, f"host ldconfig {path} is not a regular file")
-            from gpuhook import ldsandbox
+            from gpuhook.apply import ldsandbox
 
             try:
                 ldsandbox.require_static(self.ldconfig_fd, path)
@@ -654,10 +641,10 @@ class _Work:
 
     def ldconfig(self) -> None:
         """The host's ldconfig builds the cache in a sandbox that holds nothing but a
-        read-only copy of the rootfs and gpuhook's own mounts (gpuhook.ldsandbox); the cache
+        read-only copy of the rootfs and gpuhook's own mounts (gpuhook.apply.ldsandbox); the cache
         is installed by `install_cache`. Its output goes to gpuhook's log only: it can echo
         file contents, which the container's user must not see in the start error."""
-        from gpuhook import ldsandbox
+        from gpuhook.apply import ldsandbox
 
         self.parent(LD_CACHE)  # /etc is made (or found) on the rootfs first: an error names it now
         # The sandbox keeps the driver's files gpuhook bound in (libraries, binaries,
