@@ -118,7 +118,7 @@ def patch_steps(work_class) -> None:
 
 
 def patch_worker(nsworker) -> None:
-    from gpuhook import safepath
+    from gpuhook.kernel import paths
     from gpuhook.kernel import linux
 
     # The worker's start-up: from the fork to its module loaded, ready for the order.
@@ -130,8 +130,8 @@ def patch_worker(nsworker) -> None:
     for method in ("refuse_shared", "_new_mount_point", "_attach", "_bind_and_remount"):
         patch(nsworker._Work, method, f"_Work.{method}")
     patch_steps(nsworker._Work)
-    patch(safepath, "make_dirs", "safepath.make_dirs")
-    patch(safepath, "ensure_file", "safepath.ensure_file")
+    patch(paths, "make_dirs", "safepath.make_dirs")
+    patch(paths, "ensure_file", "safepath.ensure_file")
     for name in ("mount", "setns", "open_tree_clone", "mount_setattr", "move_mount"):
         patch(linux, name, f"linux.{name}")
 
@@ -148,7 +148,8 @@ def main() -> None:
     start = time.perf_counter_ns()
     from gpuhook.apply import run as apply
     emit("import gpuhook.apply.run (workerproc, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
-    from gpuhook import cache, config, journal
+    from gpuhook import config, journal
+    from gpuhook.apply import statefiles
     from gpuhook.request import oci, resolve as request
     from gpuhook.discover import host as discover, inventory
     from gpuhook.apply.cgroup import hierarchy
@@ -157,7 +158,7 @@ def main() -> None:
     patch(prescan, "may_request_gpu", "prescan.may_request_gpu")
     patch(hook, "run_hook", "hook.run_hook")
     patch(config, "load", "config.load (cached TOML)")
-    patch(cache, "read", "cache.read (fastjson)")
+    patch(statefiles, "read", "cache.read (fastjson)")
     patch(hook, "read_container", "hook.read_container")
     patch(oci, "parse_state", "oci.parse_state")
     patch(oci, "parse_spec", "oci.parse_spec")

@@ -12,7 +12,8 @@ against it by tests/unit/test_config.py.
 import os
 import stat
 
-from gpuhook import cache
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
 from gpuhook.errors import ConfigError
 from gpuhook.record import record
 
@@ -336,7 +337,7 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
          write_cache: bool = True) -> Config:
     """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file.
 
-    The parsed TOML is cached (gpuhook.cache) in <state-dir>/config-cache, keyed by the file's
+    The parsed TOML is cached (gpuhook.apply.statefiles) in <state-dir>/config-cache, keyed by the file's
     identity and timestamps: parsing TOML costs the hook more than the rest of its decision.
     The cache is looked for under the state-dir the file's own top-level `state-dir` line
     names (`_state_dir_line`, no TOML parser), and an entry counts only when it is trusted
@@ -361,7 +362,7 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"config file {target} is not a regular file")
-        identity = cache.file_identity(st)
+        identity = files.file_identity(st)
         with os.fdopen(os.dup(fd), "rb") as f:
             raw = f.read(1 << 20)
     except OSError as err:
@@ -370,17 +371,17 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
         os.close(fd)
     guess = _state_dir_line(raw) if use_cache else None
     if guess is not None:
-        cached = cache.read(cache.config_cache_path(guess, target))
+        cached = files.read(statefiles.config_cache_path(guess, target))
         if isinstance(cached, dict) and cached.get("identity") == identity and isinstance(cached.get("data"), dict):
             config = from_mapping(cached["data"], target)
             if config.state_dir == guess:
                 return config
     data = _parse_toml(raw, target)
     config = from_mapping(data, target)  # validate before caching: only good files are cached
-    if use_cache and write_cache and cache.write(cache.config_cache_path(config.state_dir, target),
+    if use_cache and write_cache and statefiles.write(statefiles.config_cache_path(config.state_dir, target),
                                                  {"identity": identity, "source": os.path.abspath(target),
                                                   "data": data}):
-        cache.prune_config_cache(config.state_dir)
+        statefiles.prune_config_cache(config.state_dir)
     return config
 
 

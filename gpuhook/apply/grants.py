@@ -25,7 +25,8 @@ GPU granted to nobody.
 
 import os
 
-from gpuhook import cache
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
 from gpuhook.kernel import procstat
 from gpuhook.devrules.devices import parse_v1_line
 
@@ -63,8 +64,8 @@ def record(state_dir: str, container_id: str, pid: int, directory: str, planned,
     if stat is None or stat.zombie:
         raise LookupError(f"container init pid {pid} is not readable")
     path = f"{grants_dir(state_dir)}/{procstat.entry_name(container_id)}@{pid}-{stat.start_time}.json"
-    cache.write_atomic(path, {"format": FORMAT, "id": container_id, "pid": pid, "start_time": stat.start_time,
-                              "boot_id": cache.boot_id(), "directory": directory,
+    statefiles.write_atomic(path, {"format": FORMAT, "id": container_id, "pid": pid, "start_time": stat.start_time,
+                              "boot_id": files.boot_id(), "directory": directory,
                               "planned": [rule.v1_line() for rule in planned],
                               "added": [rule.v1_line() for rule in added]})
     return path
@@ -77,11 +78,11 @@ def _load(state_dir: str) -> list:
         names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_ENTRIES]
     except OSError:
         return []
-    this_boot = cache.boot_id()
+    this_boot = files.boot_id()
     found = []
     for name in names:
         path = f"{directory}/{name}"
-        doc = cache.read(path, limit=1 << 20)
+        doc = files.read(path, limit=1 << 20)
         try:
             if doc is None or doc["format"] != FORMAT:
                 continue

@@ -35,7 +35,8 @@ import select
 import stat
 import time
 
-from gpuhook import fastjson, safepath
+from gpuhook import fastjson
+from gpuhook.kernel import paths
 from gpuhook.apply.order import write_all
 from gpuhook.kernel import child, linux, mountinfo
 
@@ -284,13 +285,13 @@ def _output_dir(top: int) -> tuple:
     can write. Mounted on the first of OUTPUT_CANDIDATES the image has as a directory."""
     for name in OUTPUT_CANDIDATES:
         try:
-            below = safepath.open_in_root(top, "/" + name, os.O_PATH | os.O_DIRECTORY, follow_final=False)
+            below = paths.open_in_root(top, "/" + name, os.O_PATH | os.O_DIRECTORY, follow_final=False)
         except OSError:
             continue
         try:
             linux.mount("tmpfs", linux.fd_path(below), "tmpfs", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC,
                         f"size={CACHE_LIMIT * 2},nr_inodes=64,mode=0700")
-            fd = safepath.open_in_root(top, "/" + name, os.O_RDONLY | os.O_DIRECTORY, follow_final=False)
+            fd = paths.open_in_root(top, "/" + name, os.O_RDONLY | os.O_DIRECTORY, follow_final=False)
             if os.fstat(fd).st_dev == os.fstat(below).st_dev or os.listdir(fd):
                 os.close(fd)
                 raise SandboxError("the ldconfig output directory changed while it was mounted")

@@ -23,7 +23,9 @@ import errno
 import os
 import stat
 
-from gpuhook import cache, safepath
+from gpuhook.apply import statefiles
+from gpuhook.apply.rootfs import lstat_here
+from gpuhook.kernel import files, paths
 from gpuhook.kernel import procstat
 
 DIRECTORY = "leftovers"
@@ -43,10 +45,10 @@ def settle(worker, rootfs: str, container_id: str, state_dir: str, record: dict)
         stat_ = procstat.read_stat(worker.pid)
         left = {"container": container_id, "rootfs": rootfs, "rootfs_identity": _identity(rootfs),
                 "worker": worker.pid, "worker_start_time": stat_.start_time if stat_ else 0,
-                "boot_id": cache.boot_id(), "step": worker.step(), "entries": entries, "overflowed": overflowed}
+                "boot_id": files.boot_id(), "step": worker.step(), "entries": entries, "overflowed": overflowed}
         where = directory(state_dir)
         try:
-            cache.write_atomic(f"{where}/{procstat.entry_name(container_id)}.json", left)
+            statefiles.write_atomic(f"{where}/{procstat.entry_name(container_id)}.json", left)
             saved = f"recorded in {where} for the reaper (poststop, or the next start on this rootfs)"
         except (OSError, TypeError, ValueError) as err:
             saved = f"not recorded ({err}): remove it by hand once the worker is gone"
@@ -76,13 +78,13 @@ def reap(state_dir: str, record: dict, container_id: str | None = None, rootfs: 
     identity = _identity(rootfs) if rootfs is not None else None
     for name in names:
         path = f"{where}/{name}"
-        left = cache.read(path)
+        left = files.read(path)
         if not isinstance(left, dict) or not isinstance(left.get("entries"), list):
             continue
         ours = (container_id is not None and left.get("container") == container_id) or \
             (identity is not None and left.get("rootfs_identity") == identity)
         pid, start = left.get("worker"), left.get("worker_start_time")
-        if left.get("boot_id") == cache.boot_id() and isinstance(pid, int) and isinstance(start, int) and \
+        if left.get("boot_id") == files.boot_id() and isinstance(pid, int) and isinstance(start, int) and \
                 procstat.is_alive(pid, start):
             if ours and rootfs is not None:
                 from gpuhook.errors import HostError
@@ -130,16 +132,16 @@ def take_back(rootfs: str, entries: list) -> list:
 
 
 def _take_back_one(root: int, kind: str, path: str, name: str, extra: str, made: tuple) -> None:
-    parent_path, base = safepath.split(path)
+    parent_path, base = paths.split(path)
     if base != name:
         raise ValueError("inconsistent journal entry")
     try:
-        parent = safepath.open_in_root(root, parent_path, os.O_PATH | os.O_DIRECTORY, same_mount=True)
+        parent = paths.open_in_root(root, parent_path, os.O_PATH | os.O_DIRECTORY, same_mount=True)
     except FileNotFoundError:
         return
     try:
         try:
-            st = safepath.lstat_here(parent, name, path)
+            st = lstat_here(parent, name, path)
         except FileNotFoundError:
             return  # gone already
         # A directory's ctime changes with what is made in it (and rmdir takes only an empty
@@ -154,7 +156,7 @@ def _take_back_one(root: int, kind: str, path: str, name: str, extra: str, made:
             os.symlink(extra, temp, dir_fd=parent)
             os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
         elif kind == "replaced" and extra:
-            aside = safepath.lstat_here(parent, extra, f"{parent_path}/{extra}")
+            aside = lstat_here(parent, extra, f"{parent_path}/{extra}")
             if stat.S_ISDIR(aside.st_mode):
                 raise OSError(errno.EISDIR, "the set-aside copy is a directory")
             os.rename(extra, name, src_dir_fd=parent, dst_dir_fd=parent)

@@ -4,7 +4,7 @@ gpuhook.apply.worker forks a child that runs `serve` here: it waits for its work
 part of the plan it carries out), opens the host's sources, joins the container's mount
 namespace (and user namespace), checks it is the right one, then makes the device nodes,
 bind mounts, symlinks, the /proc/driver/nvidia mask and the ld cache update, each container
-path resolved inside the rootfs (gpuhook.safepath). It names each step as it starts in
+path resolved inside the rootfs (gpuhook.kernel.paths). It names each step as it starts in
 shared memory and reports once through a pipe; any failure undoes everything it did, newest
 first. After an ok report it keeps its work only when the parent commits (the parent's
 cgroup grant ran meanwhile and may have failed); otherwise it undoes it too.
@@ -16,7 +16,9 @@ import select
 import stat
 import time
 
-from gpuhook import fastjson, safepath
+from gpuhook import fastjson
+from gpuhook.apply import rootfs
+from gpuhook.kernel import paths
 from gpuhook.apply.order import (COMMIT, COMMIT_WAIT, ORDER_LIMIT, Journal, decode_order, read_exactly, set_progress,
                                  write_all)
 from gpuhook.kernel import linux, mountinfo
@@ -199,7 +201,7 @@ class _Work:
         self.plan = plan
         self.deadline = deadline
         self.root = -1
-        self.changes = safepath.Changes(journal)
+        self.changes = rootfs.Changes(journal)
         self.mounted: list = []  # (container path, fd of the mount or -1), in the order made
         self.notes: list[str] = []
         self.count = 0
@@ -249,7 +251,7 @@ class _Work:
         if self.dev is None:
             self.dev = -1
             try:
-                fd = safepath.open_in_root(self.root, DEV, os.O_PATH | os.O_DIRECTORY, follow_final=False)
+                fd = paths.open_in_root(self.root, DEV, os.O_PATH | os.O_DIRECTORY, follow_final=False)
             except OSError:
                 return -1
             mount = mountinfo.mount_id(fd)
@@ -264,11 +266,11 @@ class _Work:
     def parent(self, path: str) -> tuple:
         """(fd of `path`'s directory, made if missing and then kept open, file name). The
         directory is on the rootfs's mount or the runtime's /dev (OtherMountError else)."""
-        parent_path, name = safepath.split(path)
+        parent_path, name = paths.split(path)
         fd = self.dirs.get(parent_path)
         if fd is None:
             base, below, beneath, at = self._base(parent_path)
-            fd = self.dirs[parent_path] = safepath.make_dirs(base, below, self.changes, beneath=beneath, at=at)
+            fd = self.dirs[parent_path] = rootfs.make_dirs(base, below, self.changes, beneath=beneath, at=at)
             self.dir_mounts[fd] = mountinfo.mount_id(fd)
         return fd, name
 
@@ -283,7 +285,7 @@ class _Work:
             if mount != self.dir_mounts[parent]:
                 entry = self.mount_entry(mount)
                 if entry is None or (entry.fstype not in ALWAYS_ANSWERS and entry.dev != same_fs):
-                    raise safepath.OtherMountError(errno.EXDEV, "is a mount point of a volume, which gpuhook does "
+                    raise paths.OtherMountError(errno.EXDEV, "is a mount point of a volume, which gpuhook does "
                                                                 "not touch", path)
             return fd, os.fstat(fd), mount
         except BaseException:
@@ -358,7 +360,7 @@ class _Work:
         if not self.plan.proc_in_rootfs:
             return
         try:
-            proc = safepath.open_in_root(self.root, "/proc", os.O_PATH | os.O_DIRECTORY, follow_final=False)
+            proc = paths.open_in_root(self.root, "/proc", os.O_PATH | os.O_DIRECTORY, follow_final=False)
         except OSError:
             proc = -1
         try:
@@ -414,7 +416,7 @@ class _Work:
             if stat.S_ISCHR(st.st_mode) and st.st_rdev == want:
                 return  # already there (the hook ran before, or the spec made it)
             numbers = f" {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" if stat.S_ISCHR(st.st_mode) else ""
-            raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}{numbers}", node.path) from None
+            raise OSError(17, f"exists and is {paths.kind_of(st.st_mode)}{numbers}", node.path) from None
         self.changes.add("file", parent, name, node.path)
         os.chown(name, node.uid, node.gid, dir_fd=parent, follow_symlinks=False)
         self.count += 1
@@ -433,14 +435,14 @@ class _Work:
         left out with a note: the container works without it. Anything else fails the start."""
         src_st = os.fstat(self.sources[mount.source])
         if mount.kind == "file" and not stat.S_ISREG(src_st.st_mode):
-            raise OSError(errno.EINVAL, f"host source {mount.source} is {safepath.kind_of(src_st.st_mode)}")
+            raise OSError(errno.EINVAL, f"host source {mount.source} is {paths.kind_of(src_st.st_mode)}")
         if mount.kind not in OPTIONAL_KINDS:
             self._bind(mount.source, src_st, mount.target, mount.kind, mount.options)
             return
         mark = self.changes.mark()
         try:
             self._bind(mount.source, src_st, mount.target, mount.kind, mount.options)
-        except (safepath.OtherMountError, SharedMountError) as err:
+        except (paths.OtherMountError, SharedMountError) as err:
             problems = self.changes.undo(since=mark)  # the directories made on the way, if any
             self.notes.append(f"{mount.target} not mounted: {err.filename or mount.target} {err.strerror}"
                               + (f" ({'; '.join(problems)})" if problems else ""))
@@ -459,7 +461,7 @@ class _Work:
                     return  # mounted already (the hook ran before)
                 wanted = stat.S_ISDIR if kind == "dir" else stat.S_ISREG
                 if not wanted(st.st_mode):
-                    raise OSError(errno.EEXIST, f"exists and is {safepath.kind_of(st.st_mode)}", target_path)
+                    raise OSError(errno.EEXIST, f"exists and is {paths.kind_of(st.st_mode)}", target_path)
                 self.refuse_shared(mount, target_path)
             except BaseException:
                 os.close(target)
@@ -516,7 +518,7 @@ class _Work:
         now at the target, after checking that it is the mount we just made."""
         linux.mount(linux.fd_path(src), linux.fd_path(target), None, linux.MS_BIND)
         self.mounted.append((target_path, -1))
-        now = safepath.open_in_root(self.root, target_path, os.O_PATH, follow_final=False)
+        now = paths.open_in_root(self.root, target_path, os.O_PATH, follow_final=False)
         try:
             st = os.fstat(now)
             if (st.st_dev, st.st_ino) != (src_st.st_dev, src_st.st_ino):
@@ -550,7 +552,7 @@ class _Work:
             fd, st, _ = self.existing(parent, name, link.path)
             os.close(fd)
             if not stat.S_ISLNK(st.st_mode):
-                raise OSError(17, f"exists and is {safepath.kind_of(st.st_mode)}", link.path) from None
+                raise OSError(17, f"exists and is {paths.kind_of(st.st_mode)}", link.path) from None
             old = os.readlink(name, dir_fd=parent)
             if old == link.target:
                 return
@@ -568,7 +570,7 @@ class _Work:
 
     def mask_proc(self, files: dict) -> None:
         try:
-            target = safepath.open_in_root(self.root, ProcMask.target, os.O_PATH | os.O_DIRECTORY)
+            target = paths.open_in_root(self.root, ProcMask.target, os.O_PATH | os.O_DIRECTORY)
         except FileNotFoundError:
             self.notes.append(f"container /proc has no driver/nvidia (no NVIDIA kernel module, e.g. a "
                               f"simulated host): {ProcMask.target} not masked")
@@ -576,18 +578,18 @@ class _Work:
         gpu_fds = []
         try:
             for bus in self.plan.proc_mask.gpu_buses:
-                gpu_fds.append((bus, safepath.open_in_root(
+                gpu_fds.append((bus, paths.open_in_root(
                     self.root, f"{ProcMask.target}/gpus/{bus}", os.O_PATH | os.O_DIRECTORY)))
             mount = mountinfo.mount_id(target)
             entry = self.mount_entry(mount)
             if mount != self.root_mount and (entry is None or entry.fstype not in ALWAYS_ANSWERS):
-                raise safepath.OtherMountError(errno.EXDEV, "is on a volume, not the container's procfs",
+                raise paths.OtherMountError(errno.EXDEV, "is on a volume, not the container's procfs",
                                                ProcMask.target)
             self.refuse_shared(mount, ProcMask.target)
             linux.mount("tmpfs", linux.fd_path(target), "tmpfs",
                         linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC, "mode=0555,size=1m")
             self.mounted.append((ProcMask.target, -1))
-            top = safepath.open_in_root(self.root, ProcMask.target, os.O_RDONLY | os.O_DIRECTORY)
+            top = paths.open_in_root(self.root, ProcMask.target, os.O_RDONLY | os.O_DIRECTORY)
             if os.fstat(top).st_dev == os.fstat(target).st_dev:
                 os.close(top)
                 raise OSError(16, "changed under us while mounting", ProcMask.target)
@@ -624,12 +626,12 @@ class _Work:
     def _bind_gpu_dir(self, source: int, path: str) -> None:
         """The container's own /proc/driver/nvidia/gpus/<bus>, bound into the mask read-only,
         nosuid, nodev, noexec (a bind keeps the source's flags until it is remounted)."""
-        dest = safepath.open_in_root(self.root, path, os.O_PATH | os.O_DIRECTORY, follow_final=False)
+        dest = paths.open_in_root(self.root, path, os.O_PATH | os.O_DIRECTORY, follow_final=False)
         try:
             linux.mount(linux.fd_path(source), linux.fd_path(dest), None, linux.MS_BIND)
         finally:
             os.close(dest)
-        now = safepath.open_in_root(self.root, path, os.O_PATH | os.O_DIRECTORY, follow_final=False)
+        now = paths.open_in_root(self.root, path, os.O_PATH | os.O_DIRECTORY, follow_final=False)
         try:
             src, st = os.fstat(source), os.fstat(now)
             if (st.st_dev, st.st_ino) != (src.st_dev, src.st_ino):
@@ -654,9 +656,9 @@ class _Work:
         # a point lies below gpuhook's mount and is hidden by it.)
         own = set()
         for mount in self.plan.mounts:
-            fd = self.dirs.get(safepath.split(mount.target)[0]) if mount.kind == "file" else None
+            fd = self.dirs.get(paths.split(mount.target)[0]) if mount.kind == "file" else None
             if fd is not None:
-                own.add(os.readlink(linux.fd_path(fd)).rstrip("/") + "/" + safepath.split(mount.target)[1])
+                own.add(os.readlink(linux.fd_path(fd)).rstrip("/") + "/" + paths.split(mount.target)[1])
         try:
             self.cache, self.ldconfig_output = ldsandbox.build_cache(
                 self.plan.rootfs, self.root, self.ldconfig_fd, self.plan.ldcache.directories, self.deadline,
@@ -672,9 +674,9 @@ class _Work:
         step (the parent's grant may fail meanwhile). Each is registered for undo only once
         it has happened."""
         etc, name = self.parent(LD_CACHE)
-        backup = safepath.set_aside(etc, name, LD_CACHE)
+        backup = rootfs.set_aside(etc, name, LD_CACHE)
         try:
-            safepath.replace_file(etc, name, self.cache)
+            rootfs.replace_file(etc, name, self.cache)
         except OSError as err:
             if backup:
                 try:
@@ -692,7 +694,7 @@ class _Work:
                 if fd >= 0:  # the mount itself, even if something moved it since
                     linux.umount2(linux.fd_path(fd), linux.MNT_DETACH)
                 else:
-                    found = safepath.open_in_root(self.root, target, os.O_PATH, follow_final=False)
+                    found = paths.open_in_root(self.root, target, os.O_PATH, follow_final=False)
                     try:
                         linux.umount2(linux.fd_path(found), linux.MNT_DETACH)
                     finally:

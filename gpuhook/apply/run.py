@@ -8,7 +8,7 @@ Two halves, at the same time, and why:
   container's /dev tmpfs and its /proc exist only there, docs/runtime-facts.md §1): device
   nodes, bind mounts (read-only, nosuid, nodev), soname symlinks, the /proc/driver/nvidia
   mask, and the HOST's ldconfig against the rootfs. Every container path is resolved inside
-  the rootfs (gpuhook.safepath) and mounted through /proc/self/fd, so what was checked is
+  the rootfs (gpuhook.kernel.paths) and mounted through /proc/self/fd, so what was checked is
   what gets mounted.
 
 Neither half needs the other (the worker's mknod is checked against the hook's own cgroup,

@@ -12,7 +12,7 @@ runtime root can run a container of the same id): `<state-dir>/served/<id>@<pid>
 with `start` the init's start time (/proc/<pid>/stat field 22, which a reused pid does not
 share), the boot id, the stage that served it, and `stopped` once a poststop cleaned up after
 it. Written only after a start succeeded: a failed start aborts the container, so no second
-entry of it runs. Root-owned, 0600 in a 0700 directory, read only when trusted (gpuhook.cache);
+entry of it runs. Root-owned, 0600 in a 0700 directory, read only when trusted (gpuhook.apply.statefiles);
 a forged record could only make gpuhook skip a start, which then has no GPU at all.
 
 Records of gone inits are pruned when a start is recorded and more than PRUNE_ABOVE are there
@@ -24,7 +24,8 @@ poststops, can come long after its init exited).
 import os
 import time
 
-from gpuhook import cache
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
 from gpuhook.kernel import procstat
 
 DIRECTORY = "served"
@@ -52,8 +53,8 @@ def served_by(state_dir: str, container_id: str, pid: int, proc: str = "/proc") 
     start = start_of(pid, proc)
     if start is None:
         return None
-    doc = cache.read(_path(state_dir, container_id, pid, start), 4096)
-    if not isinstance(doc, dict) or doc.get("id") != container_id or doc.get("boot_id") != cache.boot_id():
+    doc = files.read(_path(state_dir, container_id, pid, start), 4096)
+    if not isinstance(doc, dict) or doc.get("id") != container_id or doc.get("boot_id") != files.boot_id():
         return None
     return str(doc.get("stage"))
 
@@ -64,8 +65,8 @@ def record(state_dir: str, container_id: str, pid: int, stage: str, proc: str = 
     if start is None:
         return
     try:
-        cache.write_atomic(_path(state_dir, container_id, pid, start),
-                           {"id": container_id, "pid": pid, "start_time": start, "boot_id": cache.boot_id(),
+        statefiles.write_atomic(_path(state_dir, container_id, pid, start),
+                           {"id": container_id, "pid": pid, "start_time": start, "boot_id": files.boot_id(),
                             "stage": stage, "stopped": False})
     except (OSError, TypeError, ValueError):
         return
@@ -83,8 +84,8 @@ def stop(state_dir: str, container_id: str, pid: int, proc: str = "/proc") -> tu
         return ()
     found = []
     for name in names:
-        doc = cache.read(f"{directory}/{name}", 4096)
-        if not isinstance(doc, dict) or doc.get("id") != container_id or doc.get("boot_id") != cache.boot_id():
+        doc = files.read(f"{directory}/{name}", 4096)
+        if not isinstance(doc, dict) or doc.get("id") != container_id or doc.get("boot_id") != files.boot_id():
             continue
         try:
             init, start = int(doc["pid"]), int(doc["start_time"])
@@ -99,7 +100,7 @@ def stop(state_dir: str, container_id: str, pid: int, proc: str = "/proc") -> tu
 def mark_stopped(path: str, doc: dict) -> None:
     """Remember that a poststop cleaned up after this start (best effort)."""
     try:
-        cache.write_atomic(path, {**doc, "stopped": True})
+        statefiles.write_atomic(path, {**doc, "stopped": True})
     except (OSError, TypeError, ValueError):
         pass
 
@@ -116,10 +117,10 @@ def _prune(state_dir: str, proc: str) -> None:
     now = time.time()
     for name in names:
         path = f"{directory}/{name}"
-        doc = cache.read(path, 4096)
+        doc = files.read(path, 4096)
         try:
             alive = procstat.is_alive(int(doc["pid"]), int(doc["start_time"]), proc)
-            stopped = doc.get("stopped") is True or doc.get("boot_id") != cache.boot_id()
+            stopped = doc.get("stopped") is True or doc.get("boot_id") != files.boot_id()
         except (KeyError, TypeError, ValueError):
             alive, stopped = False, True
         try:

@@ -9,14 +9,14 @@ GPUs and MIG devices by major and minor. docs/requests.md says how this fits the
 Specs are read from `cdi-spec-dirs` (default /etc/cdi then /var/run/cdi), ``*.json``,
 ``*.yaml`` and ``*.yml``, each directory's files in name order. As in the CDI spec, a later
 directory overrides an earlier one; the same name twice in one directory is an error. A spec
-file must be root-owned and writable by nobody else (gpuhook.cache.trusted): it decides
+file must be root-owned and writable by nobody else (gpuhook.kernel.files.trusted): it decides
 which GPUs a container gets. Reads are bounded (files per directory, bytes per file).
 """
 
 import os
 import stat
 
-from gpuhook import cache
+from gpuhook.kernel import files
 from gpuhook.errors import HostError, RequestError
 from gpuhook.request.oci import Device
 
@@ -30,8 +30,8 @@ def _load(path: str):
     """The parsed spec at `path`, or None (with the reason) when it is not one gpuhook trusts
     or can parse."""
     try:
-        data = cache.read_trusted(path, MAX_BYTES + 1)
-    except cache.UntrustedPath as err:
+        data = files.read_trusted(path, MAX_BYTES + 1)
+    except files.UntrustedPath as err:
         return None, err.strerror
     except OSError as err:
         return None, f"cannot open: {err.strerror}"
@@ -64,7 +64,7 @@ def specs(directories) -> list:
             names = sorted(n for n in os.listdir(directory) if n.endswith(SUFFIXES))[:MAX_FILES]
         except OSError:
             continue
-        if not cache.trusted(dir_st):
+        if not files.trusted(dir_st):
             continue
         for name in names:
             doc, _ = _load(f"{directory}/{name}")

@@ -346,7 +346,7 @@ def under(root: str, path: str) -> str:
 
 def _resolve_in(root: str, path: str) -> str:
     """`path` with symlinks resolved inside `root`, as a root-relative absolute path."""
-    from gpuhook.safepath import resolve_host
+    from gpuhook.kernel.paths import resolve_host
 
     real = resolve_host(root, path)
     if root != "/":
@@ -668,7 +668,7 @@ def container_facts(rootfs: str, config, machine: str | None = None) -> Containe
     without glibc (busybox, distroless static) has no ld cache to update: NVIDIA's toolkit
     skips ldconfig there too.
     """
-    from gpuhook import safepath
+    from gpuhook.kernel import paths as safepath
     from gpuhook.errors import InputError
 
     machine = machine or os.uname().machine

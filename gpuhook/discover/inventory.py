@@ -20,7 +20,8 @@ rebuilds the inventory but keeps NVML's facts.
 
 import os
 
-from gpuhook import cache
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
 from gpuhook.discover import host as discover
 from gpuhook.record import record
 
@@ -80,13 +81,13 @@ def fingerprint(config, driver_version: str) -> dict:
     except OSError:
         gpu_dirs = []
     try:
-        ld_cache = cache.file_identity(os.stat(discover.under(config.driver_root, "/etc/ld.so.cache")))
+        ld_cache = files.file_identity(os.stat(discover.under(config.driver_root, "/etc/ld.so.cache")))
     except OSError:
         ld_cache = None
     devices = [line for line in _read_text(f"{proc}/devices").splitlines() if "nvidia" in line]
     return {
         "format": FORMAT,
-        "boot_id": cache.boot_id(),
+        "boot_id": files.boot_id(),
         "driver_version": driver_version,
         "roots": [config.driver_root, config.device_root, proc, config.nvml_library],
         "gpu_dirs": gpu_dirs,
@@ -112,7 +113,7 @@ def _cached(config):
     None) for the host as it is now."""
     version = discover.driver_version(config.proc_root)
     key = fingerprint(config, version)
-    doc = cache.read(cache_path(config))
+    doc = files.read(cache_path(config))
     if not isinstance(doc, dict) or not isinstance(doc.get("key"), dict):
         return key, None, None
     old_key = doc["key"]
@@ -159,7 +160,7 @@ def read(config, want_facts: bool = False) -> tuple:
 def write_cache(config, pending) -> None:
     """Write what `read` found out (best effort: a cache that cannot be written is re-read)."""
     if pending is not None:
-        cache.write(cache_path(config), pending)
+        statefiles.write(cache_path(config), pending)
 
 
 def _query_nvml(config) -> tuple:

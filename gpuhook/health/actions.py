@@ -150,7 +150,7 @@ def find_program(program: str, driver_root: str) -> str:
             raise ConfigError(f"health.reset-command: {program!r} must be a name or an absolute path")
         candidates = [program]
     else:
-        from gpuhook.safepath import resolve_host  # only when a reset is due
+        from gpuhook.kernel.paths import resolve_host  # only when a reset is due
 
         candidates = []
         top = os.path.realpath(driver_root)

@@ -37,7 +37,9 @@ import os
 import stat
 import time
 
-from gpuhook import cache, fastjson
+from gpuhook import fastjson
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
 
 MAX_REQUEST = 8 << 10  # bytes: a prepare of 64 GPUs is about 3 KiB
 MAX_ANSWER = 16 << 10  # bytes: the GPUs prepared and one error line
@@ -64,7 +66,7 @@ def _trusted_socket(path: str) -> bool:
         parent = os.lstat(os.path.dirname(path) or ".")
     except OSError:
         return False
-    return stat.S_ISSOCK(st.st_mode) and cache.trusted(st) and stat.S_ISDIR(parent.st_mode) and cache.trusted(parent)
+    return stat.S_ISSOCK(st.st_mode) and files.trusted(st) and stat.S_ISDIR(parent.st_mode) and files.trusted(parent)
 
 
 def ask(config, uuids: list, container: str, timeout: float) -> tuple:
@@ -252,7 +254,7 @@ class Daemon:
 
         directory = os.path.dirname(self.path) or "."
         try:
-            cache.ensure_dir(directory)
+            statefiles.ensure_dir(directory)
         except OSError as err:
             raise HostError(f"the health daemon's socket directory {directory} is not usable: "
                             f"{err.strerror or err}") from err

@@ -20,8 +20,9 @@ import fcntl
 import os
 import time
 
-from gpuhook import cache
-from gpuhook.cache import boot_id  # noqa: F401  (re-exported: reports, stamps and the registry use it)
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
+from gpuhook.kernel.files import boot_id  # noqa: F401  (re-exported: reports, stamps and the registry use it)
 from gpuhook.discover.host import is_uuid
 from gpuhook.errors import InputError
 
@@ -102,15 +103,15 @@ def boottime() -> float:
 
 
 def write_json(path: str, document, mode: int = 0o600) -> None:
-    """Write `document` to `path` atomically (gpuhook.cache), readable by root only (reports
+    """Write `document` to `path` atomically (gpuhook.apply.statefiles), readable by root only (reports
     and registry entries name pods, pids and GPUs). Raises OSError; the caller decides
     whether that matters."""
-    cache.write_atomic(path, document, mode=mode, dir_mode=0o700)
+    statefiles.write_atomic(path, document, mode=mode, dir_mode=0o700)
 
 
 def read_json(path: str):
     """The JSON document at `path`, or None when it is missing or damaged."""
-    return cache.read(path, limit=1 << 20)
+    return files.read(path, limit=1 << 20)
 
 
 # --- reports --------------------------------------------------------------------------------
@@ -257,7 +258,7 @@ class GpuLock:
     def acquire(self, until: float, cancelled=None) -> bool:
         """True once held; False when monotonic time `until` passed (or `cancelled()` said so)
         first. Raises OSError when the lock file cannot be opened."""
-        cache.ensure_dir(os.path.dirname(self.path), 0o700)
+        statefiles.ensure_dir(os.path.dirname(self.path), 0o700)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         pause = 0.002
         while True:

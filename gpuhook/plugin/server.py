@@ -21,7 +21,8 @@ from collections import OrderedDict
 
 import grpc
 
-from gpuhook import cache, journal
+from gpuhook import journal
+from gpuhook.kernel import files
 from gpuhook.discover import host as discover
 from gpuhook.request import resolve as req
 from gpuhook.errors import GpuhookError, HostError, InputError, printable
@@ -453,7 +454,7 @@ def main(config, plugin_dir: str) -> int:
     st = os.lstat(plugin_dir)
     # Whoever can write the directory can swap our socket for theirs (kubelet would then
     # Allocate through them) or remove it at will.
-    if not stat.S_ISDIR(st.st_mode) or not cache.trusted(st):
+    if not stat.S_ISDIR(st.st_mode) or not files.trusted(st):
         raise HostError(f"the device plugin directory {printable(plugin_dir)[:200]} is not a directory owned by root "
                          "and writable only by it", "kubelet's own is /var/lib/kubelet/device-plugins (0750 or 0755)")
     return Plugin(config, plugin_dir).run()

@@ -63,17 +63,17 @@ def daemon_request(spec, container_id: str, data_root: str):
     read: never a guess from the image's environment."""
     import json
 
-    from gpuhook import cache
+    from gpuhook.kernel import files
     from gpuhook.errors import InputError
 
     if not container_id or "/" in container_id or container_id.startswith("."):
         raise InputError(f"docker: container id {container_id[:80]!r} names no container directory")
     path = hostconfig_path(data_root, container_id)
     try:
-        data = cache.read_trusted(path, MAX_HOSTCONFIG_BYTES + 1)
+        data = files.read_trusted(path, MAX_HOSTCONFIG_BYTES + 1)
         directory = os.lstat(os.path.dirname(path))
-        if not cache.trusted(directory):
-            raise cache.UntrustedPath(1, "not owned by root and writable only by it", path)
+        if not files.trusted(directory):
+            raise files.UntrustedPath(1, "not owned by root and writable only by it", path)
         if len(data) > MAX_HOSTCONFIG_BYTES:
             raise ValueError("larger than 1 MiB")
         doc = json.loads(data)

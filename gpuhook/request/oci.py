@@ -10,7 +10,8 @@ import errno
 
 from gpuhook import fastjson
 from gpuhook.errors import InputError
-from gpuhook.prescan import MAX_CONFIG_BYTES, MAX_STATE_BYTES, read_regular_file  # one limit and one reader
+from gpuhook.kernel.files import read_regular_file
+from gpuhook.prescan import MAX_CONFIG_BYTES, MAX_STATE_BYTES  # the fast path's limits, one each
                                                                                    # for the fast and the full path
 from gpuhook.record import record
 

@@ -235,11 +235,12 @@ def _check_target(directory: str) -> None:
     """Make `directory` (0755), or accept an existing one only if it is a real directory that
     root owns and nobody else can write. Root later loads the "NVML" library built there: a
     directory another user made (say /tmp/sim), or a symlink, would let that user swap it."""
-    from gpuhook import cache
+    from gpuhook.apply import statefiles
+    from gpuhook.kernel import files
 
     try:
-        cache.ensure_dir(directory, 0o755)
-    except cache.UntrustedPath as err:
+        statefiles.ensure_dir(directory, 0o755)
+    except files.UntrustedPath as err:
         raise SimulationError(f"{directory} is a symlink, or not a directory owned by root and writable only by "
                               f"it; choose a private directory (e.g. under /var/lib)") from err
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.root
 SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook.apply import nsworker; from gpuhook import safepath
+from gpuhook.apply import nsworker; from gpuhook.kernel import paths as safepath
 from gpuhook.plan.records import BindMount; from gpuhook.plan.make import Plan
 
 nsworker.use_new_mount_api = {new_api!r}

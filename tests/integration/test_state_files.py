@@ -9,7 +9,8 @@ import pytest
 
 from conftest import require_root_tools
 
-from gpuhook import cache
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
 from gpuhook import config as cfg
 
 pytestmark = pytest.mark.root
@@ -25,7 +26,7 @@ def umask_zero():
 
 def test_state_files_and_their_directories_are_private_under_a_umask_of_0(tmp_path, umask_zero):
     path = tmp_path / "run" / "gpuhook" / "health" / "report.json"
-    cache.write_atomic(str(path), {"a": 1})
+    statefiles.write_atomic(str(path), {"a": 1})
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     for parent in (tmp_path / "run", tmp_path / "run" / "gpuhook"):
@@ -43,18 +44,18 @@ def test_health_reports_and_registry_entries_are_readable_by_root_only(tmp_path,
 def test_a_state_file_someone_else_could_have_written_is_ignored(tmp_path):
     require_root_tools()
     good = tmp_path / "d" / "f.json"
-    cache.write_atomic(str(good), {"ok": True})
-    assert cache.read(str(good)) == {"ok": True}
+    statefiles.write_atomic(str(good), {"ok": True})
+    assert files.read(str(good)) == {"ok": True}
     os.chown(good, NOBODY, NOBODY)
-    assert cache.read(str(good)) is None  # another user's file
+    assert files.read(str(good)) is None  # another user's file
     os.chown(good, 0, 0)
     os.chmod(good, 0o666)
-    assert cache.read(str(good)) is None  # anyone could have written it
+    assert files.read(str(good)) is None  # anyone could have written it
     os.chmod(good, 0o600)
     os.chmod(good.parent, 0o777)
-    assert cache.read(str(good)) is None  # anyone could have put it there
+    assert files.read(str(good)) is None  # anyone could have put it there
     with pytest.raises(OSError):
-        cache.write_atomic(str(good), {"ok": False})  # and we do not write into such a directory
+        statefiles.write_atomic(str(good), {"ok": False})  # and we do not write into such a directory
 
 
 def test_a_directory_another_user_made_is_not_used(tmp_path):
@@ -63,11 +64,11 @@ def test_a_directory_another_user_made_is_not_used(tmp_path):
     planted.mkdir(mode=0o700)
     os.chown(planted, NOBODY, NOBODY)
     with pytest.raises(OSError):
-        cache.ensure_dir(str(planted))
+        statefiles.ensure_dir(str(planted))
     link = tmp_path / "link"
     link.symlink_to(tmp_path)
     with pytest.raises(OSError):
-        cache.ensure_dir(str(link))
+        statefiles.ensure_dir(str(link))
 
 
 def test_a_forged_config_cache_entry_is_not_trusted(tmp_path):
@@ -78,8 +79,8 @@ def test_a_forged_config_cache_entry_is_not_trusted(tmp_path):
     config_file = tmp_path / "config.toml"
     config_file.write_text(f'accept-volume-mounts = false\nstate-dir = "{state}"\n')
     assert cfg.load(str(config_file)).accept_volume_mounts is False  # parsed, then cached
-    entry = cache.config_cache_path(str(state), str(config_file))
-    doc = cache.read(entry)
+    entry = statefiles.config_cache_path(str(state), str(config_file))
+    doc = files.read(entry)
     doc["data"]["accept-volume-mounts"] = True
     with open(entry, "w") as f:
         import json
@@ -110,14 +111,14 @@ def test_a_cache_entry_is_used_only_under_the_state_dir_it_was_parsed_for(tmp_pa
     require_root_tools()
     config_file = tmp_path / "config.toml"
     config_file.write_text(f'log-file = "{tmp_path}/real.log"\nstate-dir = "{tmp_path}/a"\n')
-    identity = cache.file_identity(os.stat(config_file))
+    identity = files.file_identity(os.stat(config_file))
     planted = {"identity": identity, "source": str(config_file),
                "data": {"log-file": f"{tmp_path}/planted.log", "state-dir": f"{tmp_path}/b"}}
-    cache.write_atomic(cache.config_cache_path(f"{tmp_path}/a", str(config_file)), planted)
+    statefiles.write_atomic(statefiles.config_cache_path(f"{tmp_path}/a", str(config_file)), planted)
     assert cfg.load(str(config_file)).log_file == f"{tmp_path}/real.log"
     # The same entry naming its own place is taken (the hit the cache is for).
     planted["data"]["state-dir"] = f"{tmp_path}/a"
-    cache.write_atomic(cache.config_cache_path(f"{tmp_path}/a", str(config_file)), planted)
+    statefiles.write_atomic(statefiles.config_cache_path(f"{tmp_path}/a", str(config_file)), planted)
     assert cfg.load(str(config_file)).log_file == f"{tmp_path}/planted.log"
 
 

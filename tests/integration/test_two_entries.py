@@ -8,7 +8,8 @@ import pytest
 
 from helpers.runtimes import gpu_nodes, log_records, registered
 
-from gpuhook import cache
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
 from gpuhook.simulate import runner as testbed
 
 pytestmark = pytest.mark.root
@@ -62,8 +63,8 @@ def test_records_of_stopped_starts_are_pruned_once_there_are_many(tmp_path):
     state = str(tmp_path / "run")
     me = procstat.read_stat(os.getpid())
     for i in range(served.PRUNE_ABOVE + 1):  # gone inits (pid 0 is none), marked stopped
-        cache.write_atomic(f"{state}/served/old{i}@0-{i}.json", {"id": f"old{i}", "pid": 0, "start_time": i,
-                                                                  "boot_id": cache.boot_id(), "stopped": True})
+        statefiles.write_atomic(f"{state}/served/old{i}@0-{i}.json", {"id": f"old{i}", "pid": 0, "start_time": i,
+                                                                  "boot_id": files.boot_id(), "stopped": True})
     served.record(state, "live", os.getpid(), "prestart")
     assert os.listdir(f"{state}/served") == [f"live@{os.getpid()}-{me.start_time}.json"]
     assert served.served_by(state, "live", os.getpid()) == "prestart"

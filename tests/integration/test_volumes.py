@@ -263,7 +263,8 @@ def test_the_reaper_takes_back_its_own_records_keeps_others_and_drops_those_of_r
     """Records as gpuhook.apply.leftovers.settle writes them, for three rootfses whose workers are
     gone: the one being started is taken back, another's stays for its own poststop or
     start, one whose rootfs the runtime already removed is dropped."""
-    from gpuhook import cache
+    from gpuhook.apply import statefiles
+    from gpuhook.kernel import files
     from gpuhook.apply import leftovers
 
     state_dir = str(tmp_path / "state")
@@ -273,9 +274,9 @@ def test_the_reaper_takes_back_its_own_records_keeps_others_and_drops_those_of_r
         (rootfs / "usr/bin").mkdir(parents=True)
         (rootfs / "usr/bin/nvidia-smi").write_text("")
         st = os.lstat(rootfs / "usr/bin/nvidia-smi")
-        cache.write_atomic(f"{leftovers.directory(state_dir)}/{name}.json", {
+        statefiles.write_atomic(f"{leftovers.directory(state_dir)}/{name}.json", {
             "container": name, "rootfs": str(rootfs), "rootfs_identity": [os.stat(rootfs).st_dev, os.stat(rootfs).st_ino],
-            "worker": 1, "worker_start_time": -1, "boot_id": cache.boot_id(), "step": "mount /usr/bin/nvidia-debugdump",
+            "worker": 1, "worker_start_time": -1, "boot_id": files.boot_id(), "step": "mount /usr/bin/nvidia-debugdump",
             "entries": [["file", "/usr/bin/nvidia-smi", "nvidia-smi", "", st.st_dev, st.st_ino, st.st_ctime_ns]],
             "overflowed": False})
         rootfses[name] = rootfs

@@ -103,7 +103,7 @@ def test_a_bad_config_is_never_cached(tmp_path):
 
 
 def test_cache_of_deleted_configs_is_pruned(tmp_path):
-    from gpuhook import cache
+    from gpuhook.apply import statefiles
 
     state = tmp_path / "state"
     for i in range(70):
@@ -114,7 +114,7 @@ def test_cache_of_deleted_configs_is_pruned(tmp_path):
     cfg.load(str(tmp_path / "live.toml"))
     left = os.listdir(state / "config-cache")
     assert len(left) < 64
-    assert os.path.basename(cache.config_cache_path(str(state), str(tmp_path / "live.toml"))) in left
+    assert os.path.basename(statefiles.config_cache_path(str(state), str(tmp_path / "live.toml"))) in left
 
 
 def test_every_key_is_a_declared_attribute_of_its_table():

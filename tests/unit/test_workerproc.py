@@ -133,13 +133,13 @@ def test_the_journal_lists_exactly_what_is_made_and_not_undone(tmp_path):
     stuck in the kernel leaves is what it lists, each with its identity."""
     import mmap
 
-    from gpuhook import safepath
+    from gpuhook.apply import rootfs
 
     memory = mmap.mmap(-1, order.PROGRESS_BYTES + apply_worker.JOURNAL_BYTES)
     root = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
-    changes = safepath.Changes(apply_worker.Journal(memory))
+    changes = rootfs.Changes(apply_worker.Journal(memory))
     try:
-        lib = safepath.make_dirs(root, "/usr/lib64", changes)
+        lib = rootfs.make_dirs(root, "/usr/lib64", changes)
         os.close(os.open("libcuda.so.1", os.O_CREAT | os.O_WRONLY, dir_fd=lib))
         changes.add("file", lib, "libcuda.so.1", "/usr/lib64/libcuda.so.1")
         made = os.stat(tmp_path / "usr/lib64/libcuda.so.1")

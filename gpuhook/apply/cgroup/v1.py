@@ -12,7 +12,7 @@ import os
 
 from gpuhook.devrules.devices import difference, parse_v1_line, union
 from gpuhook.errors import ApplyError
-from gpuhook.prescan import read_regular_file
+from gpuhook.kernel.files import read_regular_file
 
 
 def current_rules(directory: str) -> list:

@@ -1,9 +1,9 @@
-"""gpuhook's JSON state files, and the caches built on them.
+"""gpuhook's JSON state files written: the caches, records, reports and stamps.
 
-Every state file (caches, health reports, stamps, the container registry) is written to a
-temporary name in its directory and renamed into place, so a reader sees the old document
-or the new one, never half of one, and is read without following a symlink; a missing or
-damaged file reads as None.
+Every state file (caches, health reports, stamps, the container registry, grant and served
+records) is written here: to a temporary name in its directory, then renamed into place, so
+a reader (gpuhook.kernel.files.read) sees the old document or the new one, never half of
+one; directories are made root-only and refused when anyone else could write them.
 
 Two caches keep an unchanged host from being read twice the expensive way, each keyed by
 everything that could change its content:
@@ -22,30 +22,9 @@ import os
 import stat
 
 from gpuhook import fastjson
-from gpuhook.prescan import read_regular_file
+from gpuhook.kernel.files import UntrustedPath, read, trusted
 
 CONFIG_CACHE_DIR = "config-cache"  # under the state-dir the cached config names
-BOOT_ID = "/proc/sys/kernel/random/boot_id"
-
-
-def boot_id() -> str:
-    """This boot's id ("" if unreadable): state from an earlier boot is never trusted."""
-    try:
-        with open(BOOT_ID) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def trusted(st) -> bool:
-    """Whether a file or directory with stat `st` can only have been written by us: owned by
-    this (root) user and writable by nobody else. A state file that fails this is ignored:
-    under a runtime's umask of 0, or in a directory someone else made, it could be forged."""
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-class UntrustedPath(OSError):
-    """A directory exists but is not one gpuhook can trust (see `trusted`)."""
 
 
 def make_dirs(path: str, mode: int = 0o755) -> None:
@@ -74,36 +53,9 @@ def ensure_dir(path: str, mode: int = 0o700) -> None:
         raise UntrustedPath(errno.EPERM, "not a directory owned by root and writable only by it", path)
 
 
-def read_trusted(path: str, limit: int) -> bytes:
-    """Up to `limit` bytes of the file at `path`, opened without following a symlink and
-    without blocking (a FIFO cannot hang the hook). Raises OSError, or UntrustedPath when it
-    is not a regular file owned by root and writable only by it (see `trusted`)."""
-    try:
-        data, st = read_regular_file(path, limit, os.O_NOFOLLOW, with_stat=True)
-    except OSError as err:
-        if err.errno != errno.EINVAL:
-            raise
-        st = None
-    if st is None or not trusted(st):  # what was read of an untrusted file is dropped unused
-        raise UntrustedPath(errno.EPERM, "not a regular file owned by root and writable only by it", path)
-    return data
-
-
-def read(path: str, limit: int = 16 << 20):
-    """The JSON document at `path`, or None if missing, damaged, or not trusted (see
-    `trusted`: the file and its directory)."""
-    try:
-        data = read_trusted(path, limit)
-        if not trusted(os.lstat(os.path.dirname(path) or ".")):
-            return None
-        return fastjson.loads(data)
-    except (OSError, ValueError, RecursionError):
-        return None
-
-
 def write_atomic(path: str, document, mode: int = 0o600, dir_mode: int = 0o700) -> None:
     """Write `document` as JSON to `path` atomically; raises OSError (or TypeError for a
-    document JSON cannot hold). The directory is made with `dir_mode` (gpuhook.cache.ensure_dir)."""
+    document JSON cannot hold). The directory is made with `dir_mode` (gpuhook.apply.statefiles.ensure_dir)."""
     directory = os.path.dirname(path)
     ensure_dir(directory, dir_mode)
     temp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
@@ -132,11 +84,6 @@ def write(path: str, document) -> bool:
         return True
     except (OSError, TypeError, ValueError):
         return False
-
-
-def file_identity(st) -> list:
-    """What changes whenever a file's content can have changed."""
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def config_cache_path(state_dir: str, config_path: str) -> str:
