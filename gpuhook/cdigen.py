@@ -14,9 +14,12 @@ Generation reads the host like the hook does (gpuhook.discover.inventory; NVML o
 changes nothing; the command writes the result.
 """
 
-from gpuhook.discover import host as discover, inventory
-from gpuhook.request import resolve as req
-from gpuhook.plan.make import CONTROL_MINOR, LIBRARY_CAPABILITIES
+from gpuhook.discover import inventory
+from gpuhook.discover import proc, survey
+from gpuhook import driver
+from gpuhook.request import resolve
+from gpuhook.driver import CONTROL_MINOR
+from gpuhook.plan.make import LIBRARY_CAPABILITIES
 
 # 0.5.0: what podman 4.3 (Debian 12) and containerd 1.7 read. Spec-level annotations (0.6.0)
 # make their CDI library reject the whole spec, so the spec has none.
@@ -24,7 +27,7 @@ CDI_VERSION = "0.5.0"
 # gpuhook's own kind, not NVIDIA's nvidia.com/gpu: NVIDIA's toolkit (nvidia-cdi-refresh,
 # nvidia-ctk cdi generate) names its devices the same ("0", "GPU-<uuid>", "all"), and a device
 # defined by two specs is refused by the runtime for both (docs/cdi.md, "Next to NVIDIA's").
-KIND = req.CDI_KIND
+KIND = driver.CDI_KIND
 DEFAULT_CAPABILITIES = ("compute", "utility")
 HOOK_STAGES = ("createRuntime", "poststop")
 RO_OPTIONS = ["ro", "nosuid", "nodev", "bind"]
@@ -33,7 +36,7 @@ RO_OPTIONS = ["ro", "nosuid", "nodev", "bind"]
 def _node(config, path: str, major: int, minor: int) -> dict:
     """A CDI device node: the container path, the host node it comes from (when it exists),
     its numbers and, from the host node, its permissions' owner."""
-    found = discover.host_node(config, path)
+    found = survey.host_node(config, path)
     node = {"path": path, "type": "c", "major": major, "minor": minor}
     if found is not None:
         mode, uid, gid, host_path = found
@@ -42,7 +45,7 @@ def _node(config, path: str, major: int, minor: int) -> dict:
 
 
 def _marker(ident: str) -> dict:
-    return {"hostPath": "/dev/null", "containerPath": f"{req.VOLUME_MOUNT_ROOT}/{ident}", "type": "bind",
+    return {"hostPath": "/dev/null", "containerPath": f"{resolve.VOLUME_MOUNT_ROOT}/{ident}", "type": "bind",
             "options": ["ro", "nosuid", "nodev", "noexec", "bind"]}
 
 
@@ -54,7 +57,7 @@ def _hook(stage: str, hook) -> dict:
 def generate(config, hook, capabilities=DEFAULT_CAPABILITIES) -> dict:
     """The CDI spec document for this host. `hook` is gpuhook.install.Hook (how a runtime
     starts this gpuhook); `capabilities` pick the driver files mounted spec-wide."""
-    inv, facts, _, _ = inventory.read(config, want_facts=discover.has_mig_instances(discover.capabilities(config.proc_root)))
+    inv, facts, _, _ = inventory.read(config, want_facts=proc.has_mig_instances(proc.capabilities(config.proc_root)))
     nvidia = inv.majors["nvidia"]
     devices = []
     every_node = []

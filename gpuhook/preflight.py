@@ -13,7 +13,8 @@ import json
 import os
 import stat
 
-from gpuhook.discover import host as discover
+from gpuhook.discover import driverfiles, proc as discover_proc, survey, types
+from gpuhook import driver as gpuhook_driver
 from gpuhook.errors import GpuhookError
 from gpuhook.record import record
 
@@ -37,11 +38,11 @@ def run(config, quick: bool = False, root: str = "/") -> list:
     inventory, libraries_problem = None, None
     proc = config.proc_root
     try:
-        version = discover.driver_version(proc)
-        inventory = discover.Inventory(
-            driver_version=version, gpus=discover.gpus(proc), majors=discover.majors(proc), libraries=(),
+        version = discover_proc.driver_version(proc)
+        inventory = types.Inventory(
+            driver_version=version, gpus=discover_proc.gpus(proc), majors=discover_proc.majors(proc), libraries=(),
             binaries=(), firmware=(), ipc=(), proc_driver_dir=f"{proc}/driver/nvidia",
-            capabilities=discover.capabilities(proc))
+            capabilities=discover_proc.capabilities(proc))
     except GpuhookError as err:
         driver = HostCheck("driver", FAIL, err.message, err.hint or "is the NVIDIA kernel module loaded?")
     except OSError as err:
@@ -49,7 +50,7 @@ def run(config, quick: bool = False, root: str = "/") -> list:
     else:
         driver = _driver(inventory)
         try:
-            libraries = discover.libraries(config.driver_root, lib_dirs=config.driver_lib_dirs, version=version)
+            libraries = driverfiles.libraries(config.driver_root, lib_dirs=config.driver_lib_dirs, version=version)
             inventory = inventory._replace(libraries=libraries)
         except (GpuhookError, OSError) as err:
             libraries_problem = HostCheck("driver-libraries", FAIL, getattr(err, "message", None) or str(err),
@@ -88,7 +89,7 @@ def _majors(config, inventory) -> HostCheck:
     if "nvidia-uvm" not in majors:
         return HostCheck("device-majors", WARN, f"nvidia-uvm is not loaded ({listed}): CUDA programs in containers "
                                             f"cannot start", "modprobe nvidia-uvm (or nvidia-modprobe -u -c=0)")
-    if "nvidia-caps" not in majors and discover.has_mig_instances(inventory.capabilities):
+    if "nvidia-caps" not in majors and discover_proc.has_mig_instances(inventory.capabilities):
         return HostCheck("device-majors", FAIL, f"MIG instances exist but nvidia-caps has no major ({listed}): "
                                             f"MIG requests fail", "reload the nvidia module with nvidia-caps")
     return HostCheck("device-majors", OK, listed)
@@ -102,7 +103,7 @@ def _nodes(config, inventory) -> HostCheck:
     wanted += [(gpu.node, inventory.majors["nvidia"], gpu.minor) for gpu in inventory.gpus]
     missing, wrong = [], []
     for path, major, minor in wanted:
-        found = discover.host_node(config, path)
+        found = survey.host_node(config, path)
         try:
             rdev = os.stat(found[3]).st_rdev if found is not None else None
         except OSError:
@@ -125,7 +126,7 @@ def _nodes(config, inventory) -> HostCheck:
 def _libraries(config, inventory) -> HostCheck:
     libs = inventory.libraries
     where = (f"driver-lib-dirs {', '.join(config.driver_lib_dirs)}" if config.driver_lib_dirs
-             else f"the ld cache of {config.driver_root} and {', '.join(discover.LAYOUT_LIB_DIRS[:1])} ...")
+             else f"the ld cache of {config.driver_root} and {', '.join(driverfiles.LAYOUT_LIB_DIRS[:1])} ...")
     missing = [stem for stem in ("libcuda", "libnvidia-ml")
                if not any(lib.bits == 64 and lib.file_name.startswith(stem + ".so.") for lib in libs)]
     if missing:
@@ -147,7 +148,7 @@ def _libraries(config, inventory) -> HostCheck:
 
 def _programs(config) -> HostCheck:
     try:
-        lookup = discover.find_binaries(config.driver_root, config.driver_bin_dirs)
+        lookup = driverfiles.find_binaries(config.driver_root, config.driver_bin_dirs)
     except OSError as err:
         return HostCheck("driver-programs", FAIL, f"cannot look for the driver's programs: {err.strerror}")
     skipped = ""
@@ -157,7 +158,7 @@ def _programs(config) -> HostCheck:
         skipped = f"skipped {path}{more} ({why})"
     smi = next((f.host_path for f in lookup.found if f.container_path == "/usr/bin/nvidia-smi"), None)
     if smi is None:
-        dirs = ", ".join(config.driver_bin_dirs or discover.BINARY_DIRS)
+        dirs = ", ".join(config.driver_bin_dirs or gpuhook_driver.BINARY_DIRS)
         return HostCheck("driver-programs", WARN, f"no nvidia-smi program in {dirs} under {config.driver_root}"
                                               + (f"; {skipped}" if skipped else "")
                                               + ": utility containers get none",
@@ -167,7 +168,7 @@ def _programs(config) -> HostCheck:
 
 
 def _ldconfig(config) -> HostCheck:
-    found = discover.find_ldconfig(config.ldconfig, config.driver_root)
+    found = driverfiles.find_ldconfig(config.ldconfig, config.driver_root)
     if found.path is None:
         return HostCheck("ldconfig", FAIL, f"{found.problem}: every start of a glibc image fails", found.hint)
     return HostCheck("ldconfig", OK, f"{found.path}, statically linked" + (f" ({found.note})" if found.note else ""))

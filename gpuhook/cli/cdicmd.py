@@ -9,7 +9,7 @@ from gpuhook import config as cfg
 from gpuhook import install
 from gpuhook.cli import CONFIG_OPTION
 from gpuhook.errors import InputError
-from gpuhook.request.resolve import CAPABILITIES
+from gpuhook.driver import CAPABILITIES
 
 
 @click.group(name="cdi", help="CDI (Container Device Interface) specs for runtimes that consume them.")

@@ -18,8 +18,8 @@ def resolve_devices(text: str | None, config) -> list:
     """GPU and MIG UUIDs from a comma-separated list of NVML indices, GPU UUIDs, PCI bus ids
     and MIG UUIDs; every GPU of the host when `text` is None. A device this host does not
     have is bad input (exit 2), named: nothing is checked and no report is written for it."""
-    from gpuhook.discover import host as discover
-    from gpuhook.request import resolve as req
+    from gpuhook.discover import proc as discover
+    from gpuhook.plan import select as req
 
     host = discover.gpus(config.proc_root)
     if text is None:

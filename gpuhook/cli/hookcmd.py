@@ -10,7 +10,7 @@ from gpuhook import config as cfg
 from gpuhook import hook, schema
 from gpuhook.cli import CONFIG_OPTION
 from gpuhook.errors import InputError
-from gpuhook.plan.make import render_text
+from gpuhook.plan.render import render_text
 
 
 def _read_state(path):

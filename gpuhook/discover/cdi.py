@@ -3,7 +3,7 @@
 A CDI device name that does not say which GPU it is (a DRA claim,
 ``k8s.gpu.nvidia.com/claim=<uid>-gpu-0``) is resolved through the CDI spec that defines it:
 the character device nodes the spec injects for it (its own ``containerEdits`` and, as the
-CDI spec says, the spec-wide ones) are the grant, and gpuhook.request.resolve.select maps them to
+CDI spec says, the spec-wide ones) are the grant, and gpuhook.plan.select.select maps them to
 GPUs and MIG devices by major and minor. docs/requests.md says how this fits the channels.
 
 Specs are read from `cdi-spec-dirs` (default /etc/cdi then /var/run/cdi), ``*.json``,

@@ -8,7 +8,7 @@ the list of GPU directories in /proc/driver/nvidia/gpus, the driver's capability
 instances' files come and go with the instances), the nvidia lines of /proc/devices, the
 identity of the driver root's ld cache and of every directory discovery looks into for
 programs, data files (Xorg module, Vulkan/EGL/GLVND JSON), firmware and libraries no ld
-cache lists (discover.watched_dirs: a package installed later changes its directory). IPC
+cache lists (`watched_dirs`: a package installed later changes its directory). IPC
 sockets are never cached: a daemon can come and go.
 
 The NVML part (CUDA version, each GPU's brand, compute capability and MIG layout) is read
@@ -21,8 +21,11 @@ rebuilds the inventory but keeps NVML's facts.
 import os
 
 from gpuhook.apply import statefiles
+from gpuhook.discover.driverfiles import LAYOUT_LIB_DIRS, binaries, data_files, firmware, ipc, libraries, under
+from gpuhook.discover.proc import capabilities, driver_version, gpus, majors, mig_minors
+from gpuhook.discover.types import Gpu, HostFile, Inventory, Library
+from gpuhook.driver import BINARY_DIRS, DATA_FILES
 from gpuhook.kernel import files
-from gpuhook.discover import host as discover
 from gpuhook.record import record
 
 FORMAT = 4  # 4: the key holds the watched directories; binaries are ELF programs only
@@ -81,7 +84,7 @@ def fingerprint(config, driver_version: str) -> dict:
     except OSError:
         gpu_dirs = []
     try:
-        ld_cache = files.file_identity(os.stat(discover.under(config.driver_root, "/etc/ld.so.cache")))
+        ld_cache = files.file_identity(os.stat(under(config.driver_root, "/etc/ld.so.cache")))
     except OSError:
         ld_cache = None
     devices = [line for line in _read_text(f"{proc}/devices").splitlines() if "nvidia" in line]
@@ -91,11 +94,11 @@ def fingerprint(config, driver_version: str) -> dict:
         "driver_version": driver_version,
         "roots": [config.driver_root, config.device_root, proc, config.nvml_library],
         "gpu_dirs": gpu_dirs,
-        "capabilities": list(discover.capabilities(proc)),
+        "capabilities": list(capabilities(proc)),
         "devices": devices,
         "ld_cache": ld_cache,
         "driver_dirs": [config.driver_bin_dirs, config.driver_lib_dirs],
-        "watched": [_dir_identity(path) for path in discover.watched_dirs(config, driver_version)],
+        "watched": [_dir_identity(path) for path in watched_dirs(config, driver_version)],
     }
 
 
@@ -111,7 +114,7 @@ def _dir_identity(path: str):
 def _cached(config):
     """(key, cached document or None, NVML facts document of the same driver and GPUs or
     None) for the host as it is now."""
-    version = discover.driver_version(config.proc_root)
+    version = driver_version(config.proc_root)
     key = fingerprint(config, version)
     doc = files.read(cache_path(config))
     if not isinstance(doc, dict) or not isinstance(doc.get("key"), dict):
@@ -132,13 +135,13 @@ def read(config, want_facts: bool = False) -> tuple:
     inventory = None
     if doc is not None:
         try:
-            inventory = discover.inventory_from_dict(doc["inventory"])._replace(ipc=discover.ipc(config.driver_root))
+            inventory = inventory_from_dict(doc["inventory"])._replace(ipc=ipc(config.driver_root))
         except (KeyError, TypeError, ValueError, AttributeError):
             doc = None  # damaged or from another version: rebuild below
     pending = None
     if inventory is None:
-        inventory = discover.inventory(config)
-        pending = {"key": key, "inventory": discover.inventory_to_dict(inventory)}
+        inventory = scan(config)
+        pending = {"key": key, "inventory": inventory_to_dict(inventory)}
         if facts_doc is not None:
             pending["nvml"] = facts_doc  # the driver and GPUs are the same: NVML would say the same
     if not want_facts:
@@ -152,7 +155,7 @@ def read(config, want_facts: bool = False) -> tuple:
     facts, lost = _query_nvml(config)
     if lost:
         return inventory, facts, QUERIED, pending  # a lost GPU is a moment's state, not the host's: never cache it
-    pending = pending or {"key": key, "inventory": discover.inventory_to_dict(inventory)}
+    pending = pending or {"key": key, "inventory": inventory_to_dict(inventory)}
     pending["nvml"] = facts.as_dict()
     return inventory, facts, QUERIED, pending
 
@@ -181,7 +184,7 @@ CACHED = "NVML facts from the inventory cache"
 QUERIED = "NVML facts queried from NVML"
 
 
-def load(config, write: bool = True) -> "discover.Inventory":
+def load(config, write: bool = True) -> "Inventory":
     """The host inventory (`read`), cached at once unless `write` is False: for commands."""
     inventory, _, _, pending = read(config)
     if write:
@@ -196,3 +199,60 @@ def nvml_facts(config, write: bool = True) -> tuple:
     if write:
         write_cache(config, pending)
     return facts, source
+
+
+
+
+def watched_dirs(config, version: str) -> list:
+    """Host paths of the directories whose entries decide what `scan` finds besides the
+    ld cache: where the driver's programs, data files, firmware and (ld-cache-less)
+    libraries are looked for. A package that adds or replaces a file there (dpkg and rpm
+    rename files into place) changes the directory's mtime, which the inventory cache's key
+    holds."""
+    dirs = list(config.driver_bin_dirs or BINARY_DIRS)
+    dirs += [path.format(version=version).rsplit("/", 1)[0] for paths in DATA_FILES.values() for path in paths]
+    dirs.append(f"/lib/firmware/nvidia/{version}")
+    dirs += config.driver_lib_dirs or LAYOUT_LIB_DIRS
+    return [under(config.driver_root, d) for d in dict.fromkeys(dirs)]
+
+
+def scan(config) -> Inventory:
+    """Everything the plan needs to know about the host, read from files only."""
+    proc_root = config.proc_root
+    version = driver_version(proc_root)
+    return Inventory(
+        driver_version=version,
+        gpus=gpus(proc_root),
+        majors=majors(proc_root),
+        libraries=libraries(config.driver_root, lib_dirs=config.driver_lib_dirs, version=version),
+        binaries=binaries(config.driver_root, config.driver_bin_dirs) + data_files(config.driver_root, version),
+        firmware=firmware(config.driver_root, version),
+        ipc=ipc(config.driver_root),
+        proc_driver_dir=f"{proc_root}/driver/nvidia",
+        mig_minors=mig_minors(proc_root),
+        capabilities=capabilities(proc_root),
+    )
+
+
+def inventory_to_dict(inventory: Inventory) -> dict:
+    """JSON-ready form of an inventory (for the cache)."""
+    doc = inventory._asdict()
+    for field in ("gpus", "libraries", "binaries", "firmware", "ipc"):
+        doc[field] = [item._asdict() for item in doc[field]]
+    return doc
+
+
+def inventory_from_dict(doc: dict) -> Inventory:
+    """Inverse of inventory_to_dict; raises KeyError/TypeError on a damaged document."""
+    return Inventory(
+        driver_version=doc["driver_version"],
+        gpus=tuple(Gpu(**g) for g in doc["gpus"]),
+        majors=dict(doc["majors"]),
+        libraries=tuple(Library(**dict(lib, sonames=tuple(lib["sonames"]))) for lib in doc["libraries"]),
+        binaries=tuple(HostFile(**f) for f in doc["binaries"]),
+        firmware=tuple(HostFile(**f) for f in doc["firmware"]),
+        ipc=tuple(HostFile(**f) for f in doc["ipc"]),
+        proc_driver_dir=doc["proc_driver_dir"],
+        mig_minors={str(k): int(v) for k, v in doc["mig_minors"].items()},
+        capabilities=tuple(str(p) for p in doc["capabilities"]),
+    )

@@ -161,9 +161,9 @@ def library_path(config) -> str:
         return config.nvml_library
     if config.driver_root == "/" and not config.driver_lib_dirs:
         return SYSTEM_LIBRARY
-    from gpuhook.discover import host as discover
+    from gpuhook.discover.driverfiles import libraries
 
-    for lib in discover.libraries(config.driver_root, lib_dirs=config.driver_lib_dirs):
+    for lib in libraries(config.driver_root, lib_dirs=config.driver_lib_dirs):
         if lib.bits == 64 and SYSTEM_LIBRARY in lib.sonames:
             return lib.host_path
     raise HostError(f"no {SYSTEM_LIBRARY} among the driver's libraries under driver root {config.driver_root}",
@@ -834,9 +834,9 @@ def _call(pynvml, call: str, gpu, fn, *args):
 
 
 def _uuid(pynvml, gpu, handle) -> str:
-    """nvmlDeviceGetUUID, refusing anything that is not a UUID's form (gpuhook.discover.host.is_uuid):
+    """nvmlDeviceGetUUID, refusing anything that is not a UUID's form (gpuhook.driver.is_uuid):
     UUIDs name files and log lines."""
-    from gpuhook.discover.host import is_uuid
+    from gpuhook.driver import is_uuid
 
     uuid = _call(pynvml, "nvmlDeviceGetUUID", gpu, pynvml.nvmlDeviceGetUUID, handle)
     if not is_uuid(uuid):

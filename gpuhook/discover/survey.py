@@ -8,10 +8,12 @@ alone.
 """
 
 import os
+import stat
 
-from gpuhook.discover import host as discover
+from gpuhook import driver
+from gpuhook.discover.container import container_facts
+from gpuhook.discover import driverfiles, proc
 from gpuhook.discover import inventory as inv
-from gpuhook.request import resolve as req
 from gpuhook.record import record
 
 MAX_CAPS_NODES = 4096  # /dev/nvidia-caps entries looked at
@@ -39,7 +41,7 @@ def survey(request, spec, config) -> Host:
     if request.cdi:
         from gpuhook.discover import cdi
 
-        cdi_nodes = req.gpu_nodes(cdi.resolve(request.cdi, config.cdi_spec_dirs))
+        cdi_nodes = driver.gpu_nodes(cdi.resolve(request.cdi, config.cdi_spec_dirs))
     names_mig = request._replace(nodes=request.nodes + cdi_nodes).names_mig
     # NVML only when something needs it: NVIDIA_REQUIRE_* constraints, a request naming MIG
     # devices, or a host with MIG instances (their capability files; the cached inventory
@@ -47,10 +49,10 @@ def survey(request, spec, config) -> Host:
     # about MIG mode: an H200 with MIG off has them too (discover.has_mig_instances).
     inventory, _, _, pending = inv.read(config)
     facts = source = None
-    if request.requirements or names_mig or discover.has_mig_instances(inventory.capabilities):
+    if request.requirements or names_mig or proc.has_mig_instances(inventory.capabilities):
         inventory, facts, source, pending = inv.read(config, want_facts=True)
-    container = discover.container_facts(spec.rootfs, config)
-    ldconfig = discover.find_ldconfig(config.ldconfig, config.driver_root) if container.glibc else None
+    container = container_facts(spec.rootfs, config)
+    ldconfig = driverfiles.find_ldconfig(config.ldconfig, config.driver_root) if container.glibc else None
     features = feature_nodes(config, request.features)
     nodes = host_nodes(config, inventory, [path for _, path, _, _ in features])
     return Host(inventory, facts, source, container, nodes, cdi_nodes, pending, ldconfig, features)
@@ -94,7 +96,7 @@ def feature_nodes(config, features) -> tuple:
     read now: the inventory cache keys only the nvidia lines, and gdrdrv may load later."""
     if not features:
         return ()
-    majors = discover.majors(config.proc_root)
+    majors = proc.majors(config.proc_root)
     found = []
     names = _dev_names(config)
     if "gdrcopy" in features and "gdrdrv" in majors and "gdrdrv" in names:
@@ -131,8 +133,27 @@ def host_nodes(config, inventory, extra=()) -> dict:
     paths += list(extra)
     found = {}
     for path in paths:
-        node = discover.host_node(config, path)
+        node = host_node(config, path)
         if node is not None:
             found[path] = node
     return found
 
+
+
+
+def host_node(config, path: str):
+    """(mode, uid, gid, host path) of the host's device node for `path` (/dev/...), or None.
+
+    Looked for under dev-root, else <driver-root>/dev falling back to /dev (a driver
+    container's root usually has no /dev of its own)."""
+    candidates = [config.device_root + path[len("/dev"):]]
+    if not config.dev_root and candidates[0] != path:
+        candidates.append(path)
+    for host in candidates:
+        try:
+            st = os.stat(host)
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, host
+    return None

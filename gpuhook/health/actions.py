@@ -8,7 +8,7 @@ signal goes through the pidfd (pidfd_send_signal). The wait for its exit is boun
 
 Resetting: `reset-command` (default ``nvidia-smi --gpu-reset -i {uuid}``) is split like a
 shell would (no shell runs it). A program name without a slash is looked up only in the
-driver root's binary directories (gpuhook.discover.host.BINARY_DIRS), never in a PATH and never
+driver root's binary directories (gpuhook.driver.BINARY_DIRS), never in a PATH and never
 in a container's image; it must be a regular executable file there. It runs through
 gpuhook.kernel.child: explicit minimal environment, / as working directory, its own process
 group, killed whole at its timeout.
@@ -35,7 +35,8 @@ import select
 import signal
 import time
 
-from gpuhook.discover import host as discover, nvml
+from gpuhook.discover import nvml
+from gpuhook import driver as discover
 from gpuhook.kernel import child
 from gpuhook.errors import ConfigError, GpuhookError, HostError, NvmlError
 from gpuhook.health import registry, store

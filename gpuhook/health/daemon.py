@@ -312,7 +312,7 @@ class Daemon:
     def _answer(self, data: bytes, request, started: float) -> dict:
         """The answer to one request (`data`, parsed as `request`, received since monotonic
         time `started`)."""
-        from gpuhook.discover import host as discover
+        from gpuhook.discover import proc as discover
         from gpuhook.errors import GpuhookError
         from gpuhook.health import engine
 

@@ -23,7 +23,7 @@ import time
 from gpuhook.apply import statefiles
 from gpuhook.kernel import files
 from gpuhook.kernel.files import boot_id  # noqa: F401  (re-exported: reports, stamps and the registry use it)
-from gpuhook.discover.host import is_uuid
+from gpuhook.driver import is_uuid
 from gpuhook.errors import InputError
 
 FORMAT = 2  # 2: stamps carry the allocation they were made for

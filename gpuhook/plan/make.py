@@ -7,14 +7,13 @@ it selects the GPUs, checks NVIDIA_REQUIRE_* and lays out the nodes, rules, moun
 gpuhook.apply.run turns it into system calls (docs/architecture.md).
 """
 
-
-from gpuhook.request import resolve as req
-from gpuhook.request import requirements as reqs
 from gpuhook.devrules.devices import char_device
-from gpuhook.discover.host import LIBRARIES
+from gpuhook.driver import CONTROL_MINOR, LIBRARIES, MODESET_MINOR
 from gpuhook.errors import HostError
-from gpuhook.plan.records import BindMount, DeviceNode, LdCacheUpdate, ProcMask, Symlink  # noqa: F401 (re-exported)
-from gpuhook.record import record
+from gpuhook.plan import requirements as reqs
+from gpuhook.plan import select
+from gpuhook.plan.records import BindMount, DeviceNode, HealthStep, LdCacheUpdate, Plan, ProcMask, Symlink  # noqa: F401 (re-exported)
+from gpuhook.request import resolve
 
 # Mount options, as in `mount -o`; the apply layer maps them to MS_* flags.
 RO_LIB = ("ro", "nosuid", "nodev")
@@ -23,76 +22,9 @@ MPS_OPTIONS = ("nosuid", "nodev", "noexec")
 
 LIBRARY_CAPABILITIES = frozenset(LIBRARIES)
 DEFAULT_NODE_MODE = 0o666
-CONTROL_MINOR = 255
 # What each optional device (gpuhook.request.resolve.FEATURES) needs of the host, for the note when it is missing.
 FEATURE_NODES = {"nvswitch": "/dev/nvidia-nvswitch* node (nvidia-nvswitch driver)",
                  "gdrcopy": "/dev/gdrdrv node (gdrdrv module)"}
-MODESET_MINOR = 254
-
-
-class HealthStep(record("HealthStep", "mode gpus on_failure kill_orphans deadline_seconds allocations",
-                        defaults=((),))):
-    """Check (and repair) `gpus` (UUIDs: whole GPUs and MIG parents) while the rest is
-    applied, before it is committed (gpuhook.health.hooks.before_start); in fallback mode
-    a GPU with a fresh stamp made for one of `allocations` (the device plugin's tokens the
-    container carries, gpuhook.health.store.allocation_tokens) is skipped."""
-
-    __slots__ = ()
-
-
-class Plan(record("Plan", (
-    "container_id pid rootfs wants channel capabilities gpus "
-    "nodes mounts symlinks rules proc_mask ldcache notes migs userns proc_in_rootfs health dev_tmpfs"
-), defaults=((), False, False, None, False))):
-    """`gpus` are the GPUs whose node the container gets (whole GPUs and MIG parents);
-    `migs` the MIG devices (request.MigTarget); `userns` whether the container has a user
-    namespace (the apply layer then works as the container's root, and binds device nodes);
-    `proc_in_rootfs` whether the spec mounts a procfs at /proc, which the apply layer then
-    expects to find in the rootfs it joined (docs/security.md, "the right container");
-    `dev_tmpfs` whether the spec has the runtime mount a fresh tmpfs at /dev, the only mount
-    besides the rootfs's own that the apply layer writes on (docs/security.md, "Writes only
-    on the rootfs and the runtime's /dev")."""
-
-    __slots__ = ()
-
-    @property
-    def empty(self) -> bool:
-        return self.wants == req.NOTHING
-
-    def as_dict(self) -> dict:
-        return {
-            "container_id": self.container_id,
-            "pid": self.pid,
-            "rootfs": self.rootfs,
-            "wants": self.wants,
-            "channel": self.channel,
-            "capabilities": sorted(self.capabilities),
-            "gpus": [g._asdict() for g in self.gpus],
-            "mig_devices": [{"id": m.label, "uuid": m.device.uuid, "gpu": m.gpu.uuid,
-                             "gpu_instance": m.device.gpu_instance_id,
-                             "compute_instance": m.device.compute_instance_id, "profile": m.device.name}
-                            for m in self.migs],
-            "device_nodes": [dict(n._asdict(), mode=f"{n.mode:04o}") for n in self.nodes],
-            "user_namespace": self.userns,
-            "proc_in_rootfs": self.proc_in_rootfs,
-            "dev_tmpfs": self.dev_tmpfs,
-            "mounts": [dict(m._asdict(), options=list(m.options)) for m in self.mounts],
-            "symlinks": [s._asdict() for s in self.symlinks],
-            "cgroup_rules": [r.as_dict() for r in self.rules],
-            "proc_mask": None if self.proc_mask is None else {
-                "target": ProcMask.target,
-                "source_dir": self.proc_mask.source_dir,
-                "gpu_buses": list(self.proc_mask.gpu_buses),
-                "capabilities": list(self.proc_mask.capabilities),
-            },
-            "ldcache": None if self.ldcache is None else {
-                "ldconfig": self.ldcache.ldconfig,
-                "directories": list(self.ldcache.directories),
-            },
-            "health": None if self.health is None else dict(self.health._asdict(), gpus=list(self.health.gpus),
-                                                                allocations=list(self.health.allocations)),
-            "notes": list(self.notes),
-        }
 
 
 def empty_plan(state, spec, request) -> Plan:
@@ -108,7 +40,7 @@ def make_plan(state, spec, request, host, config) -> Plan:
     if host.cdi_nodes:
         request = request._replace(nodes=request.nodes + host.cdi_nodes)
     inventory = host.inventory
-    selection = req.select(request, inventory.gpus, host.facts, inventory)
+    selection = select.select(request, inventory.gpus, host.facts, inventory)
     if request.requirements:
         facts = requirement_facts(inventory, host.facts, selection)
         for requirement in request.requirements:
@@ -131,13 +63,13 @@ def make_plan(state, spec, request, host, config) -> Plan:
     wanted_nodes += [(gpu.node, nvidia, gpu.minor) for gpu in gpus]
     # NVIDIA_NVSWITCH / NVIDIA_GDRCOPY=enabled: the host's nodes, or, as NVIDIA's toolkit
     # does when they are missing, none (with a note): the container can run without them.
-    for variable, feature in req.FEATURES.items():
+    for variable, feature in resolve.FEATURES.items():
         if feature not in request.features:
             continue
         found = [(path, major, minor) for name, path, major, minor in host.feature_nodes
                  if name == feature and path in host.nodes]
         if not found:
-            notes.append(f"{variable}={req.FEATURE_ON}, but the host has no {FEATURE_NODES[feature]}: not injected")
+            notes.append(f"{variable}={resolve.FEATURE_ON}, but the host has no {FEATURE_NODES[feature]}: not injected")
         wanted_nodes += found
 
     cap_names = _mig_capabilities(selection, inventory)
@@ -289,42 +221,3 @@ def _minor_key(capability: str) -> str:
     if capability.startswith("mig/"):
         return capability[len("mig/"):]
     return capability.replace("/mig/", "/", 1)
-
-
-def render_text(plan: Plan) -> str:
-    """The plan for people: what --dry-run prints without --json."""
-    lines = [f"container {plan.container_id}  pid {plan.pid or '-'}  rootfs {plan.rootfs}"]
-    if plan.empty:
-        lines.append("request: none; the hook leaves this container untouched")
-        lines += [f"note: {n}" for n in plan.notes]
-        return "\n".join(lines) + "\n"
-    gpus = ", ".join(f"{g.index} {g.uuid} ({g.bus_id}, {g.model})" for g in plan.gpus) or "none"
-    lines.append(f"request: {plan.wants} via {plan.channel}")
-    lines.append(f"capabilities: {','.join(sorted(plan.capabilities))}")
-    lines.append(f"gpus: {gpus}")
-    if plan.migs:
-        lines.append("mig devices: " + ", ".join(
-            f"{m.label} {m.device.uuid} ({m.device.name}, gi {m.device.gpu_instance_id} ci "
-            f"{m.device.compute_instance_id})" for m in plan.migs))
-    lines.append("device nodes:")
-    lines += [f"  {n.path:<28} c {n.major}:{n.minor}  {n.mode:04o} {n.uid}:{n.gid}"
-              + (f"  (bind of {n.host_path})" if n.host_path else "") for n in plan.nodes]
-    lines.append("cgroup rules:")
-    lines += [f"  allow {r.v1_line()}" for r in plan.rules]
-    lines.append("mounts:")
-    lines += [f"  {m.target}  <-  {m.source}  ({','.join(m.options)})" for m in plan.mounts]
-    lines.append("symlinks:")
-    lines += [f"  {s.path} -> {s.target}" for s in plan.symlinks]
-    if plan.proc_mask:
-        lines.append(f"proc: {ProcMask.target} masked read-only (ModifyDeviceFiles: 0; "
-                     f"GPU dirs {', '.join(plan.proc_mask.gpu_buses) or 'none'})")
-    if plan.ldcache:
-        lines.append(f"ld cache: host ldconfig for {', '.join(plan.ldcache.directories)}")
-    if plan.health:
-        skip = ", skipping a GPU with a fresh stamp made for this container's allocation" \
-            if plan.health.mode == "fallback" and plan.health.allocations else ""
-        lines.append(f"health ({plan.health.mode}, on failure: {plan.health.on_failure}): while the rest is "
-                     f"applied, check and repair {', '.join(plan.health.gpus)} within "
-                     f"{plan.health.deadline_seconds:g} s{skip}")
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines) + "\n"

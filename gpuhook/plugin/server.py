@@ -23,8 +23,9 @@ import grpc
 
 from gpuhook import journal
 from gpuhook.kernel import files
-from gpuhook.discover import host as discover
-from gpuhook.request import resolve as req
+from gpuhook.discover import proc as discover
+from gpuhook import driver
+from gpuhook.request import resolve
 from gpuhook.errors import GpuhookError, HostError, InputError, printable
 from gpuhook.health import store
 
@@ -140,16 +141,16 @@ def allocate_response(pb, ids: list, strategy: str, token: str | None = None):
         response.mounts.add(container_path=f"{store.ALLOCATION_ROOT}/{token}", host_path="/dev/null", read_only=True)
     if strategy == "volume-mounts":
         for ident in ids:
-            response.mounts.add(container_path=f"{req.VOLUME_MOUNT_ROOT}/{ident}", host_path="/dev/null",
+            response.mounts.add(container_path=f"{resolve.VOLUME_MOUNT_ROOT}/{ident}", host_path="/dev/null",
                                 read_only=True)
-        response.envs["NVIDIA_VISIBLE_DEVICES"] = req.VOLUME_MOUNT_ROOT  # names no GPU itself
+        response.envs["NVIDIA_VISIBLE_DEVICES"] = resolve.VOLUME_MOUNT_ROOT  # names no GPU itself
     elif strategy == "envvar":
         response.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(ids)
     elif strategy == "cdi-annotations":
-        response.annotations[CDI_ANNOTATION] = ",".join(f"{req.CDI_KIND}={ident}" for ident in ids)
+        response.annotations[CDI_ANNOTATION] = ",".join(f"{driver.CDI_KIND}={ident}" for ident in ids)
     elif strategy == "cdi-cri":
         for ident in ids:
-            response.cdi_devices.add(name=f"{req.CDI_KIND}={ident}")
+            response.cdi_devices.add(name=f"{driver.CDI_KIND}={ident}")
     return response
 
 

@@ -19,35 +19,33 @@ Channels, in order of trust (docs/requests.md has the whole table):
 An orchestrator's grant (1, 2 or 3) is never widened by the environment: when one is
 present, NVIDIA_VISIBLE_DEVICES cannot add a GPU, and a grant that cannot be resolved fails
 the start. Resolution is pure: it reads the parsed spec and returns data; CDI names that
-only a CDI spec can resolve (a DRA claim) are resolved by gpuhook.discover.cdi, and matching ids and
-nodes to real GPUs happens in `select`.
+only a CDI spec can resolve (a DRA claim) are resolved by gpuhook.discover.cdi, and matching
+ids and nodes to real GPUs is planning (gpuhook.plan.select).
 """
-
 
 from gpuhook.devrules.devices import DeviceRule, char_device
 from gpuhook.devrules.policy import RuntimeRules
+from gpuhook.driver import (
+    CAPABILITIES,
+    CDI_KIND,
+    DEFAULT_CAPABILITIES,
+    IMPLIED_CAPABILITIES,
+    MIG_NODE_PREFIX,
+    NVIDIA_VENDOR,
+    gpu_nodes,
+    is_mig_id,
+)
 from gpuhook.errors import RequestError
 from gpuhook.record import record
 
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
-# gpuhook's own CDI kind: `gpuhook cdi generate` writes it and the device plugin's CDI
-# strategies name it. NVIDIA's toolkit writes nvidia.com/gpu with the same device names, and
-# two specs defining one device make a runtime refuse both (docs/cdi.md, "Next to NVIDIA's").
-CDI_KIND = "gpuhook.example/gpu"
-NVIDIA_VENDOR = "nvidia.com"
 CDI_MOUNT_PREFIX = "cdi/"  # the device plugin's volume mount for a CDI name: cdi/<vendor>/<class>/<name>
-GPU_NODE_PREFIX = "/dev/nvidia"
-MIG_NODE_PREFIX = "/dev/nvidia-caps/nvidia-cap"
 
 # Bounds on what a request may name: far above any real host (NVML supports 64 GPUs, 7 MIG
 # devices each), far below what could make parsing or matching slow.
 MAX_IDS = 1024
 MAX_ID_LENGTH = 256
-MAX_INDEX_DIGITS = 9
-
-CAPABILITIES = ("compute", "compat32", "graphics", "utility", "video", "display", "ngx")
-DEFAULT_CAPABILITIES = frozenset({"utility", "compute"})
 
 # What the container wants.
 NOTHING = "nothing"  # no request: the hook leaves the container alone
@@ -86,50 +84,7 @@ class Request(record("Request", "wants ids capabilities channel notes mig_config
                 or any(node.path.startswith(MIG_NODE_PREFIX) for node in self.nodes))
 
 
-class MigTarget(record("MigTarget", "gpu device")):
-    """A requested MIG device: its parent `gpu` (discover.Gpu) and `device` (inventory.MigEntry)."""
-
-    __slots__ = ()
-
-    @property
-    def label(self) -> str:
-        return f"{self.gpu.index}:{self.device.index}"
-
-
-class Selection(record("Selection", "gpus migs mig_config mig_monitor runtime_grant", defaults=(False,))):
-    """What a request resolves to on this host. `gpus` are the GPUs whose device node the
-    container gets (whole GPUs and MIG parents, once each, in request order); `migs` the MIG
-    devices; `mig_config` / `mig_monitor` whether the container gets those capabilities;
-    `runtime_grant` whether the GPUs are the NVIDIA nodes the runtime put in linux.devices
-    (their access then stays within the runtime's own rules: gpuhook.plan.make)."""
-
-    __slots__ = ()
-
-
-def is_mig_id(ident: str) -> bool:
-    """A MIG UUID or GPU:MIG index pair (a PCI bus id such as 0000:18:00.0 is a whole GPU)."""
-    if ident.upper().startswith("MIG-"):
-        return True
-    gpu, sep, mig = ident.partition(":")
-    return bool(sep) and gpu.isdigit() and gpu.isascii() and mig.isdigit() and mig.isascii()
-
-
 KEYWORDS = ("all", "none", "void")
-
-
-def _bus_id(text: str):
-    """(domain, bus, device, function) of a PCI bus id ("0000:18:00.0", NVML's
-    "00000000:18:00.0", or "18:00.0"), or None."""
-    parts = text.lower().split(":")
-    if len(parts) == 2:
-        parts = ["0"] + parts
-    if len(parts) != 3 or "." not in parts[2]:
-        return None
-    device, _, function = parts[2].partition(".")
-    fields = (parts[0], parts[1], device, function)
-    if not all(0 < len(f) <= 8 and all(c in "0123456789abcdef" for c in f) for f in fields):
-        return None
-    return tuple(int(f, 16) for f in fields)
 
 
 def _nothing(notes=()):
@@ -154,11 +109,6 @@ def _check_id(ident: str, count: int, where: str) -> None:
         raise RequestError(f"{where} names more than {MAX_IDS} devices")
     if len(ident) > MAX_ID_LENGTH:
         raise RequestError(f"{where}: device id {ident[:40]!r}... is longer than {MAX_ID_LENGTH} characters")
-
-
-# What a capability needs of another, as NVIDIA's libraries do: NVENC and NVDEC (video)
-# create a CUDA context, so they need libcuda and the nvidia-uvm nodes.
-IMPLIED_CAPABILITIES = {"video": frozenset({"compute"})}
 
 
 def parse_capabilities(value: str | None, legacy: bool = False) -> frozenset:
@@ -284,18 +234,6 @@ def _from_cdi(annotations: dict, notes: list) -> _Grant:
                 grant.add_cdi(entry.strip(), notes)
     grant.where = "CDI annotations"
     return grant
-
-
-def gpu_nodes(devices) -> tuple:
-    """The GPU and MIG access nodes among `devices` (oci.Device: /dev/nvidia<N>,
-    /dev/nvidia-caps/nvidia-cap<N>); control nodes (nvidiactl, uvm) name no GPU."""
-    found = []
-    for device in devices:
-        for prefix in (GPU_NODE_PREFIX, MIG_NODE_PREFIX):
-            tail = device.path[len(prefix):] if device.path.startswith(prefix) else ""
-            if tail.isdigit() and tail.isascii():
-                found.append(device)
-    return tuple(found)
 
 
 def node_rule(node) -> DeviceRule:
@@ -468,182 +406,3 @@ def _with_mig_capabilities(request: Request, spec) -> Request:
                                f"bounding set); this one is not")
         found[field] = ("all",) if "all" in ids else tuple(ids)
     return request._replace(**found) if found else request
-
-
-def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
-    """Match a request against the host's GPUs (and, for MIG, NVML's facts).
-
-    `facts` (inventory.NvmlFacts) is needed to name MIG devices and to know which GPUs are
-    in MIG mode; without it every GPU counts as a whole GPU. A MIG-mode GPU requested whole
-    is refused (its memory and engines belong to its MIG devices); `all` means every whole
-    GPU and every MIG device. Unknown ids are errors that list what exists. Granted device
-    nodes (`request.nodes`) are matched by major and minor against `inventory`'s majors and
-    nvidia-caps table; a node that is no GPU or MIG device here is an error naming it.
-    """
-    migs_by_gpu = {}
-    if facts is not None:
-        for gpu in gpus:
-            known = facts.gpus.get(gpu.uuid)
-            if known is not None and known.mig_mode:
-                migs_by_gpu[gpu.uuid] = known.mig_devices
-    whole, migs = [], []
-    runtime = request.channel == RUNTIME_DEVICES
-    matched, nvidia = _match_nodes(request, gpus, migs_by_gpu, inventory, facts is not None, lenient=runtime)
-    if runtime and nvidia:
-        for gpu, target in matched:
-            if target is not None and target not in migs:
-                migs.append(target)
-            elif target is None and gpu not in whole:
-                whole.append(gpu)
-    elif request.wants == ALL:
-        for gpu in gpus:
-            if gpu.uuid in migs_by_gpu:
-                migs += [MigTarget(gpu, device) for device in migs_by_gpu[gpu.uuid]]
-            else:
-                whole.append(gpu)
-    elif request.wants == GPUS:
-        for ident in request.ids:
-            if is_mig_id(ident):
-                target = _match_mig(ident, gpus, migs_by_gpu, request.channel, facts is not None)
-                if target not in migs:
-                    migs.append(target)
-                continue
-            gpu = match_gpu(ident, gpus)
-            if gpu is None:
-                raise RequestError(
-                    f"requested GPU {ident[:80]!r} ({request.channel}) does not exist on this host; "
-                    f"GPUs here: {_available(gpus)}"
-                )
-            if gpu.uuid in migs_by_gpu:
-                devices = ", ".join(f"{gpu.index}:{d.index} ({d.uuid})" for d in migs_by_gpu[gpu.uuid]) or "none"
-                raise RequestError(f"GPU {gpu.index} ({gpu.uuid}) is in MIG mode: request its MIG devices, "
-                                   f"not the whole GPU; MIG devices here: {devices}")
-            if gpu not in whole:
-                whole.append(gpu)
-        for gpu, target in matched:
-            if target is not None and target not in migs:
-                migs.append(target)
-            elif target is None and gpu not in whole:
-                whole.append(gpu)
-        if not whole and not migs:
-            raise RequestError(f"the grant ({request.channel}) names no GPU: nothing to give the container")
-    parents = list(whole)
-    for target in migs:
-        if target.gpu not in parents:
-            parents.append(target.gpu)
-    config = _capability_gpus(request.mig_config, "NVIDIA_MIG_CONFIG_DEVICES", gpus, parents)
-    monitor = _capability_gpus(request.mig_monitor, "NVIDIA_MIG_MONITOR_DEVICES", gpus, parents)
-    return Selection(tuple(parents), tuple(migs), config, monitor, runtime and nvidia)
-
-
-def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_facts: bool,
-                 lenient: bool = False) -> tuple:
-    """([(GPU, MigTarget or None) for each granted node (gpuhook.request.oci.Device)], whether any
-    node is the NVIDIA driver's). With `lenient`
-    (nodes the runtime put in linux.devices), a node of another driver's major that only
-    carries an NVIDIA name is not NVIDIA's and is skipped; from an orchestrator's grant it
-    is an error."""
-    if not request.nodes:
-        return [], False
-    majors = inventory.majors if inventory is not None else {}
-    by_caps_minor = {minor: name for name, minor in (inventory.mig_minors if inventory is not None else {}).items()}
-    found: list = []
-    nvidia = False  # whether any node is the NVIDIA driver's (a grant, even if it adds no device)
-    for node in request.nodes:
-        where = f"{node.path[:80]} (c {node.major}:{node.minor}, {request.channel})"
-        if node.path.startswith(MIG_NODE_PREFIX):
-            if node.major != majors.get("nvidia-caps"):
-                if lenient:
-                    continue
-                raise RequestError(f"granted node {where} is not an nvidia-caps device on this host")
-            nvidia = True
-            name = by_caps_minor.get(node.minor, "")
-            parts = name.split("/")  # gpu<minor>/gi<id>/ci<id>/access names one MIG device
-            if len(parts) != 4 or not parts[0].startswith("gpu") or parts[3] != "access":
-                continue  # a GPU instance's access node, or config/monitor: no device by itself
-            gpu = next((g for g in gpus if f"gpu{g.minor}" == parts[0]), None)
-            if gpu is None or not have_facts:
-                raise RequestError(f"granted MIG node {where} names no MIG device NVML reports here")
-            device = next((d for d in migs_by_gpu.get(gpu.uuid, ())
-                           if f"gi{d.gpu_instance_id}" == parts[1] and f"ci{d.compute_instance_id}" == parts[2]), None)
-            if device is None:
-                raise RequestError(f"granted MIG node {where} names MIG device {name[:60]}, which NVML does not "
-                                   f"report on GPU {gpu.index}")
-            found.append((gpu, MigTarget(gpu, device)))
-            continue
-        if node.major != majors.get("nvidia") and lenient:
-            continue
-        nvidia = True
-        gpu = next((g for g in gpus if g.minor == node.minor), None) if node.major == majors.get("nvidia") else None
-        if gpu is None:
-            raise RequestError(f"granted node {where} is no GPU on this host; GPUs here: {_available(gpus)}")
-        if gpu.uuid in migs_by_gpu:
-            continue  # a MIG device's parent node: its MIG devices come with their own nodes
-        found.append((gpu, None))
-    return found, nvidia
-
-
-def _available(gpus) -> str:
-    return ", ".join(f"{g.index} ({g.uuid})" for g in gpus) or "none"
-
-
-def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bool) -> MigTarget:
-    if not have_facts:
-        raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}) but NVML could not be asked for the "
-                           f"MIG layout")
-    every = [(gpu, device) for gpu in gpus for device in migs_by_gpu.get(gpu.uuid, ())]
-    if ident.upper().startswith("MIG-"):
-        for gpu, device in every:
-            if device.uuid.lower() == ident.lower():
-                return MigTarget(gpu, device)
-    else:
-        parent_id, _, mig_index = ident.partition(":")
-        gpu = match_gpu(parent_id, gpus)
-        if gpu is not None and mig_index.isdigit() and mig_index.isascii() and len(mig_index) <= MAX_INDEX_DIGITS:
-            if gpu.uuid not in migs_by_gpu:
-                raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}), but GPU {gpu.index} "
-                                   f"({gpu.uuid}) is not in MIG mode")
-            for device in migs_by_gpu[gpu.uuid]:
-                if device.index == int(mig_index):
-                    return MigTarget(gpu, device)
-    here = ", ".join(f"{g.index}:{d.index} ({d.uuid})" for g, d in every) or "none"
-    raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}) does not exist on this host; "
-                       f"MIG devices here: {here}")
-
-
-def _capability_gpus(ids, variable: str, gpus, parents) -> bool:
-    """Check NVIDIA_MIG_{CONFIG,MONITOR}_DEVICES names only GPUs the container gets."""
-    if not ids:
-        return False
-    if ids == ("all",):
-        return True
-    for ident in ids:
-        gpu = match_gpu(ident, gpus)
-        if gpu is None:
-            raise RequestError(f"{variable} names GPU {ident[:80]!r}, which does not exist; GPUs here: "
-                               f"{_available(gpus)}")
-        if gpu not in parents:
-            raise RequestError(f"{variable} names GPU {gpu.index} ({gpu.uuid}), which the container does not get")
-    return True
-
-
-def match_gpu(ident: str, gpus):
-    """The GPU of `gpus` that `ident` names (index, UUID in any case, PCI bus id), or None."""
-    if ident.isdigit() and ident.isascii():
-        if len(ident) > MAX_INDEX_DIGITS:
-            return None
-        index = int(ident)
-        for gpu in gpus:
-            if gpu.index == index:
-                return gpu
-        return None
-    lowered = ident.lower()
-    for gpu in gpus:
-        if gpu.uuid.lower() == lowered:
-            return gpu
-    bus = _bus_id(ident) if ":" in ident else None
-    if bus is not None:
-        for gpu in gpus:
-            if _bus_id(gpu.bus_id) == bus:
-                return gpu
-    return None

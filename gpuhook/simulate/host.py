@@ -32,7 +32,7 @@ import stat
 import subprocess
 import uuid as uuidlib
 
-from gpuhook.discover.host import LIBRARIES, MULTIARCH
+from gpuhook.driver import LIBRARIES, MULTIARCH
 from gpuhook.discover.nvml import BRANDS
 from gpuhook.simulate import SimulationError
 from gpuhook.simulate import nvml as simnvml

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import HERE, require_root_tools, sim_config_values, write_config
 from gpuhook import cdigen
-from gpuhook.discover.host import MULTIARCH
+from gpuhook.driver import MULTIARCH
 from gpuhook.simulate import host as simhost
 from helpers.runtimes import Podman
 

@@ -14,8 +14,10 @@ import pytest
 from gpuhook.discover import cdi
 from gpuhook import config as cfg
 from gpuhook.request import oci
-from gpuhook.request import resolve as req
-from gpuhook.discover.host import Gpu, Inventory
+from gpuhook import driver
+from gpuhook.plan import select
+from gpuhook.request import resolve as request_resolve
+from gpuhook.discover.types import Gpu, Inventory
 from gpuhook.errors import HostError, RequestError
 from gpuhook.discover.inventory import GpuFacts, MigEntry, NvmlFacts
 
@@ -48,11 +50,11 @@ def spec(env=(), mounts=(), annotations=None, privileged=False, devices=(), rule
 
 
 def resolve(s, **config):
-    return req.resolve(s, {}, cfg.from_mapping(config))
+    return request_resolve.resolve(s, {}, cfg.from_mapping(config))
 
 
 def chosen(request, **kwargs) -> list:
-    return [g.index for g in req.select(request, GPUS, None, inventory(), **kwargs).gpus]
+    return [g.index for g in select.select(request, GPUS, None, inventory(), **kwargs).gpus]
 
 
 def node(path, major, minor):
@@ -65,7 +67,7 @@ def node(path, major, minor):
 def test_a_cdi_grant_of_any_nvidia_kind_wins_over_an_images_all(kind):
     granted = GPUS[1].uuid
     r = resolve(spec(ALL, annotations={"cdi.k8s.io/nvidia-device-plugin_abc": f"{kind}={granted}"}))
-    assert (r.wants, r.ids, r.channel) == (req.GPUS, (granted,), req.CDI)
+    assert (r.wants, r.ids, r.channel) == (request_resolve.GPUS, (granted,), request_resolve.CDI)
     assert chosen(r) == [1]
     assert any("NVIDIA_VISIBLE_DEVICES ignored" in n for n in r.notes)
 
@@ -81,7 +83,7 @@ def test_which_cdi_names_need_a_spec(name, is_direct):
 
 def test_a_dra_claim_is_left_to_the_cdi_specs():
     r = resolve(spec(ALL, annotations={"cdi.k8s.io/claim": "k8s.gpu.nvidia.com/claim=a1b2-gpu-0"}))
-    assert (r.wants, r.ids, r.cdi) == (req.GPUS, (), ("k8s.gpu.nvidia.com/claim=a1b2-gpu-0",))
+    assert (r.wants, r.ids, r.cdi) == (request_resolve.GPUS, (), ("k8s.gpu.nvidia.com/claim=a1b2-gpu-0",))
 
 
 def test_a_refused_grant_is_not_replaced_by_the_environment():
@@ -96,7 +98,7 @@ def test_the_device_plugin_sends_a_cdi_name_as_a_volume_mount():
     mount = {"destination": f"/var/run/nvidia-container-devices/cdi/k8s.device-plugin.nvidia.com/gpu/{GPUS[2].uuid}",
              "source": "/dev/null", "type": "bind", "options": ["rbind"]}
     r = resolve(spec(ALL, mounts=[mount]))
-    assert (r.ids, r.channel) == ((GPUS[2].uuid,), req.MOUNTS) and chosen(r) == [2]
+    assert (r.ids, r.channel) == ((GPUS[2].uuid,), request_resolve.MOUNTS) and chosen(r) == [2]
     claim = dict(mount, destination="/var/run/nvidia-container-devices/cdi/k8s.gpu.nvidia.com/claim/uid-gpu-0")
     assert resolve(spec(ALL, mounts=[claim])).cdi == ("k8s.gpu.nvidia.com/claim=uid-gpu-0",)
 
@@ -112,12 +114,12 @@ def test_an_unknown_uuid_in_a_grant_fails_naming_it():
 def test_nodes_the_runtime_injected_are_the_grant():
     devices = [node("/dev/nvidiactl", 195, 255), node("/dev/nvidia2", 195, 2)]
     r = resolve(spec(ALL, devices=devices))
-    assert r.channel == req.RUNTIME_DEVICES
+    assert r.channel == request_resolve.RUNTIME_DEVICES
     assert [n.path for n in r.nodes] == ["/dev/nvidia2"] and chosen(r) == [2]
     assert chosen(resolve(spec(["NVIDIA_VISIBLE_DEVICES=0,1"], devices=devices))) == [2]  # the env cannot pick others
     # The env still says whether the container wants the driver at all.
     assert resolve(spec([], devices=devices)).empty
-    assert resolve(spec(["NVIDIA_VISIBLE_DEVICES=none"], devices=devices)).wants == req.DRIVER_ONLY
+    assert resolve(spec(["NVIDIA_VISIBLE_DEVICES=none"], devices=devices)).wants == request_resolve.DRIVER_ONLY
 
 
 def test_runtime_nodes_do_not_bind_a_privileged_container():
@@ -131,7 +133,7 @@ def test_runtime_nodes_the_policy_refuses_are_not_replaced_by_the_environment():
     r = resolve(spec(ALL, devices=[node("/dev/nvidia1", 195, 1)]), **{"accept-runtime-devices": False})
     assert r.empty and "NVIDIA_VISIBLE_DEVICES not honoured either" in r.notes[-1]
     # No GPU node at all: the environment is the request, as before.
-    assert resolve(spec(ALL, devices=[]), **{"accept-runtime-devices": False}).wants == req.ALL
+    assert resolve(spec(ALL, devices=[]), **{"accept-runtime-devices": False}).wants == request_resolve.ALL
 
 
 @pytest.mark.parametrize("rules", [
@@ -145,7 +147,7 @@ def test_a_node_the_runtimes_rules_do_not_open_is_no_grant(rules):
     """/dev/nvidia0 in linux.devices but not opened by linux.resources.devices: it neither
     gives GPU 0 nor displaces the environment's request for GPU 1."""
     r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=1"], devices=[node("/dev/nvidia0", 195, 0)], rules=rules))
-    assert (r.channel, r.nodes) == (req.ENV, ())
+    assert (r.channel, r.nodes) == (request_resolve.ENV, ())
     assert chosen(r) == [1]
     assert any("/dev/nvidia0 (c 195:0) in linux.devices is no grant" in n for n in r.notes)
     r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=1"], devices=[node("/dev/nvidia0", 195, 0)], rules=rules),
@@ -157,7 +159,7 @@ def test_a_node_the_runtime_opens_for_reading_only_is_still_the_grant():
     devices = [node("/dev/nvidia2", 195, 2)]
     r = resolve(spec(ALL, devices=devices, rules=[DENY_ALL, {"allow": True, "type": "c", "major": 195, "minor": 2,
                                                               "access": "r"}]))
-    assert (r.channel, [n.path for n in r.nodes]) == (req.RUNTIME_DEVICES, ["/dev/nvidia2"]) and chosen(r) == [2]
+    assert (r.channel, [n.path for n in r.nodes]) == (request_resolve.RUNTIME_DEVICES, ["/dev/nvidia2"]) and chosen(r) == [2]
 
 
 def test_a_granted_node_that_is_no_gpu_fails_naming_it():
@@ -192,7 +194,7 @@ def test_mig_access_nodes_name_mig_devices():
                node("/dev/nvidia-caps/nvidia-cap22", 236, 22)]
     r = resolve(spec(ALL, devices=devices))
     assert r.names_mig
-    selection = req.select(r, GPUS, facts, inventory(minors))
+    selection = select.select(r, GPUS, facts, inventory(minors))
     assert [t.device.uuid for t in selection.migs] == ["MIG-1111"] and [g.index for g in selection.gpus] == [1]
 
 
@@ -234,7 +236,7 @@ def test_a_claim_resolves_through_its_json_or_yaml_spec(tmp_path):
     nodes = cdi.resolve(["k8s.gpu.nvidia.com/claim=uid-gpu-0"], dirs)
     assert [(n.path, n.minor) for n in nodes] == [("/dev/nvidia1", 1), ("/dev/nvidiactl", 255)]
     r = resolve(spec(ALL, annotations={"cdi.k8s.io/c": "k8s.gpu.nvidia.com/claim=uid-gpu-0,nvidia.com/gpu=gpu3"}))
-    r = r._replace(nodes=req.gpu_nodes(cdi.resolve(r.cdi, dirs)))
+    r = r._replace(nodes=driver.gpu_nodes(cdi.resolve(r.cdi, dirs)))
     assert chosen(r) == [1, 3]
 
 
@@ -292,8 +294,8 @@ def test_an_unknown_bus_id_is_a_missing_gpu_not_a_mig_device():
         chosen(r)
 
 
-@pytest.mark.parametrize("word,wants", [("ALL", req.ALL), ("All", req.ALL), ("NONE", req.DRIVER_ONLY),
-                                        ("Void", req.NOTHING)])
+@pytest.mark.parametrize("word,wants", [("ALL", request_resolve.ALL), ("All", request_resolve.ALL), ("NONE", request_resolve.DRIVER_ONLY),
+                                        ("Void", request_resolve.NOTHING)])
 def test_keywords_in_any_case(word, wants):
     assert resolve(spec([f"NVIDIA_VISIBLE_DEVICES={word}"])).wants == wants
 
@@ -304,7 +306,7 @@ def test_requests_gpuhook_does_not_provide_are_refused_clearly(variable, value):
     with pytest.raises(RequestError, match=f"{variable} asks for .* which gpuhook does not provide"):
         resolve(spec(ALL + [f"{variable}={value}"]))
     assert resolve(spec([f"{variable}={value}"])).empty  # no GPU request: not gpuhook's business
-    assert resolve(spec(ALL + [f"{variable}=void"])).wants == req.ALL
+    assert resolve(spec(ALL + [f"{variable}=void"])).wants == request_resolve.ALL
 
 
 def test_video_alone_brings_what_nvenc_and_nvdec_need():
@@ -317,15 +319,15 @@ def test_a_legacy_image_gets_every_capability_whatever_channel_names_its_gpus():
     NVIDIA_DRIVER_CAPABILITIES means every capability, also with NVIDIA_VISIBLE_DEVICES set
     or a device plugin's grant (it was utility,compute there)."""
     legacy = ["CUDA_VERSION=10.2"]
-    assert resolve(spec(legacy + ["NVIDIA_VISIBLE_DEVICES=0"])).capabilities == set(req.CAPABILITIES)
+    assert resolve(spec(legacy + ["NVIDIA_VISIBLE_DEVICES=0"])).capabilities == set(driver.CAPABILITIES)
     annotated = resolve(spec(legacy, annotations={"cdi.k8s.io/x": "nvidia.com/gpu=0"}))
-    assert annotated.capabilities == set(req.CAPABILITIES)
+    assert annotated.capabilities == set(driver.CAPABILITIES)
     explicit = resolve(spec(legacy + ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=utility"]))
     assert explicit.capabilities == {"utility"}
 
 
 def test_graphics_and_display_bring_the_icd_vendor_and_xorg_files(tmp_path):
-    from gpuhook.discover import host as discover
+    from gpuhook.discover import driverfiles as discover
 
     files = {
         "/usr/share/glvnd/egl_vendor.d/10_nvidia.json": "graphics",
@@ -360,7 +362,7 @@ def test_a_dra_claim_spec_shaped_like_the_drivers_grants_its_one_gpu(tmp_path):
     specs = fixture_dir(tmp_path, "dra-claim.json")
     claim = "k8s.gpu.nvidia.com/claim=4d1b6c2e-9a4f-4e07-8a0e-1b7e0b1c2d3e-gpu-0"
     r = resolve(spec(ALL, annotations={"cdi.k8s.io/k8s.gpu.nvidia.com_claim": claim}))
-    r = r._replace(nodes=req.gpu_nodes(cdi.resolve(r.cdi, [specs])))
+    r = r._replace(nodes=driver.gpu_nodes(cdi.resolve(r.cdi, [specs])))
     assert chosen(r) == [1]
 
 
@@ -370,5 +372,5 @@ def test_the_gpu_operators_spec_resolves_its_non_direct_names_and_keeps_direct_o
     r = resolve(spec(ALL, annotations={"cdi.k8s.io/x": f"nvidia.com/gpu={GPUS[1].uuid}"}))
     assert r.cdi == () and chosen(r) == [1]
     # Through the spec, the same device injects the node of GPU 1 (minor 1), and `all` both.
-    nodes = req.gpu_nodes(cdi.resolve([f"nvidia.com/gpu={GPUS[1].uuid}", "nvidia.com/gpu=all"], [specs]))
+    nodes = driver.gpu_nodes(cdi.resolve([f"nvidia.com/gpu={GPUS[1].uuid}", "nvidia.com/gpu=all"], [specs]))
     assert sorted((n.path, n.minor) for n in nodes) == [("/dev/nvidia0", 0), ("/dev/nvidia1", 1)]

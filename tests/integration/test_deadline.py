@@ -73,7 +73,7 @@ WORKER_SCRIPT = r"""
 import json, mmap, os, subprocess, sys, time
 sys.path.insert(0, {repo!r})
 from gpuhook.apply import nsworker, order
-from gpuhook.plan.records import BindMount; from gpuhook.plan.make import Plan
+from gpuhook.plan.records import BindMount; from gpuhook.plan.records import Plan
 
 nsworker.COMMIT_WAIT = 0.5
 root = {root!r}

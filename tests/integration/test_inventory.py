@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook.discover import host as discover, inventory
+from gpuhook.discover import inventory, proc
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def test_second_load_uses_the_cache(host, monkeypatch):
     tmp_path, config = host
     first = inventory.load(config)
     assert os.path.exists(tmp_path / "run" / "inventory.json")
-    monkeypatch.setattr(discover, "inventory", lambda c: pytest.fail("read the host again"))
+    monkeypatch.setattr(inventory, "scan", lambda c: pytest.fail("read the host again"))
     assert inventory.load(config) == first
 
 
@@ -49,7 +49,7 @@ def test_a_changed_host_rebuilds_the_cache(host, change):
     second = inventory.load(config)
     assert second != first
     stored = json.loads((tmp_path / "run/inventory.json").read_text())["inventory"]
-    assert stored == json.loads(json.dumps(discover.inventory_to_dict(second)))
+    assert stored == json.loads(json.dumps(inventory.inventory_to_dict(second)))
 
 
 # Files discovery depends on besides the ld cache, installed after the first start: each must
@@ -110,7 +110,7 @@ def test_a_cold_start_on_a_host_without_mig_instances_loads_no_nvml(gpus, sim_ho
     """The driver makes mig/config, mig/monitor and a gpu<minor>/mig directory on every host:
     an H200 with MIG off lists them (so does the simulated host). Only a GPU instance's
     access file means MIG devices exist; without one, nothing in this start needs NVML."""
-    caps = discover.capabilities(f"{sim_host['directory']}/proc")
+    caps = proc.capabilities(f"{sim_host['directory']}/proc")
     assert "mig/config" in caps and not any("/gi" in path for path in caps)
     gpus.configure(health={"mode": "off"})
     result = gpus.run("cold-no-mig", env=["NVIDIA_VISIBLE_DEVICES=0"])

@@ -21,7 +21,7 @@ SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
 from gpuhook.apply import nsworker; from gpuhook.kernel import paths as safepath
-from gpuhook.plan.records import BindMount; from gpuhook.plan.make import Plan
+from gpuhook.plan.records import BindMount; from gpuhook.plan.records import Plan
 
 nsworker.use_new_mount_api = {new_api!r}
 root = {root!r}

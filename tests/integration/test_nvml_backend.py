@@ -11,7 +11,8 @@ import time
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook.discover import host as discover, nvml
+from gpuhook.discover import nvml
+from gpuhook.discover import proc as discover
 from gpuhook.errors import HostError, NvmlError
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml

@@ -20,7 +20,7 @@ SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
 from gpuhook.apply import run as apply, nsworker; from gpuhook.request import oci
-from gpuhook.plan.make import Plan; from gpuhook.plan.records import ProcMask
+from gpuhook.plan.records import Plan; from gpuhook.plan.records import ProcMask
 
 root = {root!r}
 mask = ProcMask({source!r}, ("0000:28:00.0",))

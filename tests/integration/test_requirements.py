@@ -8,10 +8,11 @@ import shutil
 
 import pytest
 
-from gpuhook.request import requirements
+from gpuhook.plan import requirements as plan_requirements
+from gpuhook.request import requirements as request_requirements
 from gpuhook.discover import nvml
 from gpuhook.errors import HostError, RequestError, RequirementError
-from gpuhook.request.requirements import GpuTraits, HostFacts
+from gpuhook.plan.requirements import GpuTraits, HostFacts
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
 
@@ -83,10 +84,10 @@ MATRIX = [
 def test_real_cuda_image_requirements(image, facts, passes):
     env = {"NVIDIA_REQUIRE_CUDA": image, "CUDA_VERSION": "12.2.2"}
     if passes:
-        requirements.evaluate(env, facts)
+        plan_requirements.evaluate(env, facts)
         return
     with pytest.raises(RequirementError) as err:
-        requirements.evaluate(env, facts)
+        plan_requirements.evaluate(env, facts)
     first = image.split()[0]
     assert err.value.constraint == first
     assert err.value.message.startswith(
@@ -95,7 +96,7 @@ def test_real_cuda_image_requirements(image, facts, passes):
     others = len(image.split()) - 1
     if others:
         assert f"none of the other {others} alternative" in err.value.message
-    assert err.value.hint == requirements.CUDA_HINT
+    assert err.value.hint == plan_requirements.CUDA_HINT
     assert isinstance(err.value, RequestError) and err.value.variable == "NVIDIA_REQUIRE_CUDA"
 
 
@@ -110,18 +111,18 @@ def test_versions_compare_numerically_by_component(have, operator, want, holds):
     facts = HostFacts(have, None)
     env = {"NVIDIA_REQUIRE_CUDA": f"cuda{operator}{want}"}
     if holds:
-        requirements.evaluate(env, facts)
+        plan_requirements.evaluate(env, facts)
     else:
         with pytest.raises(RequirementError, match=f"cuda{operator}{want} is false, the host has cuda {have}"):
-            requirements.evaluate(env, facts)
+            plan_requirements.evaluate(env, facts)
 
 
 def test_compare_versions():
-    assert requirements.compare_versions("12.10", "12.9") == 1
-    assert requirements.compare_versions("12.2", "12.2.0.0") == 0
-    assert requirements.compare_versions("470.82.01", "525") == -1
+    assert plan_requirements.compare_versions("12.10", "12.9") == 1
+    assert plan_requirements.compare_versions("12.2", "12.2.0.0") == 0
+    assert plan_requirements.compare_versions("470.82.01", "525") == -1
     with pytest.raises(ValueError):
-        requirements.compare_versions("12.2a", "12")
+        plan_requirements.compare_versions("12.2a", "12")
 
 
 @pytest.mark.parametrize("text,passes", [
@@ -134,10 +135,10 @@ def test_alternatives_and_conditions(text, passes):
     facts = host("550.54.15", "12.4", "tesla", "8.0")
     env = {"NVIDIA_REQUIRE_CUSTOM": text}
     if passes:
-        requirements.evaluate(env, facts)
+        plan_requirements.evaluate(env, facts)
     else:
         with pytest.raises(RequirementError):
-            requirements.evaluate(env, facts)
+            plan_requirements.evaluate(env, facts)
 
 
 def test_variables_are_anded_and_the_failing_one_is_named():
@@ -145,7 +146,7 @@ def test_variables_are_anded_and_the_failing_one_is_named():
     env = {"NVIDIA_REQUIRE_CUDA": "cuda>=12.2", "NVIDIA_REQUIRE_ARCH": "arch>=9.0",
            "NVIDIA_REQUIRE_BRAND": "brand=tesla"}
     with pytest.raises(RequirementError) as err:
-        requirements.evaluate(env, facts)
+        plan_requirements.evaluate(env, facts)
     assert err.value.variable == "NVIDIA_REQUIRE_ARCH"
     assert err.value.message.startswith("NVIDIA_REQUIRE_ARCH is not satisfied: arch>=9.0 is false, the host has "
                                         "arch 8.0 on GPU 0")
@@ -154,7 +155,7 @@ def test_variables_are_anded_and_the_failing_one_is_named():
 
 def test_a_condition_inside_an_alternative_is_named_with_its_alternative():
     with pytest.raises(RequirementError) as err:
-        requirements.evaluate({"NVIDIA_REQUIRE_X": "brand=tesla,driver>=560"}, host("550.54.15", "12.4"))
+        plan_requirements.evaluate({"NVIDIA_REQUIRE_X": "brand=tesla,driver>=560"}, host("550.54.15", "12.4"))
     assert err.value.constraint == "driver>=560"
     assert "driver>=560 is false, the host has driver 550.54.15 (in brand=tesla,driver>=560)" in err.value.message
 
@@ -163,16 +164,16 @@ def test_arch_and_brand_must_hold_for_every_gpu_the_container_gets():
     facts = HostFacts("12.4", "550.54.15", [GpuTraits("GPU 0 (GPU-a)", "9.0", "nvidia"),
                                             GpuTraits("GPU 1 (GPU-b)", "8.0", "nvidia")])
     with pytest.raises(RequirementError, match=r"arch>=9.0 is false, the host has arch 8.0 on GPU 1 \(GPU-b\)"):
-        requirements.evaluate({"NVIDIA_REQUIRE_ARCH": "arch>=9.0"}, facts)
-    requirements.evaluate({"NVIDIA_REQUIRE_ARCH": "arch>=8.0"}, facts)
+        plan_requirements.evaluate({"NVIDIA_REQUIRE_ARCH": "arch>=9.0"}, facts)
+    plan_requirements.evaluate({"NVIDIA_REQUIRE_ARCH": "arch>=8.0"}, facts)
 
 
 def test_no_gpu_and_unknown_facts_satisfy_their_constraints():
-    requirements.evaluate({"NVIDIA_REQUIRE_X": "arch>=10.0,brand=quadro,cuda>=12"}, HostFacts("12.4", "550.54.15"))
+    plan_requirements.evaluate({"NVIDIA_REQUIRE_X": "arch>=10.0,brand=quadro,cuda>=12"}, HostFacts("12.4", "550.54.15"))
     with pytest.raises(RequirementError, match="cuda>=13 is false"):
-        requirements.evaluate({"NVIDIA_REQUIRE_X": "arch>=10.0,cuda>=13"}, HostFacts("12.4", "550.54.15"))
-    requirements.evaluate({"NVIDIA_REQUIRE_X": "cuda>=99,driver>=999"}, HostFacts(None, None))
-    requirements.evaluate({"NVIDIA_REQUIRE_X": "brand=quadro"}, host("550.54.15", "12.4", brand=None))
+        plan_requirements.evaluate({"NVIDIA_REQUIRE_X": "arch>=10.0,cuda>=13"}, HostFacts("12.4", "550.54.15"))
+    plan_requirements.evaluate({"NVIDIA_REQUIRE_X": "cuda>=99,driver>=999"}, HostFacts(None, None))
+    plan_requirements.evaluate({"NVIDIA_REQUIRE_X": "brand=quadro"}, host("550.54.15", "12.4", brand=None))
 
 
 @pytest.mark.parametrize("value,skips", [
@@ -182,17 +183,17 @@ def test_no_gpu_and_unknown_facts_satisfy_their_constraints():
 def test_nvidia_disable_require(value, skips):
     env = {"NVIDIA_REQUIRE_CUDA": "cuda>=99", "NVIDIA_DISABLE_REQUIRE": value}
     if skips:
-        requirements.evaluate(env, host("550.54.15", "12.4"))
-        assert requirements.collect(env) == ()
+        plan_requirements.evaluate(env, host("550.54.15", "12.4"))
+        assert request_requirements.collect(env) == ()
     else:
         with pytest.raises(RequirementError):
-            requirements.evaluate(env, host("550.54.15", "12.4"))
+            plan_requirements.evaluate(env, host("550.54.15", "12.4"))
 
 
 def test_jetpack_variables_are_not_requirements():
     env = {"NVIDIA_REQUIRE_JETPACK": "csv-mounts=all", "NVIDIA_REQUIRE_JETPACK_HOST_MOUNTS": "x"}
-    assert requirements.collect(env) == ()
-    requirements.evaluate(env, host("550.54.15", "12.4"))
+    assert request_requirements.collect(env) == ()
+    plan_requirements.evaluate(env, host("550.54.15", "12.4"))
 
 
 @pytest.mark.parametrize("cuda_version,host_cuda,passes,required", [
@@ -202,31 +203,31 @@ def test_jetpack_variables_are_not_requirements():
 ])
 def test_legacy_images_require_their_cuda_version(cuda_version, host_cuda, passes, required):
     env = {"CUDA_VERSION": cuda_version}
-    (requirement,) = requirements.collect(env)
+    (requirement,) = request_requirements.collect(env)
     assert requirement.text == required and requirement.variable.startswith("CUDA_VERSION")
     if passes:
-        requirements.evaluate(env, host("550.54.15", host_cuda))
+        plan_requirements.evaluate(env, host("550.54.15", host_cuda))
     else:
         with pytest.raises(RequirementError) as err:
-            requirements.evaluate(env, host("550.54.15", host_cuda))
+            plan_requirements.evaluate(env, host("550.54.15", host_cuda))
         assert err.value.constraint == required and f"the host has cuda {host_cuda}" in err.value.message
 
 
 def test_an_image_with_require_cuda_is_not_legacy():
-    assert [r.variable for r in requirements.collect({"CUDA_VERSION": "12.2.0", "NVIDIA_REQUIRE_CUDA": "cuda>=12.2"})] \
+    assert [r.variable for r in request_requirements.collect({"CUDA_VERSION": "12.2.0", "NVIDIA_REQUIRE_CUDA": "cuda>=12.2"})] \
         == ["NVIDIA_REQUIRE_CUDA"]
     empty_require = {"CUDA_VERSION": "12.2.0", "NVIDIA_REQUIRE_CUDA": ""}
-    assert [r.text for r in requirements.collect(empty_require)] == ["cuda>=12.2"]
+    assert [r.text for r in request_requirements.collect(empty_require)] == ["cuda>=12.2"]
 
 
 @pytest.mark.parametrize("version", ["12.x", "012.2", "1.2.3.4", "12.2-rc1", ""])
 def test_a_bad_legacy_cuda_version_is_an_error(version):
     env = {"CUDA_VERSION": version}
     if not version:
-        assert requirements.collect(env) == ()
+        assert request_requirements.collect(env) == ()
         return
     with pytest.raises(RequirementError, match="CUDA_VERSION=.* is not a valid version"):
-        requirements.collect(env)
+        request_requirements.collect(env)
 
 
 @pytest.mark.parametrize("text,problem", [
@@ -237,29 +238,29 @@ def test_a_bad_legacy_cuda_version_is_an_error(version):
 ])
 def test_malformed_constraints_are_errors_naming_them(text, problem):
     with pytest.raises(RequirementError) as err:
-        requirements.evaluate({"NVIDIA_REQUIRE_CUDA": text}, host("550.54.15", "12.4"))
+        plan_requirements.evaluate({"NVIDIA_REQUIRE_CUDA": text}, host("550.54.15", "12.4"))
     assert err.value.message.startswith(f"NVIDIA_REQUIRE_CUDA: malformed constraint {text!r}: {problem}")
-    assert err.value.hint == requirements.SYNTAX_HINT
+    assert err.value.hint == request_requirements.SYNTAX_HINT
 
 
 def test_a_malformed_constraint_is_only_an_error_where_evaluation_reaches_it():
     # NVIDIA evaluates left to right and stops at the first alternative that holds.
     env = {"NVIDIA_REQUIRE_CUDA": "cuda>=12.0 cuda==13"}
-    requirements.evaluate(env, host("550.54.15", "12.4"))
+    plan_requirements.evaluate(env, host("550.54.15", "12.4"))
     with pytest.raises(RequirementError, match="malformed constraint 'cuda==13'"):
-        requirements.evaluate(env, host("470.82.01", "11.4"))
+        plan_requirements.evaluate(env, host("470.82.01", "11.4"))
 
 
 def test_a_non_numeric_host_version_is_reported_not_compared():
     with pytest.raises(HostError, match="host's driver version '550.54.15-open' is not numeric"):
-        requirements.evaluate({"NVIDIA_REQUIRE_X": "driver>=550"}, HostFacts("12.4", "550.54.15-open"))
+        plan_requirements.evaluate({"NVIDIA_REQUIRE_X": "driver>=550"}, HostFacts("12.4", "550.54.15-open"))
 
 
 def test_parse_keeps_the_structure():
-    parsed = requirements.parse("NVIDIA_REQUIRE_CUDA", "cuda>=12.2 brand=tesla,driver>=470,driver<471")
+    parsed = request_requirements.parse("NVIDIA_REQUIRE_CUDA", "cuda>=12.2 brand=tesla,driver>=470,driver<471")
     assert [[c.text for c in alternative] for alternative in parsed.alternatives] == [
         ["cuda>=12.2"], ["brand=tesla", "driver>=470", "driver<471"]]
-    assert parsed.alternatives[1][2] == requirements.Constraint("driver<471", "driver", "<", "471", None)
+    assert parsed.alternatives[1][2] == request_requirements.Constraint("driver<471", "driver", "<", "471", None)
 
 
 # ---- against simulated hosts, facts read through the NVML backend -------------------------
@@ -298,25 +299,25 @@ def test_requirements_against_simulated_hosts(sim, tmp_path, monkeypatch, driver
     assert (facts.driver_version, facts.cuda_version, facts.gpus[1].brand) == (driver, cuda, brand)
     env = {"NVIDIA_REQUIRE_CUDA": image}
     if passes:
-        requirements.evaluate(env, facts)
+        plan_requirements.evaluate(env, facts)
     else:
         with pytest.raises(RequirementError) as err:
-            requirements.evaluate(env, facts)
+            plan_requirements.evaluate(env, facts)
         assert f"{image.split()[0]} is false, the host has cuda {cuda}" in err.value.message
         assert f"GPU 0 ({sim['gpus'][0]['uuid']}): brand {brand}, arch 9.0" in err.value.message
 
 
 @pytest.mark.parametrize("constraint,hint", [
-    ("driver>=600", requirements.CUDA_HINT),
-    ("cuda>13.0", requirements.CUDA_HINT),
-    ("driver<500", requirements.CUDA_UPPER_HINT),
-    ("cuda<=12.2", requirements.CUDA_UPPER_HINT),
-    ("driver=535.1", requirements.CUDA_EXACT_HINT.format(key="driver")),
+    ("driver>=600", plan_requirements.CUDA_HINT),
+    ("cuda>13.0", plan_requirements.CUDA_HINT),
+    ("driver<500", plan_requirements.CUDA_UPPER_HINT),
+    ("cuda<=12.2", plan_requirements.CUDA_UPPER_HINT),
+    ("driver=535.1", plan_requirements.CUDA_EXACT_HINT.format(key="driver")),
 ])
 def test_the_hint_follows_the_operator(constraint, hint):
     """An upper bound fails on a host that is too new: "update the host's driver" would be wrong."""
     with pytest.raises(RequirementError) as err:
-        requirements.evaluate({"NVIDIA_REQUIRE_X": constraint}, host("550.54.15", "12.4", "tesla", "8.0"))
+        plan_requirements.evaluate({"NVIDIA_REQUIRE_X": constraint}, host("550.54.15", "12.4", "tesla", "8.0"))
     assert err.value.hint == hint
 
 
@@ -330,21 +331,21 @@ def test_requirements_beyond_their_bounds_are_refused_before_parsing(env, named)
     """NVIDIA's tools read requirements of any size; the image controls them, so gpuhook
     refuses what no CUDA image needs before it parses anything (docs/security.md)."""
     with pytest.raises(RequirementError) as refused:
-        requirements.collect(env)
+        request_requirements.collect(env)
     assert named in refused.value.message and "a CUDA image's requirement is a few hundred bytes" in refused.value.hint
 
 
 def test_the_largest_accepted_requirement_is_checked_against_many_gpus_quickly():
     """4096 alternatives against 16 GPUs: cuda and driver terms read no GPU and are
     evaluated once, so the time is that of one pass."""
-    text = "cuda>=99.0 " * (requirements.MAX_ALTERNATIVES - 1) + "cuda>=1.0"
-    (requirement,) = requirements.collect({"NVIDIA_REQUIRE_CUDA": text})
+    text = "cuda>=99.0 " * (request_requirements.MAX_ALTERNATIVES - 1) + "cuda>=1.0"
+    (requirement,) = request_requirements.collect({"NVIDIA_REQUIRE_CUDA": text})
     host = HostFacts("12.4", "550.54.15", [GpuTraits(f"GPU {i}", "9.0", "tesla") for i in range(16)])
     calls = []
-    original = requirements._failures
-    requirements._failures = lambda *args: calls.append(1) or original(*args)
+    original = plan_requirements._failures
+    plan_requirements._failures = lambda *args: calls.append(1) or original(*args)
     try:
-        requirements.check(requirement, host)
+        plan_requirements.check(requirement, host)
     finally:
-        requirements._failures = original
+        plan_requirements._failures = original
     assert len(calls) == 1
