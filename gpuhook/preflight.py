@@ -175,11 +175,10 @@ def _ldconfig(config) -> HostCheck:
 
 
 def _cgroup(root: str) -> HostCheck:
-    from gpuhook.apply.cgroup.hierarchy import cgroup_mounts
+    from gpuhook.kernel import mountinfo
 
     try:
-        with open("/proc/self/mountinfo") as f:
-            mounts = cgroup_mounts(f.read(MAX_READ))
+        mounts = mountinfo.cgroup_mounts_here()
     except OSError as err:
         return HostCheck("cgroup", FAIL, f"cannot read the mount table: {err.strerror}")
     unified = any(fstype == "cgroup2" and point == "/sys/fs/cgroup" for fstype, _, point, _ in mounts)

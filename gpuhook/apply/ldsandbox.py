@@ -175,7 +175,7 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, ne
         linux.unshare(linux.CLONE_NEWNS)
         linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
         # Read again after each change: it shows the live table (proc_pid_mountinfo(5)).
-        info = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        info = mountinfo.open_table()
         devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)  # ldconfig's stdin; no /dev in there
         top = _readonly_copy(rootfs, root_fd, info, new_mount_api, own_mounts)
         out_fd, out_dir = _output_dir(top)

@@ -211,11 +211,10 @@ def cleanup(entry, config, deadline: float) -> tuple:
 def processes_left(entry, proc: str = "/proc") -> list:
     """Pids still in the container's own cgroups (one read of each cgroup.procs; an unreadable
     cgroup that still exists counts as holding something)."""
-    from gpuhook.apply.cgroup import hierarchy
+    from gpuhook.kernel import mountinfo
 
     try:
-        with open(f"{proc}/self/mountinfo") as f:
-            mounts = hierarchy.cgroup_mounts(f.read())
+        mounts = mountinfo.cgroup_mounts_here(proc)
     except OSError:
         return ["?"]
     directories = registry.cgroup_directories(entry.cgroups, mounts)

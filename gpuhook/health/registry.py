@@ -44,7 +44,7 @@ another boot, is dropped when the registry is read.
 import os
 import time
 
-from gpuhook.apply.cgroup import hierarchy
+from gpuhook.kernel import mountinfo
 from gpuhook.health import store
 from gpuhook.kernel import procstat
 from gpuhook.kernel.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)
@@ -80,9 +80,9 @@ class Container(record("Container", "id pid start_time cgroups gpus names boot_i
 
 
 def read_cgroups(pid: int, proc: str = "/proc") -> dict | None:
+    """Process `pid`'s cgroups (controller -> path, "" for v2), or None when unreadable."""
     try:
-        with open(f"{proc}/{pid}/cgroup") as f:
-            return hierarchy.proc_cgroups(f.read(1 << 16))
+        return procstat.read_cgroups(pid, proc)
     except OSError:
         return None
 
@@ -317,22 +317,22 @@ def is_alive(container: Container, proc: str = "/proc") -> bool:
 
 
 def cgroup_mounts(proc: str = "/proc"):
-    """The cgroup hierarchies mounted where this process looks (hierarchy.cgroup_mounts)."""
+    """The cgroup hierarchies mounted where this process looks (gpuhook.kernel.mountinfo.cgroup_mounts);
+    none when the table cannot be read."""
     try:
-        with open(f"{proc}/self/mountinfo") as f:
-            return hierarchy.cgroup_mounts(f.read())
+        return mountinfo.cgroup_mounts_here(proc)
     except OSError:
         return []
 
 
 def cgroup_directories(cgroups: dict, mounts) -> list:
     """Where cgroup paths (controller -> path, "" for cgroup v2) are in the mounted
-    hierarchies `mounts` (hierarchy.cgroup_mounts); paths no mount shows are left out."""
+    hierarchies `mounts` (`cgroup_mounts`); paths no mount shows are left out."""
     found = []
     for key, path in cgroups.items():
         for fstype, root, point, options in mounts:
             if (key == "" and fstype == "cgroup2") or (key and fstype == "cgroup" and key in options):
-                directory = _directory(point, root, path)
+                directory = mountinfo.cgroup_directory(point, root, path)
                 if directory and directory not in found:
                     found.append(directory)
     return found
@@ -360,13 +360,3 @@ def cgroups_exist(container: Container, mounts) -> bool:
         if inode is not None and inode == ids.get(key):
             return True
     return False
-
-
-def _directory(mount_point: str, mount_root: str, path: str) -> str:
-    """Where cgroup `path` is under a hierarchy mounted at `mount_point` showing `mount_root`
-    ("" when the mount does not show it)."""
-    root = mount_root.rstrip("/")
-    if root and path != root and not path.startswith(root + "/"):
-        return ""
-    rest = path[len(root):].strip("/")
-    return mount_point.rstrip("/") + ("/" + rest if rest else "")

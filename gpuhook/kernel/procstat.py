@@ -1,6 +1,9 @@
-"""Process identity from /proc, and file names for container ids: what the health registry
-(gpuhook.health.registry) and the grant records (gpuhook.apply.grants) both key their files by.
+"""Process identity from /proc (its stat, its cgroups), and file names for container ids: what
+the health registry (gpuhook.health.registry) and the grant records (gpuhook.apply.grants) both
+key their files by.
 Standard library only and cheap to import: the grant record is on every v1 GPU start."""
+
+import os
 
 from gpuhook.record import record
 
@@ -34,6 +37,32 @@ def read_stat(pid: int, proc: str = "/proc"):
         return ProcessStat(pid, fields[0], int(fields[1]), int(fields[19]), int(fields[6]))
     except ValueError:
         return None
+
+
+def parse_cgroups(data: bytes) -> dict:
+    """Controller name (or "" for the unified line) -> cgroup path, from the bytes of
+    /proc/<pid>/cgroup (paths by os.fsdecode: a cgroup's name is whatever bytes its creator
+    chose)."""
+    paths = {}
+    for line in data.splitlines():
+        parts = line.split(b":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        path = os.fsdecode(path)
+        if not controllers:
+            paths[""] = path
+        for name in controllers.split(b","):
+            if name:
+                paths[name.decode("ascii", "replace")] = path
+    return paths
+
+
+def read_cgroups(pid, proc: str = "/proc") -> dict:
+    """`parse_cgroups` of process `pid` (or "self"). Raises OSError (FileNotFoundError when
+    there is no such process)."""
+    with open(f"{proc}/{pid}/cgroup", "rb") as f:
+        return parse_cgroups(f.read(1 << 16))
 
 
 def entry_name(container_id: str) -> str:

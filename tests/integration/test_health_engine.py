@@ -18,7 +18,7 @@ import pytest
 
 from gpuhook import config as cfg
 from gpuhook.request import oci
-from gpuhook.apply.cgroup import hierarchy
+from gpuhook.kernel import mountinfo
 from gpuhook.errors import GpuUnhealthyError, HealthDeadlineError, HostError
 from gpuhook.health import engine, hooks, owners, registry, store
 from gpuhook.health.owners import Owner
@@ -124,8 +124,7 @@ def wait_until(condition, timeout=5.0) -> bool:
 def cgroup_parent() -> str:
     """A directory in a mounted cgroup hierarchy where tests can make cgroups: cgroup2 if
     mounted, else the v1 pids hierarchy."""
-    with open("/proc/self/mountinfo") as f:
-        mounts = hierarchy.cgroup_mounts(f.read())
+    mounts = mountinfo.cgroup_mounts_here()
     for wanted in ("cgroup2", "pids"):
         for fstype, root, point, options in mounts:
             if fstype == wanted or (fstype == "cgroup" and wanted in options):

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from gpuhook.simulate import runner as testbed
-from gpuhook.apply.cgroup import hierarchy
+from gpuhook.kernel import mountinfo
 from gpuhook.health import registry, store
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
@@ -379,8 +379,7 @@ def test_concurrent_starts_on_one_gpu_never_run_two_resets_at_once(hgpus, nvml_s
 
 def container_cgroups(cgroups: dict) -> list:
     """The directories of a registered container's cgroups on this host."""
-    with open("/proc/self/mountinfo") as f:
-        return registry.cgroup_directories(cgroups, hierarchy.cgroup_mounts(f.read()))
+    return registry.cgroup_directories(cgroups, mountinfo.cgroup_mounts_here())
 
 
 def join_cgroups(pid, cgroups: dict, child: str = "") -> list:

@@ -373,10 +373,11 @@ class CgroupReport(record("CgroupReport", "mode directory cgroup_path rules prog
                 "systemd": self.systemd.as_dict()}
 
 
-def placement_of_directory(directory: str, mountinfo: str | None = None):
+def placement_of_directory(directory: str, mountinfo: str | bytes | None = None):
     """A hierarchy.Placement for a cgroup directory given by path: v1 if it has
     devices.list, v2 if it has cgroup.controllers; its cgroup path from the mount table."""
     from gpuhook.apply.cgroup import hierarchy
+    from gpuhook.kernel import mountinfo as mount_table
 
     # abspath, not realpath: /proc/PID/root/... must keep naming the other mount namespace.
     directory = os.path.abspath(directory)
@@ -386,12 +387,11 @@ def placement_of_directory(directory: str, mountinfo: str | None = None):
         mode = hierarchy.V2
     else:
         raise HostError(f"{directory} is not a cgroup directory (no devices.list, no cgroup.controllers)")
-    if mountinfo is None:
-        with open("/proc/self/mountinfo") as f:
-            mountinfo = f.read()
+    entries = mount_table.read() if mountinfo is None else mount_table.parse(
+        os.fsencode(mountinfo) if isinstance(mountinfo, str) else mountinfo)
     cgroup_path = "/" + os.path.basename(directory)
     best = ""
-    for _, root, point, _ in hierarchy.cgroup_mounts(mountinfo):
+    for _, root, point, _ in mount_table.cgroup_mounts(entries):
         point = point.rstrip("/") or "/"
         inside = directory == point or directory.startswith(point.rstrip("/") + "/")
         if inside and len(point) > len(best):
