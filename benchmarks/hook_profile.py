@@ -160,6 +160,7 @@ def main() -> None:
     from gpuhook.apply import run as apply
     emit("import gpuhook.apply.run (worker, order, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
     from gpuhook import config, journal
+    from gpuhook.apply import statefiles
     from gpuhook.apply.cgroup import hierarchy
     from gpuhook.discover import inventory
     from gpuhook.kernel import files
@@ -189,7 +190,7 @@ def main() -> None:
     patch(select, "select", "select.select")
     patch(survey, "container_facts", "container.container_facts")
     patch(hook, "make_plan", "plan.make_plan")
-    patch(survey, "write_caches", "survey.write_caches")
+    patch(statefiles, "write_caches", "statefiles.write_caches")
     patch(apply, "run", "apply.run (health, apply, records)")
     patch(apply, "begin", "apply.begin (order the worker, grant)")
     patch(apply.Pending, "finish", "Pending.finish (wait for the worker, commit)")

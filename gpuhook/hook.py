@@ -160,10 +160,9 @@ def prestart(state, spec, config, deadline: float, record: dict | None = None, b
     plan, host = plan_start(state, spec, config)
     if plan.empty:
         return plan, None
-    from gpuhook.apply import leftovers, run as apply
-    from gpuhook.discover import survey
+    from gpuhook.apply import leftovers, run as apply, statefiles
 
-    survey.write_caches(config, host)
+    statefiles.write_caches(config, host.cache)
     # What an earlier start on this rootfs could not take back is taken back first; while its
     # worker is still stuck in the kernel, the start is refused (gpuhook.apply.leftovers).
     leftovers.reap(config.state_dir, {} if record is None else record, rootfs=plan.rootfs)

@@ -97,10 +97,7 @@ def _load(state_dir: str) -> list:
 
 
 def _forget(grant: Grant) -> None:
-    try:
-        os.unlink(grant.path)
-    except FileNotFoundError:
-        pass
+    statefiles.remove(grant.path)
 
 
 def release(state_dir: str, container_id: str) -> str:

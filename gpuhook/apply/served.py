@@ -125,6 +125,6 @@ def _prune(state_dir: str, proc: str) -> None:
             alive, stopped = False, True
         try:
             if not alive and (stopped or now - os.lstat(path).st_mtime > PRUNE_AFTER):
-                os.unlink(path)
+                statefiles.remove(path)
         except OSError:
             continue

@@ -22,9 +22,8 @@ import os
 import stat
 
 from gpuhook import fastjson
+from gpuhook.config import CACHE_DIR
 from gpuhook.kernel.files import UntrustedPath, read, trusted
-
-CONFIG_CACHE_DIR = "config-cache"  # under the state-dir the cached config names
 
 
 def make_dirs(path: str, mode: int = 0o755) -> None:
@@ -77,6 +76,29 @@ def write_atomic(path: str, document, mode: int = 0o600, dir_mode: int = 0o700) 
         raise
 
 
+def remove(path: str) -> bool:
+    """Remove state file `path`; False when it was already gone. Raises other OSErrors."""
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def claim(path: str, taken: str) -> None:
+    """Rename state file `path` to `taken` in the same directory: of several claimants, the one
+    whose rename succeeds has it. Raises OSError (FileNotFoundError: claimed first by another,
+    or never there)."""
+    os.rename(path, taken)
+
+
+def open_lock(path: str, dir_mode: int = 0o700) -> int:
+    """A descriptor of the lock file `path` (made 0600 when missing, its directory by
+    `ensure_dir`) to flock. Raises OSError."""
+    ensure_dir(os.path.dirname(path), dir_mode)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
 def write(path: str, document) -> bool:
     """Best-effort `write_atomic` for caches: False if it could not be written."""
     try:
@@ -86,15 +108,22 @@ def write(path: str, document) -> bool:
         return False
 
 
-def config_cache_path(state_dir: str, config_path: str) -> str:
-    """Where the parsed `config_path`, which names `state_dir`, is cached."""
-    name = os.path.abspath(config_path).replace("%", "%25").replace("/", "%")
-    return f"{state_dir}/{CONFIG_CACHE_DIR}/{name}.json"
+def write_caches(config, refreshed=()) -> None:
+    """The one place a start writes gpuhook's caches, after it planned and before it applies
+    (gpuhook.hook.prestart): the parsed configuration file's entry when gpuhook.config.load
+    had to parse it (`config.cache_entry`), and what discovery refreshed (`refreshed`: the
+    (path, document) pairs of gpuhook.discover.survey.Host.cache). Best effort."""
+    if config.cache_entry is not None:
+        path, document = config.cache_entry
+        if write(path, document):
+            prune_config_cache(config.state_dir)
+    for path, document in refreshed:
+        write(path, document)
 
 
 def prune_config_cache(state_dir: str, keep: int = 64) -> None:
     """Drop cached configs whose file is gone, once there are more than `keep` of them."""
-    directory = f"{state_dir}/{CONFIG_CACHE_DIR}"
+    directory = f"{state_dir}/{CACHE_DIR}"
     try:
         names = os.listdir(directory)
     except OSError:

@@ -31,7 +31,7 @@ MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 def doctor(config_path, as_json, quick, host_root):
     from gpuhook import preflight
 
-    config = cfg.load(config_path, os.environ, write_cache=False)
+    config = cfg.load(config_path, os.environ)
     checks = preflight.run(config, quick=quick, root=host_root)
     failed = [c.name for c in checks if c.status == preflight.FAIL]
     if as_json:

@@ -45,7 +45,7 @@ def _start_command(stage: str):
             if as_json:
                 raise click.UsageError("--json goes with --dry-run")
             sys.exit(hook.run_hook(stage, raw, config_path, base_dir=base_dir))
-        config = cfg.load(config_path, os.environ, write_cache=False)
+        config = cfg.load(config_path, os.environ)
         state, spec = hook.read_container(raw, base_dir=base_dir)
         plan, _ = hook.plan_start(state, spec, config)  # the real run minus apply (and cache writes)
         found = schema.state_deviations(raw)

@@ -10,6 +10,17 @@ from gpuhook import config as cfg
 from gpuhook.cli import CONFIG_OPTION
 
 
+def read_inventory(config, want_facts: bool = False) -> tuple:
+    """(Inventory, NVML facts or None, their source) as a start would find them
+    (gpuhook.discover.inventory.read); what the read refreshed is cached as a start caches it
+    (gpuhook.apply.statefiles.write_caches), so the next start or command reads the cache."""
+    from gpuhook.apply import statefiles
+    from gpuhook.discover import inventory
+
+    found, facts, source, pending = inventory.read(config, want_facts=want_facts)
+    statefiles.write_caches(config, [pending] if pending else [])
+    return found, facts, source
+
 
 @click.command(name="list", help=(
     "List the host's GPUs and MIG devices as the hook sees them: /proc/driver/nvidia for "
@@ -21,12 +32,11 @@ from gpuhook.cli import CONFIG_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def list_gpus(config_path, as_json):
     from gpuhook.errors import GpuhookError
-    from gpuhook.discover.inventory import load, nvml_facts
 
     config = cfg.load(config_path, os.environ)
-    host = load(config)
+    host = read_inventory(config)[0]
     try:
-        (facts, source), problem = nvml_facts(config), None
+        (_, facts, source), problem = read_inventory(config, want_facts=True), None
     except GpuhookError as err:
         facts, source, problem = None, None, err.one_line()
     rows = []

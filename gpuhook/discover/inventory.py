@@ -20,7 +20,6 @@ rebuilds the inventory but keeps NVML's facts.
 
 import os
 
-from gpuhook.apply import statefiles
 from gpuhook.discover.driverfiles import LAYOUT_LIB_DIRS, binaries, data_files, firmware, ipc, libraries, under
 from gpuhook.discover.proc import capabilities, driver_version, gpus, majors, mig_minors
 from gpuhook.discover.types import Gpu, HostFile, Inventory, Library
@@ -128,9 +127,9 @@ def _cached(config):
 def read(config, want_facts: bool = False) -> tuple:
     """(Inventory, NvmlFacts or None, source or None, pending) for this host, changing
     nothing. The inventory comes from the cache when the host is unchanged; NVML's facts
-    (only with `want_facts`) from the cache, else from NVML. `pending` is the cache document
-    to write (`write_cache`), or None when the cache is current: the caller decides whether
-    and where to write (the hook does it in one place; dry runs never)."""
+    (only with `want_facts`) from the cache, else from NVML. `pending` is the cache entry to
+    write, (path, document), or None when the cache is current: a start writes it
+    (gpuhook.apply.statefiles.write_caches); dry runs and commands never do."""
     key, doc, facts_doc = _cached(config)
     inventory = None
     if doc is not None:
@@ -145,25 +144,23 @@ def read(config, want_facts: bool = False) -> tuple:
         if facts_doc is not None:
             pending["nvml"] = facts_doc  # the driver and GPUs are the same: NVML would say the same
     if not want_facts:
-        return inventory, None, None, pending
+        return inventory, None, None, _entry(config, pending)
     if facts_doc is not None:
         try:
-            return inventory, NvmlFacts.from_dict(facts_doc), CACHED, pending
+            return inventory, NvmlFacts.from_dict(facts_doc), CACHED, _entry(config, pending)
         except (KeyError, TypeError, ValueError, AttributeError):
             if pending is not None:
                 pending.pop("nvml", None)
     facts, lost = _query_nvml(config)
-    if lost:
-        return inventory, facts, QUERIED, pending  # a lost GPU is a moment's state, not the host's: never cache it
+    if lost:  # a lost GPU is a moment's state, not the host's: never cache it
+        return inventory, facts, QUERIED, _entry(config, pending)
     pending = pending or {"key": key, "inventory": inventory_to_dict(inventory)}
     pending["nvml"] = facts.as_dict()
-    return inventory, facts, QUERIED, pending
+    return inventory, facts, QUERIED, _entry(config, pending)
 
 
-def write_cache(config, pending) -> None:
-    """Write what `read` found out (best effort: a cache that cannot be written is re-read)."""
-    if pending is not None:
-        statefiles.write(cache_path(config), pending)
+def _entry(config, document):
+    return None if document is None else (cache_path(config), document)
 
 
 def _query_nvml(config) -> tuple:
@@ -184,20 +181,14 @@ CACHED = "NVML facts from the inventory cache"
 QUERIED = "NVML facts queried from NVML"
 
 
-def load(config, write: bool = True) -> "Inventory":
-    """The host inventory (`read`), cached at once unless `write` is False: for commands."""
-    inventory, _, _, pending = read(config)
-    if write:
-        write_cache(config, pending)
-    return inventory
+def load(config) -> "Inventory":
+    """The host inventory (`read`), for commands: nothing is written."""
+    return read(config)[0]
 
 
-def nvml_facts(config, write: bool = True) -> tuple:
-    """(NvmlFacts, CACHED or QUERIED) for this host (`read`), cached at once unless `write`
-    is False: for commands."""
-    _, facts, source, pending = read(config, want_facts=True)
-    if write:
-        write_cache(config, pending)
+def nvml_facts(config) -> tuple:
+    """(NvmlFacts, CACHED or QUERIED) for this host (`read`), for commands: nothing is written."""
+    _, facts, source, _ = read(config, want_facts=True)
     return facts, source
 
 

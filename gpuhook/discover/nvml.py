@@ -295,13 +295,14 @@ _gate = _Gate()
 
 
 def _flock(path: str, operation: int, until: float):
-    """A descriptor of `path` (created 0600) holding `operation` (LOCK_SH or LOCK_EX), polled
-    until monotonic time `until`; None when that passed first. Raises OSError."""
+    """A descriptor of the lock file `path` holding `operation` (LOCK_SH or LOCK_EX), polled
+    until monotonic time `until`; None when that passed first. Raises OSError (a missing file
+    too: whoever names the lock makes it, gpuhook.health.actions.client_lock; flock needs no
+    write access)."""
     import fcntl
     import os
 
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     pause = 0.002
     while True:
         try:

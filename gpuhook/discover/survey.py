@@ -2,9 +2,9 @@
 
 `survey(request, spec, config)` is the only step of a start that reads the host and the
 image before planning (docs/architecture.md). It changes nothing: the inventory cache it
-would refresh comes back as `Host.cache`, which the hook writes in one place
-(`write_caches`) and a dry run never does. gpuhook.plan.make.make_plan then plans from the Host
-alone.
+would refresh comes back as `Host.cache`, which a start writes in one place
+(gpuhook.apply.statefiles.write_caches) and a dry run never does. gpuhook.plan.make.make_plan
+then plans from the Host alone.
 """
 
 import os
@@ -27,8 +27,8 @@ class Host(record("Host", "inventory facts facts_source container nodes cdi_node
     needs NVML; `facts_source` says where they came from); `container` (discover.
     ContainerFacts) the image's library dirs and glibc; `nodes` maps a container device path
     (/dev/nvidia0) to the host node's (mode, uid, gid, host path); `cdi_nodes` the GPU nodes
-    of CDI names only a spec resolves (gpuhook.discover.cdi); `cache` the inventory cache document to
-    write, or None; `ldconfig` the host's ldconfig (discover.HostLdconfig) for a glibc
+    of CDI names only a spec resolves (gpuhook.discover.cdi); `cache` the cache entries discovery refreshed,
+    (path, document) pairs to write (none when the caches were current); `ldconfig` the host's ldconfig (discover.HostLdconfig) for a glibc
     image, None for others; `feature_nodes` the (feature, path, major, minor) of the host's
     nodes for the request's `features` (NVIDIA_NVSWITCH, NVIDIA_GDRCOPY)."""
 
@@ -55,12 +55,8 @@ def survey(request, spec, config) -> Host:
     ldconfig = driverfiles.find_ldconfig(config.ldconfig, config.driver_root) if container.glibc else None
     features = feature_nodes(config, request.features)
     nodes = host_nodes(config, inventory, [path for _, path, _, _ in features])
-    return Host(inventory, facts, source, container, nodes, cdi_nodes, pending, ldconfig, features)
-
-
-def write_caches(config, host: Host) -> None:
-    """The one place a start writes gpuhook's own caches."""
-    inv.write_cache(config, host.cache)
+    return Host(inventory, facts, source, container, nodes, cdi_nodes, () if pending is None else (pending,),
+                ldconfig, features)
 
 
 MAX_DEV_NAMES = 8192  # /dev entries looked at for the optional devices' nodes

@@ -35,8 +35,9 @@ import select
 import signal
 import time
 
+from gpuhook import driver
+from gpuhook.apply import statefiles
 from gpuhook.discover import nvml
-from gpuhook import driver as discover
 from gpuhook.kernel import child
 from gpuhook.errors import ConfigError, GpuhookError, HostError, NvmlError
 from gpuhook.health import registry, store
@@ -155,7 +156,7 @@ def find_program(program: str, driver_root: str) -> str:
 
         candidates = []
         top = os.path.realpath(driver_root)
-        for directory in discover.BINARY_DIRS:
+        for directory in driver.BINARY_DIRS:
             try:
                 # Symlinks are followed inside the driver root only (a driver container's
                 # absolute links point into its own tree).
@@ -171,7 +172,7 @@ def find_program(program: str, driver_root: str) -> str:
             continue
         if (st.st_mode & 0o170000) == 0o100000 and st.st_mode & 0o111:
             return path
-    where = program if "/" in program else f"{program} in {', '.join(discover.BINARY_DIRS)} of driver root {driver_root}"
+    where = program if "/" in program else f"{program} in {', '.join(driver.BINARY_DIRS)} of driver root {driver_root}"
     raise HostError(f"reset command not found: no executable {where}", "set health.reset-command")
 
 
@@ -211,8 +212,15 @@ class ResetOutcome(record("ResetOutcome", "actions refused")):
 
 
 def client_lock(config) -> str:
-    """The file every gpuhook NVML session holds shared and a reset exclusively (gpuhook.discover.nvml)."""
-    return f"{store.health_dir(config.state_dir)}/nvml.lock"
+    """The file every gpuhook NVML session holds shared and a reset exclusively
+    (gpuhook.discover.nvml), made when missing. One that cannot be made is left to the
+    session: checks run without it, a reset is refused (docs/health.md)."""
+    path = f"{store.health_dir(config.state_dir)}/nvml.lock"
+    try:
+        os.close(statefiles.open_lock(path))
+    except OSError:
+        pass
+    return path
 
 
 def persistence_record(config, uuid: str) -> str:

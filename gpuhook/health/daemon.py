@@ -312,7 +312,7 @@ class Daemon:
     def _answer(self, data: bytes, request, started: float) -> dict:
         """The answer to one request (`data`, parsed as `request`, received since monotonic
         time `started`)."""
-        from gpuhook.discover import proc as discover
+        from gpuhook.discover import proc
         from gpuhook.errors import GpuhookError
         from gpuhook.health import engine
 
@@ -327,7 +327,7 @@ class Daemon:
                 or not isinstance(seconds, (int, float))):
             return {"ok": False, "prepared": [], "error": f"a prepare request names 1 to {MAX_GPUS} GPUs"}
         try:
-            known = {gpu.uuid for gpu in discover.gpus(self.config.proc_root)}
+            known = {gpu.uuid for gpu in proc.gpus(self.config.proc_root)}
         except GpuhookError as err:
             return {"ok": False, "prepared": [], "error": err.one_line()[:300]}
         if not all(isinstance(u, str) and u in known for u in uuids):

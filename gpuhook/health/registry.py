@@ -44,9 +44,9 @@ another boot, is dropped when the registry is read.
 import os
 import time
 
-from gpuhook.kernel import mountinfo
+from gpuhook.apply import statefiles
 from gpuhook.health import store
-from gpuhook.kernel import procstat
+from gpuhook.kernel import mountinfo, procstat
 from gpuhook.kernel.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)
 from gpuhook.record import record
 
@@ -243,10 +243,7 @@ def forget(state_dir: str, container) -> None:
     """Remove the entry of `container` (a Container), or every entry of an id (a str)."""
     targets = [container] if isinstance(container, Container) else load_id(state_dir, container)
     for entry in targets:
-        try:
-            os.unlink(entry_path(state_dir, entry))
-        except FileNotFoundError:
-            pass
+        statefiles.remove(entry_path(state_dir, entry))
 
 
 def _parse(doc) -> Container | None:
@@ -303,7 +300,7 @@ def load_all(state_dir: str, proc: str = "/proc", prune: bool = True) -> tuple:
                 mounts = cgroup_mounts(proc)
             if entry.boot_id != this_boot or not cgroups_exist(entry, mounts) or not namespace_exists(entry, proc):
                 try:
-                    os.unlink(path)
+                    statefiles.remove(path)
                 except OSError:
                     pass
                 continue

@@ -155,7 +155,7 @@ def _prune_stamps(state_dir: str, uuid: str, ttl: float, keep: str) -> None:
         if _judge(read_json(path), uuid, None, ttl).fresh:
             continue
         try:
-            os.unlink(path)
+            statefiles.remove(path)
         except OSError:
             pass
 
@@ -203,7 +203,7 @@ def claim_stamp(state_dir: str, uuid: str, ttl: float, allocations) -> StampClai
         path = stamp_path(state_dir, uuid, allocation)
         taken = f"{path}.claimed.{os.getpid()}.{time.monotonic_ns()}"
         try:
-            os.rename(path, taken)
+            statefiles.claim(path, taken)
         except FileNotFoundError:
             continue
         except OSError as err:
@@ -213,7 +213,7 @@ def claim_stamp(state_dir: str, uuid: str, ttl: float, allocations) -> StampClai
             stamp = read_json(taken)
         finally:
             try:
-                os.unlink(taken)
+                statefiles.remove(taken)
             except OSError:
                 pass
         claim = _judge(stamp, uuid, allocation, ttl)
@@ -258,8 +258,7 @@ class GpuLock:
     def acquire(self, until: float, cancelled=None) -> bool:
         """True once held; False when monotonic time `until` passed (or `cancelled()` said so)
         first. Raises OSError when the lock file cannot be opened."""
-        statefiles.ensure_dir(os.path.dirname(self.path), 0o700)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = statefiles.open_lock(self.path)
         pause = 0.002
         while True:
             try:

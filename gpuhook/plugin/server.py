@@ -23,7 +23,7 @@ import grpc
 
 from gpuhook import journal
 from gpuhook.kernel import files
-from gpuhook.discover import proc as discover
+from gpuhook.discover import proc
 from gpuhook import driver
 from gpuhook.request import resolve
 from gpuhook.errors import GpuhookError, HostError, InputError, printable
@@ -79,16 +79,16 @@ class Devices:
 
 def offered_devices(config) -> Devices:
     """The devices to advertise (plugin.mig-strategy)."""
-    gpus = discover.gpus(config.proc_root)
+    gpus = proc.gpus(config.proc_root)
     ids, gpu_of, numa = [], {}, {}
     migs = {}
-    if config.plugin.mig_strategy == "single" and discover.has_mig_instances(discover.capabilities(config.proc_root)):
+    if config.plugin.mig_strategy == "single" and proc.has_mig_instances(proc.capabilities(config.proc_root)):
         from gpuhook.discover.inventory import nvml_facts
 
-        facts, _ = nvml_facts(config, write=False)
+        facts, _ = nvml_facts(config)
         migs = {uuid: g.mig_devices for uuid, g in facts.gpus.items() if g.mig_mode}
     for gpu in gpus:
-        node = discover.numa_node(config.sys_root, gpu.bus_id)
+        node = proc.numa_node(config.sys_root, gpu.bus_id)
         for ident in [mig.uuid for mig in migs[gpu.uuid]] if gpu.uuid in migs else [gpu.uuid]:
             ids.append(ident)
             gpu_of[ident] = gpu.uuid

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from gpuhook import config as cfg
 from gpuhook.cli import COMMANDS
 
 from conftest import REPO
@@ -144,8 +145,6 @@ def test_a_state_file_with_a_relative_bundle_works_without_dry_run_too(sim_host)
 
 
 def test_dry_run_writes_no_cache(tmp_path, sim_host):
-    from gpuhook.apply import statefiles
-
     config = tmp_path / "c.toml"
     config.write_text(f'proc-root = "{sim_host["directory"]}/proc"\n'
                       f'driver-root = "{sim_host["directory"]}/driver"\nstate-dir = "{tmp_path}/state"\n')
@@ -153,4 +152,4 @@ def test_dry_run_writes_no_cache(tmp_path, sim_host):
                    "--config", str(config))
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "state").exists()
-    assert not os.path.exists(statefiles.config_cache_path(f"{tmp_path}/state", str(config)))
+    assert not os.path.exists(cfg.cache_path(f"{tmp_path}/state", str(config)))

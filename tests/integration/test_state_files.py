@@ -78,8 +78,8 @@ def test_a_forged_config_cache_entry_is_not_trusted(tmp_path):
     state = tmp_path / "state"
     config_file = tmp_path / "config.toml"
     config_file.write_text(f'accept-volume-mounts = false\nstate-dir = "{state}"\n')
-    assert cfg.load(str(config_file)).accept_volume_mounts is False  # parsed, then cached
-    entry = statefiles.config_cache_path(str(state), str(config_file))
+    statefiles.write_caches(cfg.load(str(config_file)))  # parsed, then cached as a start caches it
+    entry = cfg.cache_path(str(state), str(config_file))
     doc = files.read(entry)
     doc["data"]["accept-volume-mounts"] = True
     with open(entry, "w") as f:
@@ -97,7 +97,7 @@ def test_the_config_cache_lives_under_the_state_dir_the_config_names(tmp_path):
     state = tmp_path / "state"
     config_file = tmp_path / "config.toml"
     config_file.write_text(f'log-file = "{tmp_path}/one.log"\nstate-dir = "{state}"\n')
-    cfg.load(str(config_file))
+    statefiles.write_caches(cfg.load(str(config_file)))
     name = str(config_file).replace("%", "%25").replace("/", "%") + ".json"
     assert os.listdir(state / "config-cache") == [name]
     assert not os.path.exists(f"/run/gpuhook/config-cache/{name}")
@@ -114,11 +114,24 @@ def test_a_cache_entry_is_used_only_under_the_state_dir_it_was_parsed_for(tmp_pa
     identity = files.file_identity(os.stat(config_file))
     planted = {"identity": identity, "source": str(config_file),
                "data": {"log-file": f"{tmp_path}/planted.log", "state-dir": f"{tmp_path}/b"}}
-    statefiles.write_atomic(statefiles.config_cache_path(f"{tmp_path}/a", str(config_file)), planted)
+    statefiles.write_atomic(cfg.cache_path(f"{tmp_path}/a", str(config_file)), planted)
     assert cfg.load(str(config_file)).log_file == f"{tmp_path}/real.log"
     # The same entry naming its own place is taken (the hit the cache is for).
     planted["data"]["state-dir"] = f"{tmp_path}/a"
-    statefiles.write_atomic(statefiles.config_cache_path(f"{tmp_path}/a", str(config_file)), planted)
+    statefiles.write_atomic(cfg.cache_path(f"{tmp_path}/a", str(config_file)), planted)
     assert cfg.load(str(config_file)).log_file == f"{tmp_path}/planted.log"
 
 
+
+
+def test_a_gpu_start_writes_the_caches_a_start_without_gpus_writes_none(gpus):
+    """Caches are written by a start that applies, once, after planning (config.load and
+    discovery only read): the parsed config's entry and the inventory."""
+    run = f"{gpus.workdir}/run"
+    result = gpus.run("nothing", env=["CUDA_VERSION=12.2", "NVIDIA_VISIBLE_DEVICES=void"])  # past the prescan
+    assert result.returncode == 0, result.stderr
+    assert gpus.log_lines()[-1]["decision"] == "untouched" and not os.path.exists(f"{run}/config-cache")
+    result = gpus.run("one", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(f"{run}/config-cache") == [os.path.basename(cfg.cache_path(run, gpus.config))]
+    assert files.read(f"{run}/inventory.json")["inventory"]["gpus"]
