@@ -9,44 +9,14 @@ planning, health and CDI generation read it, and it reads nothing (docs/architec
 why it sits below the stages).
 """
 
-
-# gpuhook's own CDI kind: `gpuhook cdi generate` writes it and the device plugin's CDI
-# strategies name it. NVIDIA's toolkit writes nvidia.com/gpu with the same device names, and
-# two specs defining one device make a runtime refuse both (docs/cdi.md, "Next to NVIDIA's").
-CDI_KIND = "gpuhook.example/gpu"
-NVIDIA_VENDOR = "nvidia.com"
-GPU_NODE_PREFIX = "/dev/nvidia"
-MIG_NODE_PREFIX = "/dev/nvidia-caps/nvidia-cap"
+# --- capabilities -------------------------------------------------------------------------
 
 CAPABILITIES = ("compute", "compat32", "graphics", "utility", "video", "display", "ngx")
 DEFAULT_CAPABILITIES = frozenset({"utility", "compute"})
 
-
-def is_mig_id(ident: str) -> bool:
-    """A MIG UUID or GPU:MIG index pair (a PCI bus id such as 0000:18:00.0 is a whole GPU)."""
-    if ident.upper().startswith("MIG-"):
-        return True
-    gpu, sep, mig = ident.partition(":")
-    return bool(sep) and gpu.isdigit() and gpu.isascii() and mig.isdigit() and mig.isascii()
-
-
 # What a capability needs of another, as NVIDIA's libraries do: NVENC and NVDEC (video)
 # create a CUDA context, so they need libcuda and the nvidia-uvm nodes.
 IMPLIED_CAPABILITIES = {"video": frozenset({"compute"})}
-
-
-def gpu_nodes(devices) -> tuple:
-    """The GPU and MIG access nodes among `devices` (oci.Device: /dev/nvidia<N>,
-    /dev/nvidia-caps/nvidia-cap<N>); control nodes (nvidiactl, uvm) name no GPU."""
-    found = []
-    for device in devices:
-        for prefix in (GPU_NODE_PREFIX, MIG_NODE_PREFIX):
-            tail = device.path[len(prefix):] if device.path.startswith(prefix) else ""
-            if tail.isdigit() and tail.isascii():
-                found.append(device)
-    return tuple(found)
-
-
 
 # Libraries per driver capability, by soname stem (docs/runtime-facts.md §4).
 LIBRARIES = {
@@ -65,6 +35,7 @@ LIBRARIES = {
     ),
     "ngx": ("libnvidia-ngx",),
 }
+LIBRARY_CAPABILITIES = frozenset(LIBRARIES)
 BINARIES = {
     "utility": ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced"),
     "compute": ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"),
@@ -102,6 +73,37 @@ IPC = (
 MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "ppc64le": "powerpc64le-linux-gnu"}
 
 
+# --- device nodes -------------------------------------------------------------------------
+
+GPU_NODE_PREFIX = "/dev/nvidia"
+MIG_NODE_PREFIX = "/dev/nvidia-caps/nvidia-cap"
+# The driver's control nodes, which no GPU names: (container path, its major's name in
+# /proc/devices, minor, the capability that needs it or None for every request). nvidiactl
+# and nvidia-modeset are minors 255 and 254 of the GPUs' own major; the uvm nodes are what
+# CUDA (compute) opens besides the GPU (NVIDIA's toolkit, internal/discover/graphics.go and
+# charDevices).
+CONTROL_NODES = (
+    ("/dev/nvidiactl", "nvidia", 255, None),
+    ("/dev/nvidia-uvm", "nvidia-uvm", 0, "compute"),
+    ("/dev/nvidia-uvm-tools", "nvidia-uvm", 1, "compute"),
+    ("/dev/nvidia-modeset", "nvidia", 254, "display"),
+)
+
+
+def gpu_nodes(devices) -> tuple:
+    """The GPU and MIG access nodes among `devices` (oci.Device: /dev/nvidia<N>,
+    /dev/nvidia-caps/nvidia-cap<N>); control nodes (nvidiactl, uvm) name no GPU."""
+    found = []
+    for device in devices:
+        for prefix in (GPU_NODE_PREFIX, MIG_NODE_PREFIX):
+            tail = device.path[len(prefix):] if device.path.startswith(prefix) else ""
+            if tail.isdigit() and tail.isascii():
+                found.append(device)
+    return tuple(found)
+
+
+# --- names: UUIDs, MIG ids, the CDI kind -------------------------------------------------
+
 UUID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
 MAX_UUID = 96  # NVML's buffer for a UUID is 96 bytes
 
@@ -114,5 +116,16 @@ def is_uuid(text) -> bool:
             and set(text) <= UUID_CHARS)
 
 
-CONTROL_MINOR = 255
-MODESET_MINOR = 254
+def is_mig_id(ident: str) -> bool:
+    """A MIG UUID or GPU:MIG index pair (a PCI bus id such as 0000:18:00.0 is a whole GPU)."""
+    if ident.upper().startswith("MIG-"):
+        return True
+    gpu, sep, mig = ident.partition(":")
+    return bool(sep) and gpu.isdigit() and gpu.isascii() and mig.isdigit() and mig.isascii()
+
+
+# gpuhook's own CDI kind: `gpuhook cdi generate` writes it and the device plugin's CDI
+# strategies name it. NVIDIA's toolkit writes nvidia.com/gpu with the same device names, and
+# two specs defining one device make a runtime refuse both (docs/cdi.md, "Next to NVIDIA's").
+CDI_KIND = "gpuhook.example/gpu"
+NVIDIA_VENDOR = "nvidia.com"

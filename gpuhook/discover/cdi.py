@@ -11,11 +11,15 @@ Specs are read from `cdi-spec-dirs` (default /etc/cdi then /var/run/cdi), ``*.js
 directory overrides an earlier one; the same name twice in one directory is an error. A spec
 file must be root-owned and writable by nobody else (gpuhook.kernel.files.trusted): it decides
 which GPUs a container gets. Reads are bounded (files per directory, bytes per file).
+
+`neighbours` reads the same specs for `gpuhook cdi generate`: which specs next to the one it
+writes a runtime would refuse together with it.
 """
 
 import os
 import stat
 
+from gpuhook.driver import CDI_KIND
 from gpuhook.kernel import files
 from gpuhook.errors import HostError, RequestError
 from gpuhook.request.oci import Device
@@ -138,3 +142,38 @@ def _device_nodes(edits, name: str) -> list:
             raise RequestError(f"CDI device {name[:120]}: {node['path'][:120]} has a bad major or minor")
         found.append(Device(node["path"], major, minor))
     return found
+
+
+# NVIDIA's own kind, which specs of gpuhook before its own kind used (docs/cdi.md).
+NVIDIA_KIND = "nvidia.com/gpu"
+
+
+def neighbours(output: str, directories) -> tuple:
+    """(conflicting, stale) spec files next to `output`, the file about to be written.
+
+    `conflicting`: other specs of gpuhook's kind in `output`'s directory. CDI refuses a device
+    that two specs of one directory define, for both, so writing would break every gpuhook
+    device. `stale`: specs in `directories` (cdi-spec-dirs) or `output`'s directory, other
+    than `output`, of NVIDIA's kind whose hooks run gpuhook: written by a gpuhook before it had
+    a kind of its own, they collide with NVIDIA's spec the same way."""
+    output = os.path.abspath(output)
+    here = os.path.dirname(output)
+    conflicting, stale = [], []
+    for directory in dict.fromkeys([here, *directories]):
+        for _, path, doc in specs([directory]):
+            if os.path.abspath(path) == output:
+                continue
+            if directory == here and doc.get("kind") == CDI_KIND:
+                conflicting.append(path)
+            elif doc.get("kind") == NVIDIA_KIND and _runs_gpuhook(doc):
+                stale.append(path)
+    return conflicting, stale
+
+
+def _runs_gpuhook(doc: dict) -> bool:
+    edits = doc.get("containerEdits")
+    hooks = edits.get("hooks") if isinstance(edits, dict) else None
+    return isinstance(hooks, list) and any(
+        isinstance(hook, dict) and isinstance(hook.get("args"), list)
+        and any(isinstance(arg, str) and arg.endswith("gpuhook/launch.py") for arg in hook["args"])
+        for hook in hooks)

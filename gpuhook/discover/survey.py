@@ -114,7 +114,7 @@ def host_nodes(config, inventory, extra=()) -> dict:
     """(mode, uid, gid, host path) of every NVIDIA device node the host has that a plan can
     ask for: control, uvm, modeset, one per GPU, the nvidia-caps nodes that exist, and the
     `extra` paths (the optional devices' nodes)."""
-    paths = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
+    paths = [path for path, _, _, _ in driver.CONTROL_NODES]
     paths += [f"/dev/nvidia{gpu.minor}" for gpu in inventory.gpus]
     if inventory.mig_minors:
         # Where discover.host_node looks: dev-root, else <driver-root>/dev falling back to /dev.

@@ -8,7 +8,7 @@ gpuhook.apply.run turns it into system calls (docs/architecture.md).
 """
 
 from gpuhook.devrules.devices import char_device
-from gpuhook.driver import CONTROL_MINOR, LIBRARIES, MODESET_MINOR
+from gpuhook.driver import CONTROL_NODES, LIBRARY_CAPABILITIES
 from gpuhook.errors import HostError
 from gpuhook.plan import requirements as reqs
 from gpuhook.plan import select
@@ -20,7 +20,6 @@ RO_LIB = ("ro", "nosuid", "nodev")
 IPC_OPTIONS = ("ro", "nosuid", "nodev", "noexec")
 MPS_OPTIONS = ("nosuid", "nodev", "noexec")
 
-LIBRARY_CAPABILITIES = frozenset(LIBRARIES)
 DEFAULT_NODE_MODE = 0o666
 # What each optional device (gpuhook.request.resolve.FEATURES) needs of the host, for the note when it is missing.
 FEATURE_NODES = {"nvswitch": "/dev/nvidia-nvswitch* node (nvidia-nvswitch driver)",
@@ -51,15 +50,17 @@ def make_plan(state, spec, request, host, config) -> Plan:
     notes = list(request.notes)
     nvidia = inventory.majors["nvidia"]
 
-    wanted_nodes = [("/dev/nvidiactl", nvidia, CONTROL_MINOR)]
-    if "compute" in caps:
-        uvm = inventory.majors.get("nvidia-uvm")
-        if uvm is None:
-            notes.append("nvidia-uvm is not loaded on the host: CUDA programs will fail to start")
-        else:
-            wanted_nodes += [("/dev/nvidia-uvm", uvm, 0), ("/dev/nvidia-uvm-tools", uvm, 1)]
-    if "display" in caps:
-        wanted_nodes.append(("/dev/nvidia-modeset", nvidia, MODESET_MINOR))
+    wanted_nodes = []
+    for path, major_name, minor, capability in CONTROL_NODES:
+        if capability is not None and capability not in caps:
+            continue
+        major = inventory.majors.get(major_name)
+        if major is None:
+            note = f"{major_name} is not loaded on the host: CUDA programs will fail to start"
+            if note not in notes:
+                notes.append(note)
+            continue
+        wanted_nodes.append((path, major, minor))
     wanted_nodes += [(gpu.node, nvidia, gpu.minor) for gpu in gpus]
     # NVIDIA_NVSWITCH / NVIDIA_GDRCOPY=enabled: the host's nodes, or, as NVIDIA's toolkit
     # does when they are missing, none (with a note): the container can run without them.

@@ -21,8 +21,7 @@ import sys
 import pytest
 
 from conftest import HERE, require_root_tools, sim_config_values, write_config
-from gpuhook import cdigen
-from gpuhook.driver import MULTIARCH
+from gpuhook.driver import CDI_KIND, MULTIARCH
 from gpuhook.simulate import host as simhost
 from helpers.runtimes import Podman
 
@@ -111,7 +110,7 @@ def records(log) -> list:
 
 
 def test_gpuhooks_spec_has_a_kind_of_its_own():
-    assert cdigen.KIND == GPUHOOK_KIND != "nvidia.com/gpu"
+    assert CDI_KIND == GPUHOOK_KIND != "nvidia.com/gpu"
 
 
 def test_podman_gives_gpuhooks_devices_with_nvidias_spec_on_the_same_node(node, cdi_dir, probe, tmp_path):
