@@ -116,6 +116,14 @@ def is_uuid(text) -> bool:
             and set(text) <= UUID_CHARS)
 
 
+def needs_mig_layout(ids, mig_config, mig_monitor, nodes) -> bool:
+    """Whether matching a request to the host needs the host's MIG layout (from NVML): it
+    names a MIG device by id (`ids`) or by access node (`nodes`, oci.Device), or asks for
+    MIG configuration or monitoring (NVIDIA_MIG_CONFIG_DEVICES, NVIDIA_MIG_MONITOR_DEVICES)."""
+    return (any(is_mig_id(i) for i in ids) or bool(mig_config or mig_monitor)
+            or any(node.path.startswith(MIG_NODE_PREFIX) for node in nodes))
+
+
 def is_mig_id(ident: str) -> bool:
     """A MIG UUID or GPU:MIG index pair (a PCI bus id such as 0000:18:00.0 is a whole GPU)."""
     if ident.upper().startswith("MIG-"):

@@ -42,7 +42,7 @@ def survey(request, spec, config) -> Host:
         from gpuhook.discover import cdi
 
         cdi_nodes = driver.gpu_nodes(cdi.resolve(request.cdi, config.cdi_spec_dirs))
-    names_mig = request._replace(nodes=request.nodes + cdi_nodes).names_mig
+    names_mig = driver.needs_mig_layout(request.ids, request.mig_config, request.mig_monitor, request.nodes + cdi_nodes)
     # NVML only when something needs it: NVIDIA_REQUIRE_* constraints, a request naming MIG
     # devices, or a host with MIG instances (their capability files; the cached inventory
     # first). The capability files every driver makes (mig/config, mig/monitor) say nothing

@@ -33,7 +33,6 @@ from gpuhook.driver import (
     MIG_NODE_PREFIX,
     NVIDIA_VENDOR,
     gpu_nodes,
-    is_mig_id,
 )
 from gpuhook.errors import RequestError
 from gpuhook.record import record
@@ -76,12 +75,6 @@ class Request(record("Request", "wants ids capabilities channel notes mig_config
     @property
     def empty(self) -> bool:
         return self.wants == NOTHING
-
-    @property
-    def names_mig(self) -> bool:
-        """Whether matching the request needs the host's MIG layout (from NVML)."""
-        return (any(is_mig_id(i) for i in self.ids) or bool(self.mig_config or self.mig_monitor)
-                or any(node.path.startswith(MIG_NODE_PREFIX) for node in self.nodes))
 
 
 KEYWORDS = ("all", "none", "void")

@@ -193,7 +193,7 @@ def test_mig_access_nodes_name_mig_devices():
     devices = [node("/dev/nvidia1", 195, 1), node("/dev/nvidia-caps/nvidia-cap21", 236, 21),
                node("/dev/nvidia-caps/nvidia-cap22", 236, 22)]
     r = resolve(spec(ALL, devices=devices))
-    assert r.names_mig
+    assert driver.needs_mig_layout(r.ids, r.mig_config, r.mig_monitor, r.nodes)
     selection = select.select(r, GPUS, facts, inventory(minors))
     assert [t.device.uuid for t in selection.migs] == ["MIG-1111"] and [g.index for g in selection.gpus] == [1]
 
@@ -285,7 +285,7 @@ def test_the_config_key_lists_the_spec_dirs():
 @pytest.mark.parametrize("bus", ["0000:20:00.0", "00000000:20:00.0", "20:00.0", "0000:20:00.0".upper()])
 def test_gpus_can_be_named_by_pci_bus_id(bus):
     r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES={bus}"]))
-    assert not r.names_mig and chosen(r) == [2]
+    assert not driver.needs_mig_layout(r.ids, r.mig_config, r.mig_monitor, r.nodes) and chosen(r) == [2]
 
 
 def test_an_unknown_bus_id_is_a_missing_gpu_not_a_mig_device():
