@@ -53,7 +53,7 @@ def _start_command(stage: str):
             deviations = ["state not checked against the OCI schema: jsonschema is not installed"]
         else:
             deviations = [f"state deviates from the OCI schema (accepted leniently): {d}" for d in found]
-        from gpuhook import preflight
+        from gpuhook.cli import preflight
 
         # What would fail other starts on this host (gpuhook doctor --quick), as notes.
         host = [f"host: {c.name}: {c.summary}" + (f" ({c.hint})" if c.hint else "")

@@ -47,7 +47,7 @@ def list_gpus(config_path, as_json):
                          mig_devices=[dict(d._asdict(), id=f"{gpu.index}:{d.index}")
                                       for d in (known.mig_devices if known and known.mig_mode else ())]))
     if as_json:
-        from gpuhook import preflight
+        from gpuhook.cli import preflight
 
         click.echo(json.dumps({"driver_version": host.driver_version,
                                "cuda_version": facts.cuda_version if facts else None,
@@ -74,7 +74,7 @@ def list_gpus(config_path, as_json):
 def warn_about_host(config) -> None:
     """One stderr line per quick preflight check that is not ok (`gpuhook doctor` has them
     all): a host problem that fails every start shows before a container meets it."""
-    from gpuhook import preflight
+    from gpuhook.cli import preflight
 
     for check in preflight.problems(preflight.run(config, quick=True)):
         hint = f" ({check.hint})" if check.hint else ""
