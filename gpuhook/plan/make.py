@@ -33,7 +33,9 @@ def empty_plan(state, spec, request) -> Plan:
 
 
 def make_plan(state, spec, request, host, config) -> Plan:
-    """Build the plan from the request and what discovery found (`host`, a survey.Host)."""
+    """Build the plan from the request and what discovery found (`host`, a survey.Host): match
+    the request to real GPUs, check the image's requirements, then lay out each part of the
+    plan in its own step below (notes are added in the order the steps run)."""
     if request.empty:
         return empty_plan(state, spec, request)
     if host.cdi_nodes:
@@ -44,13 +46,41 @@ def make_plan(state, spec, request, host, config) -> Plan:
         facts = requirement_facts(inventory, host.facts, selection)
         for requirement in request.requirements:
             reqs.check(requirement, facts)
-    container = host.container
-    gpus = selection.gpus
-    caps = request.capabilities
     notes = list(request.notes)
-    nvidia = inventory.majors["nvidia"]
+    userns = "user" in spec.namespaces
+    cap_names = _mig_capabilities(selection, inventory)
+    wanted = _wanted_nodes(request, host, selection.gpus, cap_names, notes)
+    nodes = _device_nodes(wanted, host, userns, config, notes)
+    mounts, symlinks, ld_dirs = _driver_files(inventory, host.container, request.capabilities, notes)
+    rules = _cgroup_rules(nodes, spec, selection, cap_names, inventory, notes)
+    ldcache = _ld_cache_update(host, ld_dirs, notes)
+    if host.facts_source:
+        notes.append(host.facts_source)
+    return Plan(
+        container_id=state.id, pid=state.pid, rootfs=spec.rootfs, wants=request.wants, channel=request.channel,
+        capabilities=request.capabilities, gpus=tuple(selection.gpus), nodes=tuple(nodes), mounts=tuple(mounts),
+        symlinks=tuple(symlinks), rules=tuple(rules), proc_mask=_proc_mask(inventory, selection.gpus, cap_names),
+        ldcache=ldcache, notes=tuple(notes), migs=tuple(selection.migs), userns=userns,
+        proc_in_rootfs=any(m.destination.rstrip("/") == "/proc" and m.type == "proc" for m in spec.mounts),
+        health=_health_step(config, selection.gpus, spec), dev_tmpfs=runtime_dev_tmpfs(spec.mounts),
+    )
 
-    wanted_nodes = []
+
+def _wanted_nodes(request, host, gpus, cap_names, notes: list) -> list:
+    """(path, major, minor) of every device node the container gets: the driver's control
+    nodes its capabilities need, its GPUs, the optional devices it enabled that the host has,
+    and its MIG devices' capability nodes."""
+    inventory = host.inventory
+    wanted = _control_nodes(inventory, request.capabilities, notes)
+    wanted += [(gpu.node, inventory.majors["nvidia"], gpu.minor) for gpu in gpus]
+    wanted += _feature_nodes(request.features, host, notes)
+    wanted += _mig_capability_nodes(inventory, cap_names)
+    return wanted
+
+
+def _control_nodes(inventory, caps, notes: list) -> list:
+    """The driver's control nodes (driver.CONTROL_NODES) that capabilities `caps` need."""
+    wanted = []
     for path, major_name, minor, capability in CONTROL_NODES:
         if capability is not None and capability not in caps:
             continue
@@ -60,33 +90,46 @@ def make_plan(state, spec, request, host, config) -> Plan:
             if note not in notes:
                 notes.append(note)
             continue
-        wanted_nodes.append((path, major, minor))
-    wanted_nodes += [(gpu.node, nvidia, gpu.minor) for gpu in gpus]
-    # NVIDIA_NVSWITCH / NVIDIA_GDRCOPY=enabled: the host's nodes, or, as NVIDIA's toolkit
-    # does when they are missing, none (with a note): the container can run without them.
+        wanted.append((path, major, minor))
+    return wanted
+
+
+def _feature_nodes(features, host, notes: list) -> list:
+    """NVIDIA_NVSWITCH / NVIDIA_GDRCOPY=enabled: the host's nodes, or, as NVIDIA's toolkit
+    does when they are missing, none (with a note): the container can run without them."""
+    wanted = []
     for variable, feature in resolve.FEATURES.items():
-        if feature not in request.features:
+        if feature not in features:
             continue
         found = [(path, major, minor) for name, path, major, minor in host.feature_nodes
                  if name == feature and path in host.nodes]
         if not found:
             notes.append(f"{variable}={resolve.FEATURE_ON}, but the host has no {FEATURE_NODES[feature]}: not injected")
-        wanted_nodes += found
+        wanted += found
+    return wanted
 
-    cap_names = _mig_capabilities(selection, inventory)
-    if cap_names:
-        caps_major = inventory.majors.get("nvidia-caps")
-        if caps_major is None:
-            raise HostError("MIG devices need the nvidia-caps device major, which /proc/devices does not list")
-        for name in cap_names:
-            minor = inventory.mig_minors.get(_minor_key(name))
-            if minor is None:
-                raise HostError(f"the driver's MIG minor table has no entry for {_minor_key(name)}")
-            wanted_nodes.append((f"/dev/nvidia-caps/nvidia-cap{minor}", caps_major, minor))
 
-    userns = "user" in spec.namespaces
+def _mig_capability_nodes(inventory, cap_names) -> list:
+    """The nvidia-caps nodes of the MIG capability files `cap_names` (_mig_capabilities)."""
+    if not cap_names:
+        return []
+    caps_major = inventory.majors.get("nvidia-caps")
+    if caps_major is None:
+        raise HostError("MIG devices need the nvidia-caps device major, which /proc/devices does not list")
+    wanted = []
+    for name in cap_names:
+        minor = inventory.mig_minors.get(_minor_key(name))
+        if minor is None:
+            raise HostError(f"the driver's MIG minor table has no entry for {_minor_key(name)}")
+        wanted.append((f"/dev/nvidia-caps/nvidia-cap{minor}", caps_major, minor))
+    return wanted
+
+
+def _device_nodes(wanted, host, userns: bool, config, notes: list) -> list:
+    """DeviceNode of each wanted node, with the host node's mode and owner (0666 root when the
+    host has none); in a user namespace, the host node itself, to be bound."""
     nodes = []
-    for path, major, minor in wanted_nodes:
+    for path, major, minor in wanted:
         found = host.nodes.get(path)
         mode, uid, gid, host_path = found or (DEFAULT_NODE_MODE, 0, 0, None)
         if userns and host_path is None:
@@ -96,14 +139,18 @@ def make_plan(state, spec, request, host, config) -> Plan:
     if userns:
         notes.append("user namespace: device nodes are bind-mounted from the host, files are made as the "
                      "container's root")
+    return nodes
 
-    lib64, lib32 = container.lib64, container.lib32
-    mounts, symlinks = [], []
-    ld_dirs = []
+
+def _driver_files(inventory, container, caps, notes: list) -> tuple:
+    """(bind mounts, soname symlinks, the image's library dirs they land in) for the driver
+    files of capabilities `caps`: libraries into the image's own library dirs (32-bit ones
+    only with compat32), programs, data files and firmware at their paths, IPC endpoints."""
+    mounts, symlinks, ld_dirs = [], [], []
     for lib in inventory.libraries:
         if lib.capability not in caps or (lib.bits == 32 and "compat32" not in caps):
             continue
-        directory = lib64 if lib.bits == 64 else lib32
+        directory = container.lib64 if lib.bits == 64 else container.lib32
         if directory not in ld_dirs:
             ld_dirs.append(directory)
         mounts.append(BindMount(lib.host_path, f"{directory}/{lib.file_name}", "file", RO_LIB))
@@ -120,41 +167,50 @@ def make_plan(state, spec, request, host, config) -> Plan:
         if item.capability in caps:
             options = MPS_OPTIONS if item.kind == "dir" else IPC_OPTIONS
             mounts.append(BindMount(item.host_path, item.container_path, item.kind, options))
+    return mounts, symlinks, ld_dirs
 
-    # nvidia-caps nodes are opened read-only (NVIDIA makes them 0444 or 0400): grant reads only.
+
+def _cgroup_rules(nodes, spec, selection, cap_names, inventory, notes: list) -> list:
+    """One device rule per node ("rw"; "r" for the nvidia-caps nodes, which NVIDIA makes 0444
+    or 0400), kept within the runtime's own rules when the runtime made the grant."""
     caps_major = inventory.majors.get("nvidia-caps")
     rules = [char_device(n.major, n.minor, "r" if n.major == caps_major else "rw") for n in nodes]
     if selection.runtime_grant:
-        rules = _within_runtime_rules(rules, spec, gpus, cap_names, inventory, notes)
-    proc_mask = ProcMask(inventory.proc_driver_dir, tuple(g.bus_id for g in gpus),
-                         tuple(name for name in cap_names if name in inventory.capabilities))
-    ldcache = None
-    if ld_dirs and container.glibc:
-        ldconfig = host.ldconfig  # discover.find_ldconfig: a static one, or why there is none
-        if ldconfig.path is None:
-            raise HostError(ldconfig.problem, ldconfig.hint)
-        if ldconfig.note:
-            notes.append(ldconfig.note)
-        ldcache = LdCacheUpdate(ldconfig.path, tuple(ld_dirs))
-    elif ld_dirs:
-        notes.append("the image has no glibc (no ld cache, ld.so.conf or loader): ld cache not updated")
-    if host.facts_source:
-        notes.append(host.facts_source)
-    health = None
-    if config.health.mode != "off" and gpus:
-        from gpuhook.health import store
+        rules = _within_runtime_rules(rules, spec, selection.gpus, cap_names, inventory, notes)
+    return rules
 
-        h = config.health
-        health = HealthStep(h.mode, tuple(dict.fromkeys(g.uuid for g in gpus)), h.on_failure, h.kill_orphans,
-                            h.deadline_seconds, store.allocation_tokens(spec.mounts))
-    return Plan(
-        container_id=state.id, pid=state.pid, rootfs=spec.rootfs, wants=request.wants, channel=request.channel,
-        capabilities=caps, gpus=tuple(gpus), nodes=tuple(nodes), mounts=tuple(mounts), symlinks=tuple(symlinks),
-        rules=tuple(rules), proc_mask=proc_mask, ldcache=ldcache, notes=tuple(notes), migs=tuple(selection.migs),
-        userns=userns, proc_in_rootfs=any(m.destination.rstrip("/") == "/proc" and m.type == "proc"
-                                          for m in spec.mounts),
-        health=health, dev_tmpfs=runtime_dev_tmpfs(spec.mounts),
-    )
+
+def _proc_mask(inventory, gpus, cap_names) -> ProcMask:
+    """The /proc/driver/nvidia the container sees: its own GPUs' dirs and MIG capability files."""
+    return ProcMask(inventory.proc_driver_dir, tuple(g.bus_id for g in gpus),
+                    tuple(name for name in cap_names if name in inventory.capabilities))
+
+
+def _ld_cache_update(host, ld_dirs, notes: list):
+    """The host's ldconfig run for the library dirs of a glibc image (None for other images,
+    or when no library is mounted); a glibc image without a usable ldconfig fails the start."""
+    if not ld_dirs:
+        return None
+    if not host.container.glibc:
+        notes.append("the image has no glibc (no ld cache, ld.so.conf or loader): ld cache not updated")
+        return None
+    ldconfig = host.ldconfig  # discover.find_ldconfig: a static one, or why there is none
+    if ldconfig.path is None:
+        raise HostError(ldconfig.problem, ldconfig.hint)
+    if ldconfig.note:
+        notes.append(ldconfig.note)
+    return LdCacheUpdate(ldconfig.path, tuple(ld_dirs))
+
+
+def _health_step(config, gpus, spec):
+    """Check and repair the GPUs while the rest is applied (docs/health.md); None with health off."""
+    if config.health.mode == "off" or not gpus:
+        return None
+    from gpuhook.health import store
+
+    h = config.health
+    return HealthStep(h.mode, tuple(dict.fromkeys(g.uuid for g in gpus)), h.on_failure, h.kill_orphans,
+                      h.deadline_seconds, store.allocation_tokens(spec.mounts))
 
 
 def _within_runtime_rules(rules: list, spec, gpus, cap_names, inventory, notes: list) -> list:
