@@ -114,18 +114,18 @@ class PatchOnImport:
 STEP = "step: "
 
 
-def patch_steps(work_class) -> None:
-    """Time each step the worker takes (_Work.steps yields (name, action) pairs), one record
+def patch_steps(nsworker) -> None:
+    """Time each step the worker takes (nsworker.steps yields (name, action) pairs), one record
     per step, named by the step: "device node /dev/nvidia0", "mount /usr/bin/nvidia-smi"."""
-    original = getattr(work_class, "steps", None)
+    original = getattr(nsworker, "steps", None)
     if not callable(original):
-        raise MissingName(f"benchmarks/hook_profile.py: {work_class.__module__}.{work_class.__qualname__}.steps "
-                          "does not exist; re-point the per-step timers")
+        raise MissingName("benchmarks/hook_profile.py: gpuhook.apply.nsworker.steps does not exist; "
+                          "re-point the per-step timers")
 
-    def steps(self, *args, **kwargs):
-        for name, action in original(self, *args, **kwargs):
+    def steps(*args, **kwargs):
+        for name, action in original(*args, **kwargs):
             yield name, timed(STEP + name, action)
-    work_class.steps = steps
+    nsworker.steps = steps
 
 
 def patch_worker(nsworker) -> None:
@@ -136,11 +136,20 @@ def patch_worker(nsworker) -> None:
     emit("worker start-up (fork to gpuhook.apply.nsworker loaded)", 1, READY_AT[0], time.perf_counter_ns())
     patch(nsworker, "read_exactly", "nsworker.read_exactly (waiting for the order)")
     patch(nsworker, "run", "nsworker.run (in the container's mount ns)")
-    for method in ("open_sources", "check_rootfs", "node", "bind", "symlink", "mask_proc", "ldconfig"):
-        patch(nsworker._Work, method, f"_Work.{method}")
-    for method in ("refuse_shared", "_new_mount_point", "_attach", "_bind_and_remount"):
-        patch(nsworker._Work, method, f"_Work.{method}")
-    patch_steps(nsworker._Work)
+    from gpuhook.apply import mounts, nodes, procmask, target
+
+    for method in ("open_sources", "check_rootfs", "refuse_shared"):
+        patch(target.Target, method, f"Target.{method}")
+    patch(nodes, "make_node", "nodes.make_node")
+    patch(mounts, "bind", "mounts.bind")
+    patch(nodes, "make_symlink", "nodes.make_symlink")
+    patch(procmask, "mask_proc", "procmask.mask_proc")
+    for name in ("_new_mount_point", "_attach", "_bind_and_remount"):
+        patch(mounts, name, f"mounts.{name}")
+    # The ld cache steps' module is imported only for an image with an ld cache.
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.ldconfig", lambda m: patch(
+        m, "build_cache", "ldconfig.build_cache")))
+    patch_steps(nsworker)
     patch(rootfs, "make_dirs", "rootfs.make_dirs")
     patch(rootfs, "ensure_file", "rootfs.ensure_file")
     for name in ("mount", "setns", "open_tree_clone", "mount_setattr", "move_mount"):

@@ -19,15 +19,15 @@ pytestmark = pytest.mark.root
 SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook.apply import run as apply, nsworker; from gpuhook.request import oci
-from gpuhook.plan.records import Plan; from gpuhook.plan.records import ProcMask
+from gpuhook.apply import procmask, run as apply; from gpuhook.apply.target import Target
+from gpuhook.plan.records import Plan, ProcMask
 
 root = {root!r}
 mask = ProcMask({source!r}, ("0000:28:00.0",))
 plan = Plan("c", 1, root, "gpus", "env", frozenset(), (), (), (), (), (), mask, None, ())
-work = nsworker._Work(plan, time.monotonic() + 10)
+work = Target(plan, time.monotonic() + 10)
 work.root = os.open(root, os.O_PATH | os.O_DIRECTORY)
-work.mask_proc(apply.read_proc_files(mask))
+procmask.mask_proc(work, apply.read_proc_files(mask))
 base = root + "/proc/driver/nvidia"
 out = {{
     "params": open(base + "/params").read(),

@@ -38,7 +38,11 @@ WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND", "O_TRUNC"}  # a cgro
 
 # module -> why it may change the host. The stages' own: apply/ and the health step's actions.
 APPLY = {
-    "gpuhook.apply.nsworker": "joins the container's namespaces and carries out the worker's steps there",
+    "gpuhook.apply.nsworker": "joins the container's mount and user namespaces (setns), to take its steps there",
+    "gpuhook.apply.nodes": "device nodes in the container's /dev and soname links in its rootfs",
+    "gpuhook.apply.mounts": "bind mounts of the driver's files into the container, and their undo",
+    "gpuhook.apply.procmask": "the read-only tmpfs over the container's /proc/driver/nvidia",
+    "gpuhook.apply.ldconfig": "installs the ld cache the host's ldconfig built, the image's own set aside",
     "gpuhook.apply.rootfs": "directories, files and links made in the rootfs, and their undo",
     "gpuhook.apply.ldsandbox": "the ldconfig sandbox: a private mount tree and the host's ldconfig in it",
     "gpuhook.apply.leftovers": "takes back what a killed worker left in the rootfs",
