@@ -42,9 +42,11 @@ def list_gpus(config_path, as_json):
     rows = []
     for gpu in host.gpus:
         known = facts.gpus.get(gpu.uuid) if facts else None
-        rows.append(dict(gpu._asdict(), brand=known and known.brand, arch=known and known.arch,
+        rows.append(dict(gpu.identity(), brand=known and known.brand, arch=known and known.arch,
                          mig_mode=known and known.mig_mode,
-                         mig_devices=[dict(d._asdict(), id=f"{gpu.index}:{d.index}")
+                         mig_devices=[{"index": d.index, "uuid": d.uuid, "gpu_instance_id": d.gpu_instance_id,
+                                       "compute_instance_id": d.compute_instance_id, "name": d.name,
+                                       "id": f"{gpu.index}:{d.index}"}
                                       for d in (known.mig_devices if known and known.mig_mode else ())]))
     if as_json:
         from gpuhook.cli import preflight

@@ -22,30 +22,20 @@ import os
 
 from gpuhook.discover.driverfiles import LAYOUT_LIB_DIRS, binaries, data_files, firmware, ipc, libraries, under
 from gpuhook.discover.proc import capabilities, driver_version, gpus, majors, mig_minors
-from gpuhook.discover.types import Gpu, HostFile, Inventory, Library
+from gpuhook.discover.types import Gpu, HostFile, Inventory, Library, MigDevice
 from gpuhook.driver import BINARY_DIRS, DATA_FILES
 from gpuhook.kernel import files
 from gpuhook.record import record
 
-FORMAT = 4  # 4: the key holds the watched directories; binaries are ELF programs only
+FORMAT = 5  # 5: NVML's facts are whole GPU and MIG device records (discover.types)
 # The parts of the key NVML's facts depend on: the driver, its GPUs and MIG instances.
 NVML_KEY = ("format", "boot_id", "driver_version", "roots", "gpu_dirs", "capabilities", "devices")
 
 
-class MigEntry(record("MigEntry", "index uuid gpu_instance_id compute_instance_id name")):
-    """A MIG device as requests name it: `index` is NVML's MIG device index on its GPU."""
-
-    __slots__ = ()
-
-
-class GpuFacts(record("GpuFacts", "uuid brand arch mig_mode mig_devices")):
-    """What NVML says about one GPU: brand token, compute capability, MIG mode and devices."""
-
-    __slots__ = ()
-
-
 class NvmlFacts(record("NvmlFacts", "cuda_version gpus")):
-    """The NVML side of the inventory; `gpus` maps GPU UUIDs to GpuFacts."""
+    """The NVML side of the inventory: the CUDA version the driver supports, and `gpus`, GPU
+    UUID -> the GPU as NVML sees it (discover.types.Gpu: brand, compute capability, MIG mode
+    and MIG devices filled in)."""
 
     __slots__ = ()
 
@@ -56,10 +46,8 @@ class NvmlFacts(record("NvmlFacts", "cuda_version gpus")):
 
     @classmethod
     def from_dict(cls, doc: dict) -> "NvmlFacts":
-        gpus = {}
-        for uuid, g in doc["gpus"].items():
-            devices = tuple(MigEntry(**m) for m in g["mig_devices"])
-            gpus[uuid] = GpuFacts(g["uuid"], g["brand"], g["arch"], g["mig_mode"], devices)
+        gpus = {uuid: Gpu(**dict(g, mig_devices=tuple(MigDevice(**m) for m in g["mig_devices"])))
+                for uuid, g in doc["gpus"].items()}
         return cls(doc["cuda_version"], gpus)
 
 
@@ -168,12 +156,7 @@ def _query_nvml(config) -> tuple:
 
     with nvml.Session(nvml.library_path(config)) as session:
         seen = session.inventory()
-    facts = NvmlFacts(seen.cuda_version, {
-        gpu.uuid: GpuFacts(gpu.uuid, gpu.brand, gpu.arch, bool(gpu.mig_mode), tuple(
-            MigEntry(m.index, m.uuid, m.gpu_instance_id, m.compute_instance_id, m.name)
-            for m in gpu.mig_devices or ()))
-        for gpu in seen.gpus if not gpu.lost
-    })
+    facts = NvmlFacts(seen.cuda_version, {gpu.uuid: gpu for gpu in seen.gpus if not gpu.lost})
     return facts, any(gpu.lost for gpu in seen.gpus)
 
 
@@ -228,7 +211,8 @@ def scan(config) -> Inventory:
 def inventory_to_dict(inventory: Inventory) -> dict:
     """JSON-ready form of an inventory (for the cache)."""
     doc = inventory._asdict()
-    for field in ("gpus", "libraries", "binaries", "firmware", "ipc"):
+    doc["gpus"] = [gpu.identity() for gpu in inventory.gpus]  # what /proc says; NVML's facts are kept apart
+    for field in ("libraries", "binaries", "firmware", "ipc"):
         doc[field] = [item._asdict() for item in doc[field]]
     return doc
 

@@ -15,7 +15,7 @@ Usage::
 
 Every NVML failure becomes an `NvmlError` naming the call and the GPU. A GPU that NVML
 reports lost is not an error in `health()` (it is the fact being asked for) and shows up as
-`GpuInfo.lost` in `inventory()`. Queries a GPU does not support (retired pages on Ampere,
+`Gpu.lost` in `inventory()`. Queries a GPU does not support (retired pages on Ampere,
 ECC on a GeForce, ...) read as None, and so do queries an older driver lacks.
 
 Older drivers: NVML grew versioned entry points (docs/health.md, "Drivers"). The process
@@ -41,6 +41,7 @@ another is open is refused with a clear error.
 import threading
 import time
 
+from gpuhook.discover.types import Gpu, MigDevice
 from gpuhook.errors import HostError, NvmlError
 from gpuhook.record import record
 
@@ -72,25 +73,10 @@ _PROCESS_CALLS = {
 }
 
 
-class MigDevice(record("MigDevice", "index uuid gpu_instance_id compute_instance_id name memory_total")):
-    """One MIG device (a compute instance) of a GPU; `index` is NVML's MIG device index."""
-
-    __slots__ = ()
-
-
-class GpuInfo(record(
-    "GpuInfo", "index uuid minor bus_id name brand arch mig_mode mig_mode_pending mig_devices lost",
-)):
-    """One GPU as NVML sees it. `bus_id` is in /proc's form ("0000:18:00.0"), `brand` a token
-    from BRANDS, `arch` the compute capability ("9.0"). `mig_mode` and `mig_mode_pending` are
-    None when the GPU cannot do MIG. A lost GPU has `lost` True, its index, and None elsewhere."""
-
-    __slots__ = ()
-
-
 class NvmlHost(record("NvmlHost", "driver_version cuda_version gpus")):
     """The host as NVML sees it: driver version ("550.54.15"), the CUDA version the driver
-    supports ("12.4") and its GPUs in NVML index order."""
+    supports ("12.4") and its GPUs (gpuhook.discover.types.Gpu, NVML's facts filled in) in
+    NVML index order."""
 
     __slots__ = ()
 
@@ -467,31 +453,32 @@ class Session:
             gpus = tuple(self._gpu(index) for index in range(count))
             return NvmlHost(self._driver_version(), self._cuda_version(), gpus)
 
-    def gpu(self, index: int) -> GpuInfo:
+    def gpu(self, index: int) -> Gpu:
         """GPU `index` (NVML order). A lost GPU is returned with `lost` set, not raised."""
         with _gate.use():
             return self._gpu(index)
 
-    def _gpu(self, index: int) -> GpuInfo:
+    def _gpu(self, index: int) -> Gpu:
         p = self.pynvml
         try:
             handle = _call(p, "nvmlDeviceGetHandleByIndex", index, p.nvmlDeviceGetHandleByIndex, index)
             uuid = _uuid(p, index, handle)
             pci = _call(p, "nvmlDeviceGetPciInfo", uuid, p.nvmlDeviceGetPciInfo, handle)
-            major, minor = _call(p, "nvmlDeviceGetCudaComputeCapability", uuid,
+            cc_major, cc_minor = _call(p, "nvmlDeviceGetCudaComputeCapability", uuid,
                                  p.nvmlDeviceGetCudaComputeCapability, handle)
             mig_mode = _optional(p, "nvmlDeviceGetMigMode", uuid, p.nvmlDeviceGetMigMode, handle)
+            node_minor = _call(p, "nvmlDeviceGetMinorNumber", uuid, p.nvmlDeviceGetMinorNumber, handle)
             mig_devices = ()
             if mig_mode is not None and mig_mode[0]:
-                mig_devices = self._mig_devices(handle, uuid)
-            return GpuInfo(
+                mig_devices = self._mig_devices(handle, uuid, index, node_minor)
+            return Gpu(
                 index=index,
                 uuid=uuid,
-                minor=_call(p, "nvmlDeviceGetMinorNumber", uuid, p.nvmlDeviceGetMinorNumber, handle),
+                minor=node_minor,
                 bus_id=f"{pci.domain & 0xFFFF:04x}:{pci.bus:02x}:{pci.device:02x}.0",
-                name=_call(p, "nvmlDeviceGetName", uuid, p.nvmlDeviceGetName, handle),
+                model=_call(p, "nvmlDeviceGetName", uuid, p.nvmlDeviceGetName, handle),
                 brand=brand_name(_call(p, "nvmlDeviceGetBrand", uuid, p.nvmlDeviceGetBrand, handle)),
-                arch=f"{major}.{minor}",
+                arch=f"{cc_major}.{cc_minor}",
                 mig_mode=None if mig_mode is None else bool(mig_mode[0]),
                 mig_mode_pending=None if mig_mode is None else bool(mig_mode[1]),
                 mig_devices=mig_devices,
@@ -500,9 +487,9 @@ class Session:
         except NvmlError as err:
             if err.code != _GPU_IS_LOST:
                 raise
-            return GpuInfo(index, None, None, None, None, None, None, None, None, (), True)
+            return Gpu(index, None, None, None, None, lost=True)
 
-    def _mig_devices(self, handle, uuid: str) -> tuple:
+    def _mig_devices(self, handle, uuid: str, gpu_index=None, gpu_minor=None) -> tuple:
         p = self.pynvml
         found = []
         slots = _call(p, "nvmlDeviceGetMaxMigDeviceCount", uuid, p.nvmlDeviceGetMaxMigDeviceCount, handle)
@@ -523,6 +510,9 @@ class Session:
                                           p.nvmlDeviceGetComputeInstanceId, mig),
                 name=_call(p, "nvmlDeviceGetName", mig_uuid, p.nvmlDeviceGetName, mig),
                 memory_total=_call(p, "nvmlDeviceGetMemoryInfo", mig_uuid, p.nvmlDeviceGetMemoryInfo, mig).total,
+                gpu_index=gpu_index,
+                gpu_uuid=uuid,
+                gpu_minor=gpu_minor,
             ))
         return tuple(found)
 

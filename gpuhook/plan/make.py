@@ -251,7 +251,7 @@ def requirement_facts(inventory, facts, selection) -> "reqs.HostFacts":
     gpus = []
     for gpu in selection.gpus:
         known = facts.gpus.get(gpu.uuid) if facts else None
-        gpus.append(reqs.GpuTraits(f"GPU {gpu.index} {gpu.uuid}", known and known.arch, known and known.brand))
+        gpus.append(gpu._replace(arch=known.arch, brand=known.brand) if known else gpu)
     return reqs.HostFacts(facts.cuda_version if facts else None, inventory.driver_version, gpus)
 
 
@@ -262,10 +262,10 @@ def _mig_capabilities(selection, inventory) -> list:
         names.append("mig/config")
     if selection.mig_monitor:
         names.append("mig/monitor")
-    for target in selection.migs:
-        gi, ci = target.device.gpu_instance_id, target.device.compute_instance_id
-        names.append(f"gpu{target.gpu.minor}/mig/gi{gi}/access")
-        names.append(f"gpu{target.gpu.minor}/mig/gi{gi}/ci{ci}/access")
+    for mig in selection.migs:
+        gi, ci = mig.gpu_instance_id, mig.compute_instance_id
+        names.append(f"gpu{mig.gpu_minor}/mig/gi{gi}/access")
+        names.append(f"gpu{mig.gpu_minor}/mig/gi{gi}/ci{ci}/access")
     unique = []
     for name in names:
         if name not in unique:

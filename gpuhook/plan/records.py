@@ -63,7 +63,7 @@ class Plan(record("Plan", (
     "nodes mounts symlinks rules proc_mask ldcache notes migs userns proc_in_rootfs health dev_tmpfs"
 ), defaults=((), False, False, None, False))):
     """`gpus` are the GPUs whose node the container gets (whole GPUs and MIG parents);
-    `migs` the MIG devices (request.MigTarget); `userns` whether the container has a user
+    `migs` the MIG devices (gpuhook.discover.types.MigDevice); `userns` whether the container has a user
     namespace (the apply layer then works as the container's root, and binds device nodes);
     `proc_in_rootfs` whether the spec mounts a procfs at /proc, which the apply layer then
     expects to find in the rootfs it joined (docs/security.md, "the right container");
@@ -85,11 +85,9 @@ class Plan(record("Plan", (
             "wants": self.wants,
             "channel": self.channel,
             "capabilities": sorted(self.capabilities),
-            "gpus": [g._asdict() for g in self.gpus],
-            "mig_devices": [{"id": m.label, "uuid": m.device.uuid, "gpu": m.gpu.uuid,
-                             "gpu_instance": m.device.gpu_instance_id,
-                             "compute_instance": m.device.compute_instance_id, "profile": m.device.name}
-                            for m in self.migs],
+            "gpus": [g.identity() for g in self.gpus],
+            "mig_devices": [{"id": m.label, "uuid": m.uuid, "gpu": m.gpu_uuid, "gpu_instance": m.gpu_instance_id,
+                             "compute_instance": m.compute_instance_id, "profile": m.name} for m in self.migs],
             "device_nodes": [dict(n._asdict(), mode=f"{n.mode:04o}") for n in self.nodes],
             "user_namespace": self.userns,
             "proc_in_rootfs": self.proc_in_rootfs,

@@ -16,8 +16,7 @@ def render_text(plan: Plan) -> str:
     lines.append(f"gpus: {gpus}")
     if plan.migs:
         lines.append("mig devices: " + ", ".join(
-            f"{m.label} {m.device.uuid} ({m.device.name}, gi {m.device.gpu_instance_id} ci "
-            f"{m.device.compute_instance_id})" for m in plan.migs))
+            f"{m.label} {m.uuid} ({m.name}, gi {m.gpu_instance_id} ci {m.compute_instance_id})" for m in plan.migs))
     lines.append("device nodes:")
     lines += [f"  {n.path:<28} c {n.major}:{n.minor}  {n.mode:04o} {n.uid}:{n.gid}"
               + (f"  (bind of {n.host_path})" if n.host_path else "") for n in plan.nodes]

@@ -18,17 +18,12 @@ CUDA_UPPER_HINT = ("use an image built for the host's newer CUDA version, or run
 CUDA_EXACT_HINT = "run it on a host whose {key} matches, or use an image built for the host's {key}"
 
 
-class GpuTraits(record("GpuTraits", "label arch brand")):
-    """What arch and brand constraints are checked against for one GPU. `label` names the GPU
-    in messages ("GPU 0 GPU-..."); `arch` is the compute capability ("8.0"), `brand` a token
-    such as "tesla"; None means unknown (and satisfies the constraint)."""
-
-    __slots__ = ()
-
-
 class HostFacts(record("HostFacts", "cuda_version driver_version gpus")):
-    """The host's side of the comparison. `gpus` holds the GPUs the container gets (empty:
-    none); versions are strings ("12.4", "550.54.15") or None when unknown."""
+    """The host's side of the comparison. `gpus` holds the GPUs the container gets
+    (gpuhook.discover.types.Gpu; empty: none), each checked by its `arch` (the compute
+    capability, "8.0") and `brand` ("tesla"), None when unknown (which satisfies the
+    constraint), and named in messages by its `label`; versions are strings ("12.4",
+    "550.54.15") or None when unknown."""
 
     __slots__ = ()
 

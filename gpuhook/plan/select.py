@@ -14,20 +14,11 @@ from gpuhook.request.resolve import ALL, GPUS, RUNTIME_DEVICES, Request
 MAX_INDEX_DIGITS = 9
 
 
-class MigTarget(record("MigTarget", "gpu device")):
-    """A requested MIG device: its parent `gpu` (discover.Gpu) and `device` (gpuhook.discover.inventory.MigEntry)."""
-
-    __slots__ = ()
-
-    @property
-    def label(self) -> str:
-        return f"{self.gpu.index}:{self.device.index}"
-
-
 class Selection(record("Selection", "gpus migs mig_config mig_monitor runtime_grant", defaults=(False,))):
     """What a request resolves to on this host. `gpus` are the GPUs whose device node the
     container gets (whole GPUs and MIG parents, once each, in request order); `migs` the MIG
-    devices; `mig_config` / `mig_monitor` whether the container gets those capabilities;
+    devices (discover.types.MigDevice, their GPU named as the host's /proc names it);
+    `mig_config` / `mig_monitor` whether the container gets those capabilities;
     `runtime_grant` whether the GPUs are the NVIDIA nodes the runtime put in linux.devices
     (their access then stays within the runtime's own rules: gpuhook.plan.make)."""
 
@@ -77,7 +68,7 @@ def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
     elif request.wants == ALL:
         for gpu in gpus:
             if gpu.uuid in migs_by_gpu:
-                migs += [MigTarget(gpu, device) for device in migs_by_gpu[gpu.uuid]]
+                migs += [_of(gpu, device) for device in migs_by_gpu[gpu.uuid]]
             else:
                 whole.append(gpu)
     elif request.wants == GPUS:
@@ -107,9 +98,10 @@ def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
         if not whole and not migs:
             raise RequestError(f"the grant ({request.channel}) names no GPU: nothing to give the container")
     parents = list(whole)
+    by_uuid = {gpu.uuid: gpu for gpu in gpus}
     for target in migs:
-        if target.gpu not in parents:
-            parents.append(target.gpu)
+        if by_uuid[target.gpu_uuid] not in parents:
+            parents.append(by_uuid[target.gpu_uuid])
     config = _capability_gpus(request.mig_config, "NVIDIA_MIG_CONFIG_DEVICES", gpus, parents)
     monitor = _capability_gpus(request.mig_monitor, "NVIDIA_MIG_MONITOR_DEVICES", gpus, parents)
     return Selection(tuple(parents), tuple(migs), config, monitor, runtime and nvidia)
@@ -117,7 +109,7 @@ def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
 
 def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_facts: bool,
                  lenient: bool = False) -> tuple:
-    """([(GPU, MigTarget or None) for each granted node (gpuhook.request.oci.Device)], whether any
+    """([(GPU, MigDevice or None) for each granted node (gpuhook.request.oci.Device)], whether any
     node is the NVIDIA driver's). With `lenient`
     (nodes the runtime put in linux.devices), a node of another driver's major that only
     carries an NVIDIA name is not NVIDIA's and is skipped; from an orchestrator's grant it
@@ -148,7 +140,7 @@ def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_fact
             if device is None:
                 raise RequestError(f"granted MIG node {where} names MIG device {name[:60]}, which NVML does not "
                                    f"report on GPU {gpu.index}")
-            found.append((gpu, MigTarget(gpu, device)))
+            found.append((gpu, _of(gpu, device)))
             continue
         if node.major != majors.get("nvidia") and lenient:
             continue
@@ -166,7 +158,12 @@ def _available(gpus) -> str:
     return ", ".join(f"{g.index} ({g.uuid})" for g in gpus) or "none"
 
 
-def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bool) -> MigTarget:
+def _of(gpu, device):
+    """MIG device `device` of `gpu`, its GPU named by the host's index, UUID and minor."""
+    return device._replace(gpu_index=gpu.index, gpu_uuid=gpu.uuid, gpu_minor=gpu.minor)
+
+
+def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bool):
     if not have_facts:
         raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}) but NVML could not be asked for the "
                            f"MIG layout")
@@ -174,7 +171,7 @@ def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bo
     if ident.upper().startswith("MIG-"):
         for gpu, device in every:
             if device.uuid.lower() == ident.lower():
-                return MigTarget(gpu, device)
+                return _of(gpu, device)
     else:
         parent_id, _, mig_index = ident.partition(":")
         gpu = match_gpu(parent_id, gpus)
@@ -184,7 +181,7 @@ def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bo
                                    f"({gpu.uuid}) is not in MIG mode")
             for device in migs_by_gpu[gpu.uuid]:
                 if device.index == int(mig_index):
-                    return MigTarget(gpu, device)
+                    return _of(gpu, device)
     here = ", ".join(f"{g.index}:{d.index} ({d.uuid})" for g, d in every) or "none"
     raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}) does not exist on this host; "
                        f"MIG devices here: {here}")

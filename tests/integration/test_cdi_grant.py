@@ -19,7 +19,8 @@ from gpuhook.plan import select
 from gpuhook.request import resolve as request_resolve
 from gpuhook.discover.types import Gpu, Inventory
 from gpuhook.errors import HostError, RequestError
-from gpuhook.discover.inventory import GpuFacts, MigEntry, NvmlFacts
+from gpuhook.discover.inventory import NvmlFacts
+from gpuhook.discover.types import MigDevice
 
 from conftest import require_root_tools
 
@@ -187,15 +188,15 @@ def test_a_runtime_node_of_another_driver_is_no_grant():
 
 def test_mig_access_nodes_name_mig_devices():
     minors = {"gpu1/gi2/access": 21, "gpu1/gi2/ci0/access": 22, "config": 1}
-    mig = MigEntry(0, "MIG-1111", 2, 0, "1g.10gb")
-    facts = NvmlFacts("12.4", {g.uuid: GpuFacts(g.uuid, "nvidia", "9.0", g.index == 1, (mig,) if g.index == 1 else ())
-                               for g in GPUS})
+    mig = MigDevice(0, "MIG-1111", 2, 0, "1g.10gb")
+    facts = NvmlFacts("12.4", {g.uuid: g._replace(brand="nvidia", arch="9.0", mig_mode=g.index == 1,
+                                                  mig_devices=(mig,) if g.index == 1 else ()) for g in GPUS})
     devices = [node("/dev/nvidia1", 195, 1), node("/dev/nvidia-caps/nvidia-cap21", 236, 21),
                node("/dev/nvidia-caps/nvidia-cap22", 236, 22)]
     r = resolve(spec(ALL, devices=devices))
     assert driver.needs_mig_layout(r.ids, r.mig_config, r.mig_monitor, r.nodes)
     selection = select.select(r, GPUS, facts, inventory(minors))
-    assert [t.device.uuid for t in selection.migs] == ["MIG-1111"] and [g.index for g in selection.gpus] == [1]
+    assert [m.uuid for m in selection.migs] == ["MIG-1111"] and [g.index for g in selection.gpus] == [1]
 
 
 # --- CDI specs ----------------------------------------------------------------------------

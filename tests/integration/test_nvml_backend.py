@@ -48,7 +48,7 @@ def test_inventory_matches_the_proc_files_and_the_mig_layout(sim, session):
     assert [(g.index, g.uuid, g.minor, g.bus_id) for g in inventory.gpus] == \
            [(g.index, g.uuid, g.minor, g.bus_id) for g in from_proc]
     for gpu in inventory.gpus:
-        assert (gpu.name, gpu.brand, gpu.arch, gpu.lost) == (simhost.DEFAULT_MODEL, "tesla", "9.0", False)
+        assert (gpu.model, gpu.brand, gpu.arch, gpu.lost) == (simhost.DEFAULT_MODEL, "tesla", "9.0", False)
     plain, mig = inventory.gpus[0], inventory.gpus[MIG_GPU]
     assert (plain.mig_mode, plain.mig_mode_pending, plain.mig_devices) == (False, False, ())
     assert (mig.mig_mode, mig.mig_mode_pending) == (True, True)

@@ -12,7 +12,8 @@ from gpuhook.plan import requirements as plan_requirements
 from gpuhook.request import requirements as request_requirements
 from gpuhook.discover import nvml
 from gpuhook.errors import HostError, RequestError, RequirementError
-from gpuhook.plan.requirements import GpuTraits, HostFacts
+from gpuhook.discover.types import Gpu
+from gpuhook.plan.requirements import HostFacts
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
 
@@ -47,7 +48,12 @@ ARM64_12_2 = "cuda>=12.2"
 
 
 def host(driver, cuda, brand="tesla", arch="8.0", gpus=1):
-    return HostFacts(cuda, driver, [GpuTraits(f"GPU {i}", arch, brand) for i in range(gpus)])
+    return HostFacts(cuda, driver, [gpu(i, arch, brand) for i in range(gpus)])
+
+
+def gpu(index: int, arch, brand, uuid=None) -> Gpu:
+    """A GPU as the plan checks it: NVML's arch and brand filled in."""
+    return Gpu(index, uuid or f"GPU-{index}", index, f"0000:{index + 16:02x}:00.0", "NVIDIA H100", brand=brand, arch=arch)
 
 
 # (image, host, passes?) -- where it fails, the message must name cuda>=X and the host's CUDA.
@@ -161,9 +167,8 @@ def test_a_condition_inside_an_alternative_is_named_with_its_alternative():
 
 
 def test_arch_and_brand_must_hold_for_every_gpu_the_container_gets():
-    facts = HostFacts("12.4", "550.54.15", [GpuTraits("GPU 0 (GPU-a)", "9.0", "nvidia"),
-                                            GpuTraits("GPU 1 (GPU-b)", "8.0", "nvidia")])
-    with pytest.raises(RequirementError, match=r"arch>=9.0 is false, the host has arch 8.0 on GPU 1 \(GPU-b\)"):
+    facts = HostFacts("12.4", "550.54.15", [gpu(0, "9.0", "nvidia", "GPU-a"), gpu(1, "8.0", "nvidia", "GPU-b")])
+    with pytest.raises(RequirementError, match=r"arch>=9.0 is false, the host has arch 8.0 on GPU 1 GPU-b"):
         plan_requirements.evaluate({"NVIDIA_REQUIRE_ARCH": "arch>=9.0"}, facts)
     plan_requirements.evaluate({"NVIDIA_REQUIRE_ARCH": "arch>=8.0"}, facts)
 
@@ -275,8 +280,7 @@ def facts_from_nvml(library: str) -> HostFacts:
     """What the hook will do: NVML inventory -> requirement facts for the selected GPUs."""
     with nvml.Session(library) as session:
         inventory = session.inventory()
-    return HostFacts(inventory.cuda_version, inventory.driver_version,
-                     [GpuTraits(f"GPU {g.index} ({g.uuid})", g.arch, g.brand) for g in inventory.gpus])
+    return HostFacts(inventory.cuda_version, inventory.driver_version, list(inventory.gpus))
 
 
 @pytest.mark.parametrize("driver,cuda,brand,image,passes", [
@@ -304,7 +308,7 @@ def test_requirements_against_simulated_hosts(sim, tmp_path, monkeypatch, driver
         with pytest.raises(RequirementError) as err:
             plan_requirements.evaluate(env, facts)
         assert f"{image.split()[0]} is false, the host has cuda {cuda}" in err.value.message
-        assert f"GPU 0 ({sim['gpus'][0]['uuid']}): brand {brand}, arch 9.0" in err.value.message
+        assert f"GPU 0 {sim['gpus'][0]['uuid']}: brand {brand}, arch 9.0" in err.value.message
 
 
 @pytest.mark.parametrize("constraint,hint", [
@@ -340,7 +344,7 @@ def test_the_largest_accepted_requirement_is_checked_against_many_gpus_quickly()
     evaluated once, so the time is that of one pass."""
     text = "cuda>=99.0 " * (request_requirements.MAX_ALTERNATIVES - 1) + "cuda>=1.0"
     (requirement,) = request_requirements.collect({"NVIDIA_REQUIRE_CUDA": text})
-    host = HostFacts("12.4", "550.54.15", [GpuTraits(f"GPU {i}", "9.0", "tesla") for i in range(16)])
+    host = HostFacts("12.4", "550.54.15", [gpu(i, "9.0", "tesla") for i in range(16)])
     calls = []
     original = plan_requirements._failures
     plan_requirements._failures = lambda *args: calls.append(1) or original(*args)
