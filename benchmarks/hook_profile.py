@@ -227,7 +227,7 @@ def main() -> None:
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.hooks", lambda m: (
         patch(m, "before_start", "health.before_start (stamps, daemon or own checks)"),
         patch(m, "register_container", "health.register_container"))))
-    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.grants", lambda m: patch(m, "record", "grants.record (cgroup v1)")))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.grants", lambda m: patch(m, "save", "grants.save (cgroup v1)")))
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.daemon", lambda m: patch(m, "ask", "health.daemon.ask")))
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.store", lambda m: patch(m, "claim_stamp",
                                                                                    "health.store.claim_stamp")))

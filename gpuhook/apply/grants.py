@@ -57,7 +57,7 @@ class Grant:
         return procstat.is_alive(self.pid, self.start_time)
 
 
-def record(state_dir: str, container_id: str, pid: int, directory: str, planned, added) -> str:
+def save(state_dir: str, container_id: str, pid: int, directory: str, planned, added) -> str:
     """Record a v1 grant made for the container whose init is `pid`; returns the entry's path.
     Raises OSError (or LookupError when the init cannot be read)."""
     stat = procstat.read_stat(pid)

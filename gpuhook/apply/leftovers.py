@@ -36,10 +36,10 @@ def directory(state_dir: str) -> str:
     return f"{state_dir}/{DIRECTORY}"
 
 
-def settle(worker, rootfs: str, container_id: str, state_dir: str, record: dict) -> str:
+def settle(worker, rootfs: str, container_id: str, state_dir: str, log: dict) -> str:
     """After a worker was killed before it undid its work: take back what it left in the
     rootfs now (it is gone), or record it for `reap` (it is stuck). Notes the outcome in
-    `record` (the hook's log record) and returns a short text for the error's hint."""
+    `log` (the hook's log line) and returns a short text for the error's hint."""
     entries, overflowed = worker.journal()
     if worker.stuck:
         stat_ = procstat.read_stat(worker.pid)
@@ -52,24 +52,24 @@ def settle(worker, rootfs: str, container_id: str, state_dir: str, record: dict)
             saved = f"recorded in {where} for the reaper (poststop, or the next start on this rootfs)"
         except (OSError, TypeError, ValueError) as err:
             saved = f"not recorded ({err}): remove it by hand once the worker is gone"
-        record["left_behind"] = {"worker": worker.pid, "why": "stuck in the kernel after SIGKILL (a filesystem "
+        log["left_behind"] = {"worker": worker.pid, "why": "stuck in the kernel after SIGKILL (a filesystem "
                                  "that does not answer); it ends when that call returns", "step": worker.step(),
                                  "made": [_shown(e) for e in entries], "journal_full": overflowed, "reaper": saved}
         return f"the namespace worker (pid {worker.pid}) is stuck in the kernel; what it left is in gpuhook's log"
     problems = take_back(rootfs, entries)
-    record["left_behind"] = {"killed worker": worker.pid, "taken back": [_shown(e) for e in entries],
+    log["left_behind"] = {"killed worker": worker.pid, "taken back": [_shown(e) for e in entries],
                              "problems": problems, "journal_full": overflowed}
     if problems or overflowed:
         return "the killed namespace worker left files behind: see gpuhook's log"
     return ""
 
 
-def reap(state_dir: str, record: dict, container_id: str | None = None, rootfs: str | None = None) -> None:
+def reap(state_dir: str, log: dict, container_id: str | None = None, rootfs: str | None = None) -> None:
     """Take back the leftovers recorded for `container_id`, or for the rootfs `rootfs`, whose
     worker is gone. A record whose worker is still stuck stays; for `rootfs` (a start about to
     use it) that refuses the start: HostError. A record whose worker is gone and whose rootfs
     is gone too (a snapshot the runtime removed) is dropped: nothing is left to take back.
-    Notes what it did in `record`."""
+    Notes what it did in `log`."""
     where = directory(state_dir)
     try:
         names = sorted(os.listdir(where))[:MAX_RECORDS]
@@ -93,7 +93,7 @@ def reap(state_dir: str, record: dict, container_id: str | None = None, rootfs: 
                                 f"namespace worker (pid {pid}) stuck in the kernel; its leftovers are recorded in "
                                 f"{path} and taken back once it is gone")
             if ours:
-                record.setdefault("leftovers", []).append(f"{name}: worker {pid} still stuck; kept")
+                log.setdefault("leftovers", []).append(f"{name}: worker {pid} still stuck; kept")
             continue
         there = isinstance(left.get("rootfs"), str) and _identity(left["rootfs"]) == left.get("rootfs_identity")
         if not ours and there:
@@ -103,7 +103,7 @@ def reap(state_dir: str, record: dict, container_id: str | None = None, rootfs: 
             os.unlink(path)
         except OSError as err:
             problems.append(f"cannot remove the record: {err.strerror}")
-        record.setdefault("leftovers", []).append(
+        log.setdefault("leftovers", []).append(
             {"container": left.get("container"), "taken back": [_shown(e) for e in left["entries"]] if there else [],
              "rootfs": "there" if there else "gone", "problems": problems})
 

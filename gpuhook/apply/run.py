@@ -111,7 +111,7 @@ def _no_device_files(params: bytes) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
-def run(plan, state, config, deadline: float, names: dict, record: dict) -> Applied:
+def run(plan, state, config, deadline: float, names: dict, log: dict) -> Applied:
     """Carry out the whole plan: the container's devices and files and the cgroup grant
     (`begin`), the health step (check and repair the GPUs) while the worker works, then,
     once both are fine, commit (`Pending.finish`). What poststop needs is recorded on the
@@ -120,7 +120,7 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
     v1 grant record (gpuhook.apply.grants) after it. A failed health step undoes the rest: the
     container never gets a GPU that failed its check. A worker that had to be killed before
     it undid its work leaves what its journal says: gpuhook.apply.leftovers takes it back (or
-    records it). `record` (the hook's log record) receives the decisions; nothing is read
+    records it). `log` (the hook's log line) receives the decisions; nothing is read
     from it."""
     if plan.empty:
         return Applied("", [], [], 0)
@@ -135,9 +135,9 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
 
             try:
                 # Cut off early enough that undoing the rest still fits in the hook's time.
-                health.before_start(plan, state, config, deadline - CLEANUP_MARGIN, record)
+                health.before_start(plan, state, config, deadline - CLEANUP_MARGIN, log)
                 # Registered while the worker still works; taken back if the start fails.
-                entry = health.register_container(plan, state, config, names, record)
+                entry = health.register_container(plan, state, config, names, log)
             except BaseException as err:
                 pending.abort(deadline, err)
                 raise
@@ -145,13 +145,13 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
             outcome = pending.finish(deadline)
         except BaseException:
             if health is not None:
-                health.unregister(config, entry, record)
+                health.unregister(config, entry, log)
             raise
         # The grant record is written while the committed worker closes its files and exits.
         if outcome.cgroup_mode == hierarchy.V1 and plan.rules:
-            _record_grant(plan, state, config, outcome, record)
+            _record_grant(plan, state, config, outcome, log)
     except BaseException as err:
-        _settle_worker(pending.close(), plan, config, record, err)
+        _settle_worker(pending.close(), plan, config, log, err)
         raise
     worker = pending.close()
     if worker is not None:
@@ -159,7 +159,7 @@ def run(plan, state, config, deadline: float, names: dict, record: dict) -> Appl
     return outcome
 
 
-def _settle_worker(worker, plan, config, record: dict, err: BaseException) -> None:
+def _settle_worker(worker, plan, config, log: dict, err: BaseException) -> None:
     """After a failed start: what the worker reported leaving stuck goes to the log, and a
     worker killed before it undid its work has its leftovers taken back or recorded
     (gpuhook.apply.leftovers); the error's hint says so in a few words."""
@@ -168,11 +168,11 @@ def _settle_worker(worker, plan, config, record: dict, err: BaseException) -> No
     worker.settling = True  # the hook's backstop leaves it to this thread
     try:
         if worker.left:
-            record["left_behind_processes"] = worker.left
+            log["left_behind_processes"] = worker.left
         if worker.unsettled:
             from gpuhook.apply import leftovers
 
-            note = leftovers.settle(worker, plan.rootfs, plan.container_id, config.state_dir, record)
+            note = leftovers.settle(worker, plan.rootfs, plan.container_id, config.state_dir, log)
             if note and isinstance(err, GpuhookError):
                 err.hint = "; ".join(filter(None, [err.hint, note]))
     finally:
@@ -180,17 +180,17 @@ def _settle_worker(worker, plan, config, record: dict, err: BaseException) -> No
         worker.settling = False
 
 
-def _record_grant(plan, state, config, outcome, record: dict) -> None:
+def _record_grant(plan, state, config, outcome, log: dict) -> None:
     """Remember a cgroup v1 grant, so poststop can take it back from a cgroup that outlives
     the container (gpuhook.apply.grants). Best effort, like the health registry: the log says
     when it failed."""
     from gpuhook.apply import grants
 
     try:
-        grants.record(config.state_dir, state.id, plan.pid, outcome.cgroup_directory, plan.rules,
+        grants.save(config.state_dir, state.id, plan.pid, outcome.cgroup_directory, plan.rules,
                       outcome.rules_added)
     except (OSError, LookupError) as err:
-        record["grant_record"] = f"not recorded: {err}"
+        log["grant_record"] = f"not recorded: {err}"
 
 
 def begin(plan, deadline: float, pending: "Pending") -> "Pending":

@@ -59,7 +59,7 @@ def served_by(state_dir: str, container_id: str, pid: int, proc: str = "/proc") 
     return str(doc.get("stage"))
 
 
-def record(state_dir: str, container_id: str, pid: int, stage: str, proc: str = "/proc") -> None:
+def save(state_dir: str, container_id: str, pid: int, stage: str, proc: str = "/proc") -> None:
     """Remember that `stage` served this start (best effort; raises nothing)."""
     start = start_of(pid, proc)
     if start is None:

@@ -588,10 +588,10 @@ def _deadline(config, deadline_seconds) -> float:
 
 
 def _log(config, stage: str, report: Report | None, **extra) -> None:
-    record = {"stage": stage, **extra}
+    log = {"stage": stage, **extra}
     if report is not None:
-        record["health"] = report.as_dict()
-    journal.write(config.log_file, record, config.log_target, config.syslog_socket)
+        log["health"] = report.as_dict()
+    journal.write(config.log_file, log, config.log_target, config.syslog_socket)
 
 
 def check(uuids, config, repair: bool = False, deadline_seconds: float | None = None) -> Report:

@@ -234,7 +234,7 @@ def _shared(cgroups: dict, pid: int, mounts) -> bool:
     return False
 
 
-def record(state_dir: str, container: Container) -> None:
+def add(state_dir: str, container: Container) -> None:
     """Write (or replace) the entry of `container`. Raises OSError."""
     store.write_json(entry_path(state_dir, container), container.as_dict())
 

@@ -154,7 +154,7 @@ class FakeContainer:
     def register(self, state_dir, *gpus) -> registry.Container:
         entry = registry.from_process(self.id, self.init, gpus)
         assert entry.cgroups, "the test cgroup must be the container's own"
-        registry.record(state_dir, entry)
+        registry.add(state_dir, entry)
         return entry
 
     def stop_init(self) -> None:
@@ -928,7 +928,7 @@ def test_a_cgroup_that_held_other_processes_is_never_the_containers(config, sim,
     daemon = shared.spawn("sleep", "600")  # there before the container registers
     entry = registry.from_process(shared.id, shared.init, [gpu(sim, 0)])
     assert entry.cgroups == {}
-    registry.record(config.state_dir, entry)
+    registry.add(config.state_dir, entry)
     simnvml.add_process(nvml_state, 0, pid=daemon, used_memory=GIB)
     shared.stop_init()
     record = {}

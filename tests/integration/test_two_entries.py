@@ -65,6 +65,6 @@ def test_records_of_stopped_starts_are_pruned_once_there_are_many(tmp_path):
     for i in range(served.PRUNE_ABOVE + 1):  # gone inits (pid 0 is none), marked stopped
         statefiles.write_atomic(f"{state}/served/old{i}@0-{i}.json", {"id": f"old{i}", "pid": 0, "start_time": i,
                                                                   "boot_id": files.boot_id(), "stopped": True})
-    served.record(state, "live", os.getpid(), "prestart")
+    served.save(state, "live", os.getpid(), "prestart")
     assert os.listdir(f"{state}/served") == [f"live@{os.getpid()}-{me.start_time}.json"]
     assert served.served_by(state, "live", os.getpid()) == "prestart"
