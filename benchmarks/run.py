@@ -35,7 +35,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-for path in (REPO, HERE):
+# The repository for gpuhook, tests/ for the runc harness (tests/helpers/testbed.py).
+for path in (os.path.join(REPO, "tests"), REPO, HERE):
     if path not in sys.path:
         sys.path.insert(0, path)
 
@@ -252,10 +253,11 @@ def need_root_tools(*tools):
 
 
 class Runc:
-    """Times `runc run` of bundles made by gpuhook.simulate.runner (busybox rootfs, runc's spec)."""
+    """Times `runc run` of bundles made by the tests' harness (tests/helpers/testbed.py: busybox
+    rootfs, runc's spec)."""
 
     def __init__(self, workdir: str):
-        from gpuhook.simulate import runner as testbed
+        from helpers import testbed
 
         self.testbed = testbed
         try:

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 from gpuhook.simulate import host as simhost
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -23,7 +23,7 @@ import pytest
 
 from gpuhook import config as cfg
 from gpuhook.discover import nvml
-from gpuhook.simulate import runner
+from helpers import testbed as runner
 
 import target
 

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 from gpuhook.apply.cgroup import bpf, systemd, v2
 from gpuhook.devrules import program
 from gpuhook.devrules.devices import DeviceRule, parse_v1_line

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import GpuContainers, require, require_root_tools
 from gpuhook.simulate import host as simhost
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 
 ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
 # What the simulated nvidia-smi prints first when it runs (gpuhook/simulate/csrc/tool.c).

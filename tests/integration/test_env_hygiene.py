@@ -101,7 +101,7 @@ def test_runtime_environment_python_variables_are_ignored_without_hook_env(gpus,
     original_run = bed.run
 
     def run_with_runtime_env(bundle, container_id, timeout=60, runc_args=()):
-        import gpuhook.simulate.runner as tb
+        from helpers import testbed as tb
 
         saved = dict(tb.RUN_ENV)
         tb.RUN_ENV.update(python_vars)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 from gpuhook.apply.cgroup import hierarchy
 
 from conftest import GpuContainers, require_root_tools, run_hook_process

@@ -234,7 +234,7 @@ def stop_daemon(served) -> None:
 
 def test_a_stop_that_needs_nvml_is_done_by_the_daemon_and_loads_none_itself(bed, slow_sim, probe, tmp_path):
     from gpuhook.simulate import nvml as simnvml
-    from gpuhook.simulate import runner as testbed
+    from helpers import testbed
 
     gpus = GpuContainers(bed, slow_sim, probe, tmp_path)
     gpus.configure(health={"reset-on-release": True})

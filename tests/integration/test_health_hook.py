@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 from gpuhook.kernel import mountinfo
 from gpuhook.health import registry, store
 from gpuhook.simulate import host as simhost

@@ -287,7 +287,7 @@ def test_prestart_refuses_ids_it_never_advertised_before_any_work(quiet_cluster,
 def test_a_prestart_stamp_serves_only_the_allocation_it_was_made_for(quiet_cluster, bed, probe, tmp_path):
     """kubelet's PreStartContainer names devices, not the container; a container that then
     never starts must not lend its stamp to another start on that GPU."""
-    from gpuhook.simulate import runner
+    from helpers import testbed as runner
 
     sim, (pb, stub, channel) = quiet_cluster["sim"], quiet_cluster["kubelet"].plugin()
     gpu = sim["gpus"][1]["uuid"]
@@ -419,7 +419,7 @@ def test_allocate_is_honoured_by_a_real_runc_start_granting_exactly_that_gpu(clu
 
     # What kubelet and the runtime make of it: the mounts in the container's spec; the image
     # says NVIDIA_VISIBLE_DEVICES=all, as every CUDA image does.
-    from gpuhook.simulate import runner
+    from helpers import testbed as runner
 
     mounts = [{"destination": m.container_path, "source": m.host_path, "type": "bind",
                "options": ["rbind", "ro"]} for m in container.mounts]

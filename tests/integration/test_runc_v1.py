@@ -11,7 +11,7 @@ import pytest
 
 from conftest import LIBDIR, host_mounts, sim_config_values, write_config
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 
 pytestmark = pytest.mark.root
 

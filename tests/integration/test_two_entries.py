@@ -10,7 +10,7 @@ from helpers.runtimes import gpu_nodes, log_records, registered
 
 from gpuhook.apply import statefiles
 from gpuhook.kernel import files
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 
 pytestmark = pytest.mark.root
 

@@ -64,13 +64,14 @@ OWN = {
     "gpuhook.simulate.host": "builds a simulated GPU host in a directory given to it",
     "gpuhook.simulate.nvml": "the simulated NVML's state file",
     "gpuhook.cli.democmd": "the demo's work directory",
+    "gpuhook.simulate.demo": "the demo's busybox rootfs and bundle, in the demo's work directory",
 }
 ALLOWED = {**APPLY, **OWN}
 
 # Findings the restructure has not removed yet, each removed with the commit that fixes it;
 # the tests fail when one is fixed but still listed, so these lists only shrink.
 KNOWN_IMPORTS: set = set()
-KNOWN_WRITERS = {"gpuhook.simulate.runner"}
+KNOWN_WRITERS: set = set()
 
 
 def within(name: str, modules) -> bool:
