@@ -9,12 +9,12 @@ plain directory, inside `unshare -m` so nothing reaches the host's mount table.
 import json
 import subprocess
 import sys
-
 import pytest
-
 from conftest import REPO, host_mounts, require_root_tools
 
+
 pytestmark = pytest.mark.root
+
 
 SCRIPT = r"""
 import json, os, sys, time
@@ -73,10 +73,3 @@ def test_proc_driver_nvidia_is_masked_read_only_with_only_the_containers_gpus(tm
     assert out["write"] == "Read-only file system"
     assert host_mounts() == before
     assert (fake / "params").read_text() == "ModifyDeviceFiles: 1\n"  # the real tree is untouched
-
-
-def test_params_rewrite_adds_the_line_when_missing():
-    from gpuhook.apply.run import _no_device_files
-
-    assert _no_device_files(b"A: 1\nModifyDeviceFiles: 1\n") == b"A: 1\nModifyDeviceFiles: 0\n"
-    assert _no_device_files(b"A: 1\n") == b"A: 1\nModifyDeviceFiles: 0\n"

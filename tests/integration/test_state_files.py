@@ -4,41 +4,17 @@ been written by someone else."""
 
 import os
 import stat
-
 import pytest
-
 from conftest import require_root_tools
-
 from gpuhook.apply import statefiles
 from gpuhook.kernel import files
 from gpuhook import config as cfg
 
+
 pytestmark = pytest.mark.root
+
+
 NOBODY = 65534
-
-
-@pytest.fixture
-def umask_zero():
-    old = os.umask(0)  # what a runtime started with umask 0 hands the hook
-    yield
-    os.umask(old)
-
-
-def test_state_files_and_their_directories_are_private_under_a_umask_of_0(tmp_path, umask_zero):
-    path = tmp_path / "run" / "gpuhook" / "health" / "report.json"
-    statefiles.write_atomic(str(path), {"a": 1})
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    for parent in (tmp_path / "run", tmp_path / "run" / "gpuhook"):
-        assert stat.S_IMODE(parent.stat().st_mode) == 0o755  # made 0755, not 0777
-
-
-def test_health_reports_and_registry_entries_are_readable_by_root_only(tmp_path, umask_zero):
-    from gpuhook.health import store
-
-    path = tmp_path / "state" / "health" / "x.json"
-    store.write_json(str(path), {"pod": "secret-pod"})
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
 
 
 def test_a_state_file_someone_else_could_have_written_is_ignored(tmp_path):
@@ -120,8 +96,6 @@ def test_a_cache_entry_is_used_only_under_the_state_dir_it_was_parsed_for(tmp_pa
     planted["data"]["state-dir"] = f"{tmp_path}/a"
     statefiles.write_atomic(cfg.cache_path(f"{tmp_path}/a", str(config_file)), planted)
     assert cfg.load(str(config_file)).log_file == f"{tmp_path}/planted.log"
-
-
 
 
 def test_a_gpu_start_writes_the_caches_a_start_without_gpus_writes_none(gpus):

@@ -79,15 +79,21 @@ def within(name: str, modules) -> bool:
     return any(name == m or name.startswith(m + ".") for m in modules)
 
 
-def modules():
-    for directory, dirs, files in os.walk(PACKAGE):
-        dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "_vendor", "generated"))
-        for name in sorted(files):
-            if name.endswith(".py"):
-                path = os.path.join(directory, name)
-                dotted = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
-                with open(path, "rb") as f:
-                    yield dotted, path, ast.parse(f.read(), path)
+_PARSED: list = []
+
+
+def modules() -> list:
+    """(dotted name, path, ast) of every module of the package, parsed once per run."""
+    if not _PARSED:
+        for directory, dirs, files in os.walk(PACKAGE):
+            dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "_vendor", "generated"))
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(directory, name)
+                    dotted = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                    with open(path, "rb") as f:
+                        _PARSED.append((dotted, path, ast.parse(f.read(), path)))
+    return _PARSED
 
 
 def stage_of(module: str):
