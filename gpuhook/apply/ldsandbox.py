@@ -25,7 +25,7 @@ they are forbidden:
    and open files, under the hook's wall-clock deadline; a process that does not end after
    its SIGKILL (stuck in the kernel) is not waited for, but reported (`SandboxError.left`);
 5. the cache it built is read from the tmpfs by fd, checked, and handed back; the caller
-   installs it into the rootfs by directory fd (safepath.replace_file). ldconfig's output is returned for gpuhook's
+   installs it into the rootfs by directory fd (gpuhook.apply.rootfs.replace_file). ldconfig's output is returned for gpuhook's
    log, never for the container's user.
 """
 

@@ -94,7 +94,7 @@ class Order(record("Order", "pid rootfs userns proc_in_rootfs dev_tmpfs nodes mo
 class Journal:
     """What the worker made and has not undone, in memory shared with the hook (after the
     progress page): the hook can read it whatever became of the worker. The worker appends
-    (`add`, from safepath.Changes), marks undone (`undone`) and clears it when it keeps its
+    (`add`, from gpuhook.apply.rootfs.Changes), marks undone (`undone`) and clears it when it keeps its
     work (`clear`); the hook reads it (`entries`). Records: status byte (MADE or UNDONE), a
     length, then [kind, container path, name, extra, st_dev, st_ino, st_ctime_ns] as JSON."""
 

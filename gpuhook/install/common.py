@@ -384,7 +384,7 @@ def _copy_atomic(source: str, target: str) -> None:
 
 
 def _replace(path: str, data: bytes, like=None, mode: int | None = None) -> None:
-    """Replace `path` with `data` through its directory's fd (safepath.replace_file), with
+    """Replace `path` with `data` through its directory's fd (gpuhook.apply.rootfs.replace_file), with
     the mode and owner of `like`, else of the file it replaces, else 0644 root. A link
     planted in a user-owned directory is never followed, and a FIFO or device is refused."""
     from gpuhook.apply import rootfs, statefiles
