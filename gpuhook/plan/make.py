@@ -10,7 +10,6 @@ gpuhook.apply.run turns it into system calls (docs/architecture.md).
 from gpuhook.devrules.devices import char_device
 from gpuhook.driver import CONTROL_NODES, LIBRARY_CAPABILITIES
 from gpuhook.errors import HostError
-from gpuhook.plan import requirements as reqs
 from gpuhook.plan import select
 from gpuhook.plan.records import BindMount, DeviceNode, HealthStep, LdCacheUpdate, Plan, ProcMask, Symlink  # noqa: F401 (re-exported)
 from gpuhook.request import resolve
@@ -43,6 +42,8 @@ def make_plan(state, spec, request, host, config) -> Plan:
     inventory = host.inventory
     selection = select.select(request, inventory.gpus, host.facts, inventory)
     if request.requirements:
+        from gpuhook.plan import requirements as reqs  # only an image with NVIDIA_REQUIRE_* needs it
+
         facts = requirement_facts(inventory, host.facts, selection)
         for requirement in request.requirements:
             reqs.check(requirement, facts)
@@ -245,14 +246,16 @@ def runtime_dev_tmpfs(mounts) -> bool:
     return last is not None and last.type == "tmpfs" and not {"bind", "rbind"} & set(last.options)
 
 
-def requirement_facts(inventory, facts, selection) -> "reqs.HostFacts":
+def requirement_facts(inventory, facts, selection):
     """What NVIDIA_REQUIRE_* constraints are checked against: the CUDA and driver versions
     and, per GPU the container gets, its compute capability and brand."""
     gpus = []
     for gpu in selection.gpus:
         known = facts.gpus.get(gpu.uuid) if facts else None
         gpus.append(gpu._replace(arch=known.arch, brand=known.brand) if known else gpu)
-    return reqs.HostFacts(facts.cuda_version if facts else None, inventory.driver_version, gpus)
+    from gpuhook.plan.requirements import HostFacts
+
+    return HostFacts(facts.cuda_version if facts else None, inventory.driver_version, gpus)
 
 
 def _mig_capabilities(selection, inventory) -> list:

@@ -8,7 +8,6 @@ not the planner's. `encode_order` packs them, as plain tuples, for the pipe to t
 """
 
 from gpuhook.record import record
-from gpuhook.request import resolve as req
 
 
 class DeviceNode(record("DeviceNode", "path major minor mode uid gid host_path", defaults=(None,))):
@@ -75,7 +74,11 @@ class Plan(record("Plan", (
 
     @property
     def empty(self) -> bool:
-        return self.wants == req.NOTHING
+        # Imported here: the namespace worker loads this module for the records it carries
+        # out, and must not load the request stage with it (its start-up runs on every start).
+        from gpuhook.request.resolve import NOTHING
+
+        return self.wants == NOTHING
 
     def as_dict(self) -> dict:
         return {
