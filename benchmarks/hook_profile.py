@@ -11,7 +11,7 @@ container's mount namespace, where the path would not resolve). In the worker, e
 takes (every device node, bind mount, symlink, the /proc mask, ldconfig) gets its own record
 named "step: <the worker's name of the step>", e.g. "step: mount /usr/bin/nvidia-smi", and the
 mount system calls (open_tree, mount_setattr, move_mount, mount) are timed; "worker start-up"
-runs from the fork to gpuhook.nsworker loaded.
+runs from the fork to gpuhook.apply.nsworker loaded.
 
 With --fast-exit the process ends with os._exit after flushing stdio instead of the normal
 interpreter finalization; run.py times both side by side to measure what teardown costs.
@@ -60,12 +60,22 @@ def timed(name: str, fn):
     return wrapper
 
 
+class MissingName(SystemExit):
+    """A function this profiler times is no longer where it looks: the product moved or
+    renamed it. The hook fails (so does `run.py --breakdown`) with one line naming it,
+    rather than leaving a phase out of the table unnoticed."""
+
+
 def patch(module, attribute: str, name: str) -> None:
-    """Wrap module.attribute; a name the product no longer has is skipped (the hook must
-    run whatever gpuhook's internals are called today; the phase is just not shown)."""
+    """Wrap module.attribute. A name the product no longer has is an error (MissingName):
+    re-point it here when gpuhook's internals move."""
     original = getattr(module, attribute, None)
-    if callable(original):
-        setattr(module, attribute, timed(name, original))
+    if not callable(original):
+        where = getattr(module, "__module__", None) or getattr(module, "__name__", repr(module))
+        owner = f"{where}.{module.__qualname__}" if isinstance(module, type) else where
+        raise MissingName(f"benchmarks/hook_profile.py: {owner}.{attribute} does not exist (phase {name!r}); "
+                          "re-point the profiler at where it lives now")
+    setattr(module, attribute, timed(name, original))
 
 
 class PatchOnImport:
@@ -104,33 +114,44 @@ class PatchOnImport:
 STEP = "step: "
 
 
-def patch_steps(work_class) -> None:
-    """Time each step the worker takes (_Work.steps yields (name, action) pairs), one record
+def patch_steps(nsworker) -> None:
+    """Time each step the worker takes (nsworker.steps yields (name, action) pairs), one record
     per step, named by the step: "device node /dev/nvidia0", "mount /usr/bin/nvidia-smi"."""
-    original = getattr(work_class, "steps", None)
+    original = getattr(nsworker, "steps", None)
     if not callable(original):
-        return
+        raise MissingName("benchmarks/hook_profile.py: gpuhook.apply.nsworker.steps does not exist; "
+                          "re-point the per-step timers")
 
-    def steps(self, *args, **kwargs):
-        for name, action in original(self, *args, **kwargs):
+    def steps(*args, **kwargs):
+        for name, action in original(*args, **kwargs):
             yield name, timed(STEP + name, action)
-    work_class.steps = steps
+    nsworker.steps = steps
 
 
 def patch_worker(nsworker) -> None:
-    from gpuhook import linux, safepath
+    from gpuhook.apply import rootfs
+    from gpuhook.kernel import linux
 
     # The worker's start-up: from the fork to its module loaded, ready for the order.
-    emit("worker start-up (fork to gpuhook.nsworker loaded)", 1, READY_AT[0], time.perf_counter_ns())
-    patch(nsworker, "_read_exactly", "nsworker._read_exactly (waiting for the order)")
+    emit("worker start-up (fork to gpuhook.apply.nsworker loaded)", 1, READY_AT[0], time.perf_counter_ns())
+    patch(nsworker, "read_exactly", "nsworker.read_exactly (waiting for the order)")
     patch(nsworker, "run", "nsworker.run (in the container's mount ns)")
-    for method in ("open_sources", "check_rootfs", "node", "bind", "symlink", "mask_proc", "ldconfig"):
-        patch(nsworker._Work, method, f"_Work.{method}")
-    for method in ("refuse_shared", "_new_mount_point", "_attach", "_bind_and_remount"):
-        patch(nsworker._Work, method, f"_Work.{method}")
-    patch_steps(nsworker._Work)
-    patch(safepath, "make_dirs", "safepath.make_dirs")
-    patch(safepath, "ensure_file", "safepath.ensure_file")
+    from gpuhook.apply import mounts, nodes, procmask, target
+
+    for method in ("open_sources", "check_rootfs", "refuse_shared"):
+        patch(target.Target, method, f"Target.{method}")
+    patch(nodes, "make_node", "nodes.make_node")
+    patch(mounts, "bind", "mounts.bind")
+    patch(nodes, "make_symlink", "nodes.make_symlink")
+    patch(procmask, "mask_proc", "procmask.mask_proc")
+    for name in ("_new_mount_point", "_attach", "_bind_and_remount"):
+        patch(mounts, name, f"mounts.{name}")
+    # The ld cache steps' module is imported only for an image with an ld cache.
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.ldconfig", lambda m: patch(
+        m, "build_cache", "ldconfig.build_cache")))
+    patch_steps(nsworker)
+    patch(rootfs, "make_dirs", "rootfs.make_dirs")
+    patch(rootfs, "ensure_file", "rootfs.ensure_file")
     for name in ("mount", "setns", "open_tree_clone", "mount_setattr", "move_mount"):
         patch(linux, name, f"linux.{name}")
 
@@ -145,34 +166,40 @@ def main() -> None:
     emit("import gpuhook.hook (config, oci, request, discover, inventory, plan, journal, fastjson, ...)",
          1, start, time.perf_counter_ns())
     start = time.perf_counter_ns()
-    from gpuhook import apply
-    emit("import gpuhook.apply (workerproc, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
-    from gpuhook import cache, config, discover, inventory, journal, oci, request
-    from gpuhook.cgroup import hierarchy
+    from gpuhook.apply import run as apply
+    emit("import gpuhook.apply.run (worker, order, cgroup.hierarchy, ...)", 1, start, time.perf_counter_ns())
+    from gpuhook import config, journal
+    from gpuhook.apply import statefiles
+    from gpuhook.apply.cgroup import hierarchy
+    from gpuhook.discover import inventory
+    from gpuhook.kernel import files
+    from gpuhook.plan import select
+    from gpuhook.request import oci, resolve
 
     patch(entry, "run_stage", "entry.run_stage (stdin, config.json, prescan, hook)")
     patch(prescan, "may_request_gpu", "prescan.may_request_gpu")
     patch(hook, "run_hook", "hook.run_hook")
     patch(config, "load", "config.load (cached TOML)")
-    patch(cache, "read", "cache.read (fastjson)")
+    patch(files, "read", "files.read (fastjson)")
     patch(hook, "read_container", "hook.read_container")
     patch(oci, "parse_state", "oci.parse_state")
     patch(oci, "parse_spec", "oci.parse_spec")
     patch(hook, "prestart", "hook.prestart")
     patch(hook, "plan_start", "hook.plan_start")
-    patch(request, "resolve", "request.resolve")
-    from gpuhook import survey
+    patch(resolve, "resolve", "resolve.resolve")
+    from gpuhook.discover import survey
 
     patch(survey, "survey", "survey.survey (discovery)")
     patch(inventory, "read", "inventory.read (cached)")
-    patch(discover, "driver_version", "discover.driver_version")
+    # Timed where they are called: inventory and survey import these functions by name.
+    patch(inventory, "driver_version", "proc.driver_version")
     patch(inventory, "fingerprint", "inventory.fingerprint")
-    patch(discover, "inventory_from_dict", "discover.inventory_from_dict")
-    patch(discover, "ipc", "discover.ipc")
-    patch(request, "select", "request.select")
-    patch(discover, "container_facts", "discover.container_facts")
+    patch(inventory, "inventory_from_dict", "inventory.inventory_from_dict")
+    patch(inventory, "ipc", "driverfiles.ipc")
+    patch(select, "select", "select.select")
+    patch(survey, "container_facts", "container.container_facts")
     patch(hook, "make_plan", "plan.make_plan")
-    patch(survey, "write_caches", "survey.write_caches")
+    patch(statefiles, "write_caches", "statefiles.write_caches")
     patch(apply, "run", "apply.run (health, apply, records)")
     patch(apply, "begin", "apply.begin (order the worker, grant)")
     patch(apply.Pending, "finish", "Pending.finish (wait for the worker, commit)")
@@ -180,27 +207,27 @@ def main() -> None:
     patch(apply, "read_proc_files", "apply.read_proc_files")
     patch(hierarchy, "placement", "cgroup.hierarchy.placement")
     patch(apply, "_grant", "apply._grant (devices.allow / device program, systemd)")
-    from gpuhook import workerproc
+    from gpuhook.apply import worker
 
-    patch(workerproc, "start_early", "workerproc.start_early (fork the namespace worker)")
-    fork = workerproc.start
+    patch(worker, "start_early", "worker.start_early (fork the namespace worker)")
+    fork = worker.start
 
     def start_marked(*args, **kwargs):
         READY_AT[0] = time.perf_counter_ns()  # the child inherits it: its start-up begins here
         return fork(*args, **kwargs)
-    workerproc.start = start_marked
-    patch(workerproc.Worker, "send_order", "Worker.send_order")
-    patch(workerproc.Worker, "report", "Worker.report (parent waits for the worker)")
-    patch(workerproc.Worker, "commit", "Worker.commit (worker keeps its work, exits)")
-    patch(workerproc, "discard", "workerproc.discard")
-    # The worker imports gpuhook.nsworker itself, after the fork (that is the point of
+    worker.start = start_marked
+    patch(worker.Worker, "send_order", "Worker.send_order")
+    patch(worker.Worker, "report", "Worker.report (parent waits for the worker)")
+    patch(worker.Worker, "commit", "Worker.commit (worker keeps its work, exits)")
+    patch(worker, "discard", "worker.discard")
+    # The worker imports gpuhook.apply.nsworker itself, after the fork (that is the point of
     # forking early): its phases are patched as that import finishes, in the worker.
-    sys.meta_path.insert(0, PatchOnImport("gpuhook.nsworker", patch_worker))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.nsworker", patch_worker))
     # Health (only with [health] mode on) is imported where it is used: patched likewise.
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.hooks", lambda m: (
         patch(m, "before_start", "health.before_start (stamps, daemon or own checks)"),
         patch(m, "register_container", "health.register_container"))))
-    sys.meta_path.insert(0, PatchOnImport("gpuhook.grants", lambda m: patch(m, "record", "grants.record (cgroup v1)")))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.grants", lambda m: patch(m, "save", "grants.save (cgroup v1)")))
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.daemon", lambda m: patch(m, "ask", "health.daemon.ask")))
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.store", lambda m: patch(m, "claim_stamp",
                                                                                    "health.store.claim_stamp")))

@@ -35,7 +35,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-for path in (REPO, HERE):
+# The repository for gpuhook, tests/ for the runc harness (tests/helpers/testbed.py).
+for path in (os.path.join(REPO, "tests"), REPO, HERE):
     if path not in sys.path:
         sys.path.insert(0, path)
 
@@ -252,10 +253,11 @@ def need_root_tools(*tools):
 
 
 class Runc:
-    """Times `runc run` of bundles made by gpuhook.simulate.runner (busybox rootfs, runc's spec)."""
+    """Times `runc run` of bundles made by the tests' harness (tests/helpers/testbed.py: busybox
+    rootfs, runc's spec)."""
 
     def __init__(self, workdir: str):
-        from gpuhook.simulate import runner as testbed
+        from helpers import testbed
 
         self.testbed = testbed
         try:
@@ -986,7 +988,7 @@ def step_totals(steps: list) -> dict:
 
 def worker_timeline(per_run: list) -> dict:
     """Medians over the runs of when the namespace worker was ready (its start-up: fork to
-    gpuhook.nsworker loaded) and when the hook sent its order: start-up is off the critical
+    gpuhook.apply.nsworker loaded) and when the hook sent its order: start-up is off the critical
     path while it ends before the order is sent."""
     startup, ready, order, waited = [], [], [], []
     for _, records in per_run:
@@ -1000,7 +1002,7 @@ def worker_timeline(per_run: list) -> dict:
     if not startup:
         return {}
     med = lambda values: H.summary(values)["median"]  # noqa: E731
-    return {"worker start-up (fork to gpuhook.nsworker loaded)": med(startup),
+    return {"worker start-up (fork to gpuhook.apply.nsworker loaded)": med(startup),
             "worker ready, ms after the hook's first line": med(ready),
             "order sent, ms after the hook's first line": med(order),
             "worker idle before its order (> 0: start-up off the critical path)": med(waited)}

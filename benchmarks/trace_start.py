@@ -51,7 +51,7 @@ name)):
 - **back-edges**: steps whose caller's module belongs to a later stage than the callee's,
   given a stage map (module -> stage, stage -> rank; the longest dotted prefix of a
   module's name decides). Pipeline stages have ranks 0 and up (entry and the spine 0 ...
-  apply 5 in STAGES_CURRENT); the shared layers have negative ranks (lang -3, kernel -2,
+  apply 4 in STAGES); the shared layers have negative ranks (lang -3, kernel -2,
   base -1) and may be called from anywhere above them; a shared layer calling a higher rank
   (the state-file reader calling the fast-path module) is an `up` edge and counts as a
   back-edge too. Each back-edge is one of: `data` (the callee is a property that calls
@@ -61,9 +61,11 @@ name)):
   backwards). `real` is the headline figure. Modules the map does not name are `unmapped`
   and never make a back-edge (they are listed).
 
-`STAGES_CURRENT` below is the map of the flat tree at a103638; `--stages FILE` replaces it
-with a JSON document of the same shape ({"ranks": {stage: rank}, "modules": {dotted module
-or package: stage}}), e.g. the map of the restructured tree. `--records FILE` analyses a
+`STAGES` below is the map of this tree (the stage packages, docs/architecture.md);
+`--stages flat` takes `STAGES_FLAT`, the map of the flat tree before the restructure (a103638
+and later, up to 992c9ba: its modules since then are added), for tracing such a tree with
+`--tree`; `--stages FILE` takes a JSON document of the same shape ({"ranks": {stage: rank},
+"modules": {dotted module or package: stage}}). `--records FILE` analyses a
 record file kept earlier (`--keep-records`) without starting a container. Needs root, runc,
 busybox-static, gcc and ldconfig (the simulated host); nothing here asserts.
 """
@@ -185,7 +187,7 @@ for _path in (REPO, HERE):
 # entry and the spine, hook.py) to 5 (apply, the health step included); below 0 the shared
 # layers: lang (records, errors, JSON: used by every module), kernel (system calls, /proc,
 # paths), base (configuration, state files, the log, device rules). Longest dotted prefix wins.
-STAGES_CURRENT = {
+STAGES_FLAT = {
     "ranks": {"lang": -3, "kernel": -2, "base": -1, "entry": 0, "read": 1, "request": 2, "discover": 3,
               "plan": 4, "apply": 5},
     "modules": {
@@ -197,13 +199,34 @@ STAGES_CURRENT = {
         "gpuhook.journal": "base", "gpuhook.config": "base", "gpuhook.cache": "base", "gpuhook.sitepath": "base",
         "gpuhook.devrules": "base", "gpuhook.schema": "base", "gpuhook._vendor": "base",
         "gpuhook.oci": "read",
-        "gpuhook.request": "request", "gpuhook.requirements": "request",
+        "gpuhook.request": "request", "gpuhook.requirements": "request", "gpuhook.dockerd": "request",
         "gpuhook.survey": "discover", "gpuhook.discover": "discover", "gpuhook.inventory": "discover",
         "gpuhook.ldcache": "discover", "gpuhook.nvml": "discover", "gpuhook.cdi": "discover",
+        "gpuhook.elf": "discover",
         "gpuhook.plan": "plan",
         "gpuhook.apply": "apply", "gpuhook.actions": "apply", "gpuhook.workerproc": "apply",
         "gpuhook.nsworker": "apply", "gpuhook.ldsandbox": "apply", "gpuhook.grants": "apply",
-        "gpuhook.cgroup": "apply", "gpuhook.health": "apply",
+        "gpuhook.cgroup": "apply", "gpuhook.health": "apply", "gpuhook.served": "apply",
+        "gpuhook.leftovers": "apply",
+    },
+}
+
+# The stage map of the stage packages (docs/architecture.md). Ranks: the runtime's entry and
+# the spine (hook.py) 0, then request 1 (the runtime's input included), discover 2, plan 3,
+# apply 4 (the health step included); below 0 the shared layers: lang (records, errors,
+# JSON), kernel (kernel/), base (configuration, the log, device rules, NVIDIA's conventions:
+# driver.py). The CLI, the installer, the plugin and the simulator are no stage of a start.
+STAGES = {
+    "ranks": {"lang": -3, "kernel": -2, "base": -1, "entry": 0, "request": 1, "discover": 2, "plan": 3, "apply": 4},
+    "modules": {
+        "gpuhook": "entry", "gpuhook.__main__": "entry", "gpuhook.launch": "entry", "gpuhook.entry": "entry",
+        "gpuhook.prescan": "entry", "gpuhook.hook": "entry",
+        "gpuhook.errors": "lang", "gpuhook.record": "lang", "gpuhook.fastjson": "lang",
+        "gpuhook.kernel": "kernel",
+        "gpuhook.journal": "base", "gpuhook.config": "base", "gpuhook.sitepath": "base", "gpuhook.schema": "base",
+        "gpuhook.devrules": "base", "gpuhook.driver": "base", "gpuhook._vendor": "base",
+        "gpuhook.request": "request", "gpuhook.discover": "discover", "gpuhook.plan": "plan",
+        "gpuhook.apply": "apply", "gpuhook.health": "apply",
     },
 }
 
@@ -445,15 +468,18 @@ def main(argv=None) -> int:
     p.add_argument("--health", choices=("default", "off"), default="default")
     p.add_argument("--image", choices=("static", "glibc"), default="static")
     p.add_argument("--cold", action="store_true", help="no warm-up start: trace a start with cold caches")
-    p.add_argument("--stages", help="JSON stage map replacing STAGES_CURRENT")
+    p.add_argument("--stages", help="stage map: 'flat' (STAGES_FLAT, for a tree before the restructure) or a "
+                                    "JSON file; default STAGES, this tree's")
     p.add_argument("--list", action="store_true", help="also list every function and every step")
     p.add_argument("--json", help="write the figures and lists as JSON to this file")
     p.add_argument("--records", help="analyse an existing record file instead of starting a container")
     p.add_argument("--keep-records", help="copy the raw record file of the traced start here")
     p.add_argument("--workdir", default=None, help="parent of the temporary directory")
     args = p.parse_args(argv)
-    stages = STAGES_CURRENT
-    if args.stages:
+    stages = STAGES
+    if args.stages == "flat":
+        stages = STAGES_FLAT
+    elif args.stages:
         with open(args.stages) as f:
             stages = json.load(f)
     if args.records:

@@ -12,11 +12,12 @@ against it by tests/unit/test_config.py.
 import os
 import stat
 
-from gpuhook import cache
+from gpuhook.kernel import files
 from gpuhook.errors import ConfigError
 from gpuhook.record import record
 
 DEFAULT_PATH = "/etc/gpuhook/config.toml"
+CACHE_DIR = "config-cache"  # under the state-dir the cached config names
 ENV_VAR = "GPUHOOK_CONFIG"
 
 
@@ -280,6 +281,12 @@ class Config(_Table):
     health: HealthConfig
     plugin: PluginConfig
 
+    def __init__(self, values: dict, source: str | None):
+        super().__init__(values, source)
+        # (path, document) of the parsed file's cache entry when `load` parsed it: written
+        # by a start that applies (gpuhook.apply.statefiles.write_caches), never by `load`.
+        self.cache_entry: tuple | None = None
+
     @property
     def device_root(self) -> str:
         """Where host device nodes are: dev-root, else <driver-root>/dev."""
@@ -332,18 +339,19 @@ def defaults() -> Config:
     return from_mapping({}, "defaults")
 
 
-def load(path: str | None = None, environ: dict | None = None, use_cache: bool = True,
-         write_cache: bool = True) -> Config:
-    """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file.
+def load(path: str | None = None, environ: dict | None = None, use_cache: bool = True) -> Config:
+    """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file. Reads only.
 
-    The parsed TOML is cached (gpuhook.cache) in <state-dir>/config-cache, keyed by the file's
-    identity and timestamps: parsing TOML costs the hook more than the rest of its decision.
-    The cache is looked for under the state-dir the file's own top-level `state-dir` line
-    names (`_state_dir_line`, no TOML parser), and an entry counts only when it is trusted
-    (root's, writable by nobody else), was written for this very file, and was parsed from a
-    file naming that same state-dir: nothing but the trusted config file decides where its
-    cache is (docs/security.md). `use_cache` False ignores the cache; `write_cache` False
-    reads it but never writes (dry runs).
+    The parsed TOML is cached in <state-dir>/config-cache, keyed by the file's identity and
+    timestamps: parsing TOML costs the hook more than the rest of its decision. The cache is
+    looked for under the state-dir the file's own top-level `state-dir` line names
+    (`_state_dir_line`, no TOML parser), and an entry counts only when it is trusted (root's,
+    writable by nobody else), was written for this very file, and was parsed from a file
+    naming that same state-dir: nothing but the trusted config file decides where its cache
+    is (docs/security.md). When the file had to be parsed, the entry to cache is left in the
+    Config's `cache_entry`; a start that goes on to apply writes it
+    (gpuhook.apply.statefiles.write_caches), a dry run or a command never does. `use_cache`
+    False neither reads the cache nor leaves an entry.
     """
     explicit = path
     if explicit is None and environ is not None:
@@ -361,7 +369,7 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"config file {target} is not a regular file")
-        identity = cache.file_identity(st)
+        identity = files.file_identity(st)
         with os.fdopen(os.dup(fd), "rb") as f:
             raw = f.read(1 << 20)
     except OSError as err:
@@ -370,18 +378,23 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
         os.close(fd)
     guess = _state_dir_line(raw) if use_cache else None
     if guess is not None:
-        cached = cache.read(cache.config_cache_path(guess, target))
+        cached = files.read(cache_path(guess, target))
         if isinstance(cached, dict) and cached.get("identity") == identity and isinstance(cached.get("data"), dict):
             config = from_mapping(cached["data"], target)
             if config.state_dir == guess:
                 return config
     data = _parse_toml(raw, target)
     config = from_mapping(data, target)  # validate before caching: only good files are cached
-    if use_cache and write_cache and cache.write(cache.config_cache_path(config.state_dir, target),
-                                                 {"identity": identity, "source": os.path.abspath(target),
-                                                  "data": data}):
-        cache.prune_config_cache(config.state_dir)
+    if use_cache:
+        config.cache_entry = (cache_path(config.state_dir, target),
+                              {"identity": identity, "source": os.path.abspath(target), "data": data})
     return config
+
+
+def cache_path(state_dir: str, config_path: str) -> str:
+    """Where the parsed `config_path`, which names `state_dir`, is cached."""
+    name = os.path.abspath(config_path).replace("%", "%25").replace("/", "%")
+    return f"{state_dir}/{CACHE_DIR}/{name}.json"
 
 
 def _state_dir_line(raw: bytes) -> str | None:

@@ -48,13 +48,13 @@ def run_stage(stage: str, config_path: str | None) -> int:
             if spec is not None and len(spec) <= prescan.MAX_CONFIG_BYTES \
                     and not prescan.may_request_gpu(state, spec):
                 return 0
-    from gpuhook import workerproc
+    from gpuhook.apply import worker
 
     if stage != "poststop":
         # The namespace worker loads its modules on another core while this process plans
-        # (gpuhook.workerproc); a start that needs none ends it unused.
+        # (gpuhook.apply.worker); a start that needs none ends it unused.
         try:
-            workerproc.start_early()
+            worker.start_early()
         except OSError:
             pass  # no fork now (EAGAIN, ENOMEM): apply forks it later, inside the hook's error boundary
     try:
@@ -62,4 +62,4 @@ def run_stage(stage: str, config_path: str | None) -> int:
 
         return run_hook(stage, state, config_path, spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None)
     finally:
-        workerproc.discard()
+        worker.discard()

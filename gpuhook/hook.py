@@ -3,13 +3,13 @@
 Reached only when gpuhook.prescan could not rule a GPU request out (or from the CLI for a
 dry run). `plan_start` is everything up to the plan and changes nothing (a dry run is
 exactly it); `prestart` then writes gpuhook's caches in one place and hands the plan to
-gpuhook.apply.run, the only code that changes the system (health step included). The
+gpuhook.apply.run.run, the only code that changes the system (health step included). The
 boundary at the bottom turns every failure into one ``gpuhook: ...`` line on stderr and a
 non-zero exit; the runtime then aborts the start and shows that line.
 
 Every step is bounded by the deadline on its own (sizes, waits, children). `Backstop` makes
 sure of it whatever happens: a thread that, should the hook still be running a half second
-after its deadline, writes the one line (exit 7) and the log record itself and ends the
+after its deadline, writes the one line (exit 7) and the log line itself and ends the
 process, so a start never outlasts its deadline by more than a second (docs/security.md,
 "A start that never ends").
 """
@@ -20,10 +20,11 @@ import sys
 import time
 
 from gpuhook import config as cfg
-from gpuhook import journal, oci
-from gpuhook import request as req
+from gpuhook import journal
+from gpuhook.request import oci
+from gpuhook.request import resolve as req
 from gpuhook.errors import INTERNAL_ERROR, DeadlineError, GpuhookError, InputError, from_os_error, printable
-from gpuhook.plan import empty_plan, make_plan
+from gpuhook.plan.make import empty_plan, make_plan
 
 BACKSTOP_GRACE = 0.6  # seconds past the deadline at which the backstop ends the hook itself
 FINAL_GRACE = 0.9  # ... and at which it ends it even when the main thread was writing its own line
@@ -33,18 +34,18 @@ class Backstop:
     """The hook's last line of defence against its own deadline: a thread (started with the
     built-in _thread, no threading import) that sleeps until `deadline` + BACKSTOP_GRACE.
     If the main thread has not ended the hook by then (`finish`), it stops the namespace
-    worker (what that leaves is taken back or recorded: gpuhook.leftovers), prints one
-    ``gpuhook:`` line naming the phase, writes the log record and exits 7 (0 at poststop).
+    worker (what that leaves is taken back or recorded: gpuhook.apply.leftovers), prints one
+    ``gpuhook:`` line naming the phase, writes the log line and exits 7 (0 at poststop).
     A main thread stuck in a call that holds the GIL delays it, which is why every input is
     bounded in size first."""
 
-    def __init__(self, stage: str, record: dict, deadline: float):
+    def __init__(self, stage: str, log: dict, deadline: float):
         self.stage = stage
-        self.record = record
+        self.log = log
         self.deadline = deadline
         self.seconds = deadline - time.monotonic()
         self.phase = "reading the container's state and bundle"
-        self.log = (cfg.default("log-file"), "file", "/dev/log")
+        self.log_to = (cfg.default("log-file"), "file", "/dev/log")  # where the log line goes
         self.state_dir = None
         self.code = None
         self.returned = False  # run_hook has returned: nothing is left for the backstop to do
@@ -57,7 +58,7 @@ class Backstop:
     def configure(self, config, started: float) -> None:
         self.deadline = started + config.deadline_seconds
         self.seconds = config.deadline_seconds
-        self.log = (config.log_file, config.log_target, config.syslog_socket)
+        self.log_to = (config.log_file, config.log_target, config.syslog_socket)
         self.state_dir = config.state_dir
 
     def finish(self, code: int) -> None:
@@ -83,37 +84,37 @@ class Backstop:
                 os._exit((code if self.code is None else self.code) & 0xFF)
             return
         try:
-            record = dict(self.record)
+            log = dict(self.log)
             try:
                 where = self._where()
             except Exception:  # noqa: BLE001 - the line comes first
                 where = self.phase
             message = f"hook deadline passed during {where} ({self.seconds:g} s): gpuhook stopped"
             try:
-                note = self._stop_workers(record)
+                note = self._stop_workers(log)
             except Exception as err:  # noqa: BLE001 - the line and the record come first
                 note = f"stopping the namespace worker failed: {type(err).__name__}"
             if note:
                 message += f" ({note})"
-            record.update(decision="failed", error=message, backstop=True,
+            log.update(decision="failed", error=message, backstop=True,
                           seconds=round(self.seconds + BACKSTOP_GRACE, 4))
             if self.stage != "poststop":
                 os.write(2, (printable(f"gpuhook: {message}")[:1000] + "\n").encode())
-            journal.write(self.log[0], record, self.log[1], self.log[2])
+            journal.write(self.log_to[0], log, self.log_to[1], self.log_to[2])
         finally:
             os._exit(code)
 
     def _where(self) -> str:
-        workers = sys.modules.get("gpuhook.workerproc")
+        workers = sys.modules.get("gpuhook.apply.worker")
         for worker in workers.live if workers is not None else ():
             if worker.ordered and not worker.reaped and not worker.settled:
                 return f"{self.phase} ({worker.step()})"
         return self.phase
 
-    def _stop_workers(self, record: dict) -> str:
+    def _stop_workers(self, log: dict) -> str:
         """Kill a worker still at work; its leftovers are taken back or recorded. One the
-        main thread is already settling (gpuhook.apply) is left to it, for a moment."""
-        workers = sys.modules.get("gpuhook.workerproc")
+        main thread is already settling (gpuhook.apply.run) is left to it, for a moment."""
+        workers = sys.modules.get("gpuhook.apply.worker")
         notes = []
         for worker in list(workers.live) if workers is not None else ():
             while worker.settling and time.monotonic() < self.deadline + FINAL_GRACE:
@@ -122,9 +123,9 @@ class Backstop:
                 continue
             worker.close()
             if worker.unsettled and worker.context and self.state_dir:
-                from gpuhook import leftovers
+                from gpuhook.apply import leftovers
 
-                notes.append(leftovers.settle(worker, *worker.context, self.state_dir, record))
+                notes.append(leftovers.settle(worker, *worker.context, self.state_dir, log))
         return "; ".join(filter(None, notes))
 
 
@@ -134,7 +135,7 @@ def plan_start(state, spec, config) -> tuple:
     request = req.resolve(spec, state.annotations, config)
     if request.empty:
         return empty_plan(state, spec, request), None
-    from gpuhook import survey
+    from gpuhook.discover import survey
 
     host = survey.survey(request, spec, config)
     return make_plan(state, spec, request, host, config), host
@@ -147,9 +148,9 @@ def read_container(state_bytes: bytes, spec_bytes: bytes | None = None, base_dir
     return state, oci.parse_spec(spec_bytes, state.bundle)
 
 
-def prestart(state, spec, config, deadline: float, record: dict | None = None, backstop=None) -> tuple:
-    """Plan, write the caches discovery refreshed, apply the whole plan (gpuhook.apply.run:
-    health, devices, registration). `record` (the log record) receives the decisions;
+def prestart(state, spec, config, deadline: float, log: dict | None = None, backstop=None) -> tuple:
+    """Plan, write the caches discovery refreshed, apply the whole plan (gpuhook.apply.run.run:
+    health, devices, registration). `log` (the log line) receives the decisions;
     `backstop` (Backstop) is told the phase."""
     if state.status and state.status not in oci.STARTING_STATUSES:
         raise InputError(f"state: status {state.status!r}: gpuhook configures containers while they are "
@@ -159,47 +160,47 @@ def prestart(state, spec, config, deadline: float, record: dict | None = None, b
     plan, host = plan_start(state, spec, config)
     if plan.empty:
         return plan, None
-    from gpuhook import apply, leftovers, survey
+    from gpuhook.apply import leftovers, run as apply, statefiles
 
-    survey.write_caches(config, host)
+    statefiles.write_caches(config, host.cache)
     # What an earlier start on this rootfs could not take back is taken back first; while its
-    # worker is still stuck in the kernel, the start is refused (gpuhook.leftovers).
-    leftovers.reap(config.state_dir, {} if record is None else record, rootfs=plan.rootfs)
+    # worker is still stuck in the kernel, the start is refused (gpuhook.apply.leftovers).
+    leftovers.reap(config.state_dir, {} if log is None else log, rootfs=plan.rootfs)
     if backstop is not None:
         backstop.phase = "applying"
     names = journal.k8s_names({**spec.annotations, **state.annotations})
-    return plan, apply.run(plan, state, config, deadline, names, {} if record is None else record)
+    return plan, apply.run(plan, state, config, deadline, names, {} if log is None else log)
 
 
-def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, record: dict,
+def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, log: dict,
              base_dir: str | None = None) -> None:
     """After a container stopped: clean up what it left on its GPUs (gpuhook.health). Only
     the state's id is needed; a bundle that is already gone costs the log its names only."""
     state = oci.parse_state(state_bytes, base_dir)
-    record["container"] = state.id
-    from gpuhook import served
+    log["container"] = state.id
+    from gpuhook.apply import served
 
-    # A second poststop entry of one start (gpuhook.served) finds the first one's work done.
+    # A second poststop entry of one start (gpuhook.apply.served) finds the first one's work done.
     stops = served.stop(config.state_dir, state.id, state.pid)
     if stops and all(doc.get("stopped") is True for _, doc in stops):
-        record["decision"] = "nothing to do: another poststop hook of this container already cleaned up"
+        log["decision"] = "nothing to do: another poststop hook of this container already cleaned up"
         return
     try:
         spec = oci.parse_spec(spec_bytes if spec_bytes is not None else oci.read_config_bytes(state.bundle),
                               state.bundle)
-        record.update(journal.k8s_names({**spec.annotations, **state.annotations}))
+        log.update(journal.k8s_names({**spec.annotations, **state.annotations}))
     except GpuhookError:
-        record.update(journal.k8s_names(state.annotations))
-    from gpuhook import grants, leftovers
+        log.update(journal.k8s_names(state.annotations))
+    from gpuhook.apply import grants, leftovers
 
-    leftovers.reap(config.state_dir, record, container_id=state.id)
-    record["grants"] = grants.release(config.state_dir, state.id)
+    leftovers.reap(config.state_dir, log, container_id=state.id)
+    log["grants"] = grants.release(config.state_dir, state.id)
     if config.health.mode == "off":
-        record["decision"] = "nothing to do at this stage (health mode off)"
+        log["decision"] = "nothing to do at this stage (health mode off)"
     else:
         from gpuhook.health import hooks as health
 
-        health.after_stop(state, config, deadline, record)
+        health.after_stop(state, config, deadline, log)
     for path, doc in stops:
         served.mark_stopped(path, doc)
 
@@ -209,8 +210,8 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
     """Entry for the runtime. Returns the exit code; prints one line on failure. `base_dir`
     lets a state file given by hand name its bundle relatively."""
     started = time.monotonic()
-    record = {"stage": stage}
-    backstop = Backstop(stage, record, started + cfg.default("deadline-seconds"))
+    log = {"stage": stage}
+    backstop = Backstop(stage, log, started + cfg.default("deadline-seconds"))
     line, code = None, 0
     try:
         config = cfg.load(config_path, os.environ)
@@ -218,53 +219,55 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         deadline = started + config.deadline_seconds
         if stage == "poststop":
             backstop.phase = "cleaning up after the container"
-            poststop(state_bytes, spec_bytes, config, deadline, record, base_dir)
+            poststop(state_bytes, spec_bytes, config, deadline, log, base_dir)
         else:
             state, spec = read_container(state_bytes, spec_bytes, base_dir)
-            record.update(container=state.id, **journal.k8s_names({**spec.annotations, **state.annotations}))
+            log.update(container=state.id, **journal.k8s_names({**spec.annotations, **state.annotations}))
             docker_root = os.environ.get("GPUHOOK_DOCKER_DATA_ROOT")  # set by the Docker launcher only
             if docker_root:
-                from gpuhook import dockerd
+                from gpuhook.request import dockerd
 
                 spec = dockerd.daemon_request(spec, state.id, docker_root)
-            from gpuhook import served
+            from gpuhook.apply import served
 
             # The same start can run gpuhook twice (a base spec's prestart and a CDI spec's
-            # createRuntime: gpuhook.served); the first entry did the work.
+            # createRuntime: gpuhook.apply.served); the first entry did the work.
             earlier = served.served_by(config.state_dir, state.id, state.pid)
             if earlier is not None:
-                record["decision"] = f"untouched: gpuhook's {earlier} hook already served this start"
+                log["decision"] = f"untouched: gpuhook's {earlier} hook already served this start"
                 return 0
-            plan, outcome = prestart(state, spec, config, deadline, record, backstop)
+            plan, outcome = prestart(state, spec, config, deadline, log, backstop)
             if outcome is not None:
-                served.record(config.state_dir, state.id, state.pid, stage)
+                served.save(config.state_dir, state.id, state.pid, stage)
                 if docker_root:  # dockerd registers no poststop: leave a waiter that runs it
                     start = served.start_of(state.pid) or 0
                     try:  # the start is committed: a waiter that cannot be left is only logged
-                        dockerd.watch_for_stop(state_bytes, state.pid, start, config_path)
-                        record["poststop"] = "a waiter runs it when the container's init exits (Docker)"
+                        from gpuhook.apply import dockerwait
+
+                        dockerwait.watch_for_stop(state_bytes, state.pid, start, config_path)
+                        log["poststop"] = "a waiter runs it when the container's init exits (Docker)"
                     except (OSError, TypeError) as err:
-                        record["poststop"] = f"no waiter: {err}; nothing runs gpuhook's poststop for this container"
-            record.update(decision="untouched" if plan.empty else "gpus injected", wants=plan.wants,
+                        log["poststop"] = f"no waiter: {err}; nothing runs gpuhook's poststop for this container"
+            log.update(decision="untouched" if plan.empty else "gpus injected", wants=plan.wants,
                           channel=plan.channel, gpus=[g.uuid for g in plan.gpus],
                           capabilities=sorted(plan.capabilities), notes=list(plan.notes))
             if outcome is not None:
-                record.update(cgroup=outcome.cgroup_mode, rules_added=[r.v1_line() for r in outcome.rules_added],
+                log.update(cgroup=outcome.cgroup_mode, rules_added=[r.v1_line() for r in outcome.rules_added],
                               steps=outcome.steps, notes=list(plan.notes) + outcome.notes)
                 if outcome.ldconfig_output:
-                    record["ldconfig_output"] = outcome.ldconfig_output
+                    log["ldconfig_output"] = outcome.ldconfig_output
     except (GpuhookError, OSError) as err:
         if isinstance(err, OSError):  # one a lower layer did not translate: a host problem (exit 4)
             err = from_os_error(err)
-        record.update(decision="failed", error=err.one_line())
+        log.update(decision="failed", error=err.one_line())
         if err.detail:
-            record["detail"] = err.detail
+            log["detail"] = err.detail
         if stage != "poststop":  # a stop never fails (docs/health.md): the problem is logged only
             line, code = f"gpuhook: {err.one_line()}", err.exit_code
     except Exception as err:  # a bug: still one line for the runtime, the detail to the log
         import traceback
 
-        record.update(decision="internal error", error=repr(err), traceback=traceback.format_exc())
+        log.update(decision="internal error", error=repr(err), traceback=traceback.format_exc())
         if stage != "poststop":
             line = printable(f"gpuhook: internal error: {type(err).__name__}: {err}".splitlines()[0])[:1000]
             code = INTERNAL_ERROR
@@ -272,12 +275,12 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         backstop.finish(code)
         if line is not None:
             print(line, file=sys.stderr)
-        nvml = sys.modules.get("gpuhook.nvml")
+        nvml = sys.modules.get("gpuhook.discover.nvml")
         loaded = nvml.INITIALISED[0] if nvml is not None else 0
-        record["nvml"] = f"loaded ({loaded} init{'s' if loaded != 1 else ''})" if loaded else "not loaded"
-        record["seconds"] = round(time.monotonic() - started, 4)
-        journal.write(backstop.log[0], record, backstop.log[1], backstop.log[2])
-        workers = sys.modules.get("gpuhook.workerproc")
+        log["nvml"] = f"loaded ({loaded} init{'s' if loaded != 1 else ''})" if loaded else "not loaded"
+        log["seconds"] = round(time.monotonic() - started, 4)
+        journal.write(backstop.log_to[0], log, backstop.log_to[1], backstop.log_to[2])
+        workers = sys.modules.get("gpuhook.apply.worker")
         if workers is not None:  # reap the committed worker, which exited meanwhile
             workers.discard()
         backstop.returned = True

@@ -92,9 +92,9 @@ def _dumps(document) -> bytes:
     return (fastjson.dumps(document, default=str) + "\n").encode()
 
 
-def line_bytes(record: dict) -> bytes:
-    """The bounded JSON line (with its newline) for `record` (see the module docstring)."""
-    line = _cut(record)
+def line_bytes(log: dict) -> bytes:
+    """The bounded JSON line (with its newline) for `log` (see the module docstring)."""
+    line = _cut(log)
     data = _dumps(line)
     if len(data) <= MAX_LINE_BYTES:
         return data
@@ -126,19 +126,19 @@ def line_bytes(record: dict) -> bytes:
             shallow.remove(key)
         if fits():
             return data
-    summary = {key: record[key] for key in SUMMARY if key in record}
+    summary = {key: log[key] for key in SUMMARY if key in log}
     summary["truncated"] = f"{len(data)} bytes: only the summary fields are kept"
     data = (fastjson.dumps(_cut(summary), default=str) + "\n").encode()
     if len(data) <= MAX_LINE_BYTES:
         return data
-    return (fastjson.dumps({"time": record.get("time"), "tag": TAG, "truncated": "even the summary is too long"})
+    return (fastjson.dumps({"time": log.get("time"), "tag": TAG, "truncated": "even the summary is too long"})
             + "\n").encode()
 
 
-def write(path: str, record: dict, target: str = "file", syslog_socket: str = "/dev/log") -> bool:
-    """Append `record` to the log at `path` (and/or syslog, by `target`); True if written."""
+def write(path: str, log: dict, target: str = "file", syslog_socket: str = "/dev/log") -> bool:
+    """Append the line `log` to the log at `path` (and/or syslog, by `target`); True if written."""
     line = dict(time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), pid=os.getpid(), tag=TAG)
-    line.update(record)
+    line.update(log)
     try:
         data = line_bytes(line)
     except (ValueError, TypeError, RecursionError):
@@ -149,7 +149,7 @@ def write(path: str, record: dict, target: str = "file", syslog_socket: str = "/
 
         sys.stderr.write(data.decode("utf-8", "replace"))
     if target in ("syslog", "both"):
-        done = _syslog(syslog_socket, data, SYSLOG_ERR if record.get("decision") in ("failed", "internal error")
+        done = _syslog(syslog_socket, data, SYSLOG_ERR if log.get("decision") in ("failed", "internal error")
                        else SYSLOG_INFO)
     if target in ("file", "both") and path:
         done = _append(path, data) or (done and target == "both")

@@ -34,9 +34,10 @@ def read_regular_file(path: str, limit: int, flags: int = 0, with_stat: bool = F
     non-blocking and checked before reading: a FIFO or a device there (a bundle path the
     runtime took from a user) must not block the hook until the runtime kills it. `flags`
     are added to the open (O_NOFOLLOW where a planted symlink must not be followed). Raises
-    OSError (EINVAL for a file that is not regular). The one reader of files gpuhook does not
-    control (gpuhook.cache, gpuhook.install use it too). Uses the built-in posix module:
-    nothing is imported."""
+    OSError (EINVAL for a file that is not regular). The no-GPU path's copy of
+    gpuhook.kernel.files.read_regular_file, which everything past this path uses: importing
+    it would load two more modules here (tests/unit/test_files.py holds the two to the same
+    answers). Uses the built-in posix module: nothing is imported."""
     import posix
 
     fd = posix.open(path, posix.O_RDONLY | posix.O_NONBLOCK | posix.O_CLOEXEC | flags)

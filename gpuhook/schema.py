@@ -1,6 +1,6 @@
 """Checking a state document against the OCI runtime-spec state schema (jsonschema lives here).
 
-The hook itself parses leniently (gpuhook.oci) because real runtimes deviate from the spec;
+The hook itself parses leniently (gpuhook.request.oci) because real runtimes deviate from the spec;
 this module is for people: ``--dry-run`` reports every deviation, so an operator can tell a
 runtime's quirk from a broken input. It is never imported on the hook's path.
 """

@@ -1,7 +1,7 @@
 """Site-packages for a hook started with ``python3 -I -S``.
 
 Its own module so that any layer (the CLI entry, NVML loading) can call it without importing
-the entry point: gpuhook.nvml once imported gpuhook.entry for it, which closed an import
+the entry point: gpuhook.discover.nvml once imported gpuhook.entry for it, which closed an import
 circle entry -> hook -> health -> nvml -> entry.
 """
 

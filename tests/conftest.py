@@ -2,8 +2,10 @@
 
 The suite has three parts, and each test gets its part's marker from its folder:
 tests/unit (marker `unit`: no root, no runtime, no compiler; `pytest tests/unit` is the inner
-loop), tests/integration (marker `root`: real runtimes, namespaces and the simulated host) and
-tests/device (marker `device`: a real NVIDIA GPU).
+loop, and holds every test that needs none of them), tests/integration (marker `root`: real
+runtimes, namespaces and the simulated host) and tests/device (marker `device`: a real NVIDIA
+GPU). A test that asks for a root fixture (ROOT_FIXTURES) is marked `root` too, and fails
+in tests/unit.
 
 Tests that need root, runc, busybox or a C compiler skip on a developer machine that lacks
 them, but FAIL under CI (GPUHOOK_STRICT=1, set by .ci/run): a missing tool must never turn
@@ -18,7 +20,7 @@ import sys
 
 import pytest
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 from gpuhook.simulate import host as simhost
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,6 +29,10 @@ STRICT = os.environ.get("GPUHOOK_STRICT") == "1"
 
 
 PART_MARKERS = {"unit": "unit", "integration": "root", "device": "device"}
+# The fixtures that need root (a simulated host with device nodes, a static probe, runc): a
+# test asking for one belongs in tests/integration. As in pip's tests/conftest.py, a unit test
+# that asks for one fails at once instead of skipping (or, as root, silently passing).
+ROOT_FIXTURES = frozenset({"sim_host", "probe", "bed", "gpus"})
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,6 +40,18 @@ def pytest_collection_modifyitems(config, items):
         part = os.path.relpath(str(item.path), HERE).split(os.sep)[0]
         if part in PART_MARKERS:
             item.add_marker(PART_MARKERS[part])
+        wanted = sorted(ROOT_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if wanted:
+            item.add_marker("root")
+            if part == "unit":
+                item.add_marker(pytest.mark.unit_asks_for_root(wanted))
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("unit_asks_for_root")
+    if marker is not None:
+        pytest.fail(f"a unit test asks for the root fixture(s) {', '.join(marker.args[0])}: "
+                    "move it to tests/integration", pytrace=False)
 
 
 def require(condition: bool, why: str) -> None:

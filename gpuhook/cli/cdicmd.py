@@ -4,12 +4,11 @@ import os
 
 import click
 
-from gpuhook import cdigen
 from gpuhook import config as cfg
 from gpuhook import install
 from gpuhook.cli import CONFIG_OPTION
+from gpuhook.driver import CAPABILITIES, CDI_KIND, DEFAULT_CAPABILITIES
 from gpuhook.errors import InputError
-from gpuhook.request import CAPABILITIES
 
 
 @click.group(name="cdi", help="CDI (Container Device Interface) specs for runtimes that consume them.")
@@ -18,8 +17,8 @@ def cdi():
 
 
 @cdi.command(name="generate", help=(
-    f"Write a CDI spec of gpuhook's own kind {cdigen.KIND} for this host (podman run --device "
-    f"{cdigen.KIND}=1): one device per GPU (by index and UUID), per MIG device (GPU:MIG and MIG "
+    f"Write a CDI spec of gpuhook's own kind {CDI_KIND} for this host (podman run --device "
+    f"{CDI_KIND}=1): one device per GPU (by index and UUID), per MIG device (GPU:MIG and MIG "
     "UUID) and `all`, with their device nodes, the driver files for --capabilities mounted "
     "read-only, and gpuhook as the createRuntime and poststop hook, which updates the ld cache, "
     "masks /proc/driver/nvidia and checks and cleans the GPUs. Put it in /etc/cdi or "
@@ -29,7 +28,7 @@ def cdi():
 @click.option("--output", metavar="FILE", help="Write the spec here (atomically, 0644) instead of stdout.")
 @click.option("--format", "fmt", type=click.Choice(["json", "yaml"]), default=None,
               help="Spec format [default: from --output's suffix, else json].")
-@click.option("--capabilities", default="compute,utility", show_default=True, metavar="LIST",
+@click.option("--capabilities", default=",".join(sorted(DEFAULT_CAPABILITIES)), show_default=True, metavar="LIST",
               help=f"Driver capabilities whose files the spec mounts ({', '.join(CAPABILITIES)}).")
 @click.option("--python", metavar="PATH",
               help="Interpreter the runtime starts for the hook [default: the running one].")
@@ -48,17 +47,23 @@ def generate(config_path, output, fmt, capabilities, python):
             import yaml  # noqa: F401  (PyYAML is only recommended by the RPM)
         except ImportError:
             raise InputError("YAML output needs PyYAML, which is not installed", "write JSON (--format json)") from None
-    text = cdigen.render(cdigen.generate(config, hook, caps), fmt)
+    from gpuhook.discover import cdi, inventory, proc, survey
+    from gpuhook.plan import cdispec
+
+    # Read the host as the hook does (NVML only for MIG devices), then generate: pure.
+    inv, facts, _, _ = inventory.read(config, want_facts=proc.has_mig_instances(proc.capabilities(config.proc_root)))
+    spec = cdispec.generate(inv, facts, survey.host_nodes(config, inv), config.driver_root, hook, caps)
+    text = cdispec.render(spec, fmt)
     if output is None:
         click.echo(text, nl=False)
         return
-    conflicting, stale = cdigen.neighbours(output, config.cdi_spec_dirs)
+    conflicting, stale = cdi.neighbours(output, config.cdi_spec_dirs)
     if conflicting:
-        raise InputError(f"{conflicting[0]} already defines CDI kind {cdigen.KIND} in the same directory: "
+        raise InputError(f"{conflicting[0]} already defines CDI kind {CDI_KIND} in the same directory: "
                          f"a runtime would refuse the devices of both",
                          f"remove it, or write --output {conflicting[0]}")
     install.common._replace(os.path.abspath(output), text.encode())
     click.echo(f"wrote {output}")
     for path in stale:
-        click.echo(f"gpuhook: {path} is a spec of an earlier gpuhook under NVIDIA's kind {cdigen.NVIDIA_KIND}: "
+        click.echo(f"gpuhook: {path} is a spec of an earlier gpuhook under NVIDIA's kind {cdi.NVIDIA_KIND}: "
                    f"remove it, it makes NVIDIA's devices of that kind unresolvable", err=True)

@@ -24,7 +24,7 @@ def cgroup():
 def show(pid, directory, as_json):
     if (pid is None) == (directory is None):
         raise click.UsageError("give either --pid PID or --path CGROUP_DIR")
-    from gpuhook.cgroup import hierarchy, v2
+    from gpuhook.apply.cgroup import hierarchy, v2
 
     place = hierarchy.placement(pid) if pid is not None else v2.placement_of_directory(directory)
     report = v2.describe(place)

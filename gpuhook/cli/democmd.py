@@ -7,7 +7,8 @@ import tempfile
 
 import click
 
-from gpuhook.simulate import runner
+from gpuhook.driver import DEFAULT_CAPABILITIES
+from gpuhook.simulate import demo as runc
 from gpuhook.simulate import host
 
 SCRIPT = r"""
@@ -63,29 +64,33 @@ def demo(workdir, visible):
     container_id = "gpuhook-" + os.path.basename(workdir)
     click.echo(f"1. simulated host with 4 GPUs in {workdir}/host")
     sim = host.build(f"{workdir}/host", gpus=4)
-    bed = runner.Testbed(workdir)
     libdir = "/usr/lib64"
     other = _not_requested(sim["gpus"], visible)
     not_mine = NOT_MINE.format(minor=other) if other is not None else ""
-    bundle = bed.bundle(
-        "demo",
+    state_root = f"{workdir}/runc-state"
+    os.makedirs(state_root)
+    runc_path = shutil.which("runc") or "runc"
+    bundle = runc.write_bundle(
+        f"{workdir}/bundles/demo", runc.runc_spec(runc_path, f"{workdir}/.spec-template"),
         args=["/bin/busybox", "sh", "-c", SCRIPT.format(not_mine=not_mine, libdir=libdir)],
-        env=[f"NVIDIA_VISIBLE_DEVICES={visible}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"],
-        hooks={"prestart": [runner.hook_entry(sim["config"])]},
+        env=[f"NVIDIA_VISIBLE_DEVICES={visible}",
+             f"NVIDIA_DRIVER_CAPABILITIES={','.join(sorted(DEFAULT_CAPABILITIES))}"],
+        hooks={"prestart": [runc.hook_entry(sim["config"])]},
+        # The container's cgroup is this demo's own (runc's default /<id> two demos would share).
+        cgroups_path=f"/{container_id}",
         edit=lambda spec: spec["process"]["env"].append("PATH=/bin:/usr/bin"),
     )
-    bed.rootfs(f"{bundle}/rootfs")
     for name in ("grep", "head", "wc", "sed", "mknod", "cut"):
         link = f"{bundle}/rootfs/bin/{name}"
         if not os.path.lexists(link):
             os.symlink("busybox", link)
     click.echo(f"2. bundle {bundle} with NVIDIA_VISIBLE_DEVICES={visible}, gpuhook registered as prestart hook")
     click.echo("3. runc run (output of the container follows)\n")
-    result = bed.run(bundle, container_id)
-    click.echo(result.stdout.rstrip())
-    if result.returncode != 0:
-        click.echo(result.stderr.rstrip(), err=True)
-        raise click.ClickException(f"runc exited with {result.returncode}")
+    returncode, stdout, stderr = runc.run(runc_path, state_root, bundle, container_id)
+    click.echo(stdout.rstrip())
+    if returncode != 0:
+        click.echo(stderr.rstrip(), err=True)
+        raise click.ClickException(f"runc exited with {returncode}")
     click.echo("\n4. gpuhook's decision log (" + sim["directory"] + "/gpuhook.log):")
     try:
         with open(f"{sim['directory']}/gpuhook.log") as f:

@@ -29,9 +29,9 @@ MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
 @click.option("--host-root", default="/", show_default=True, metavar="DIR",
               help="Read the runtimes' configuration under DIR (a node's root mounted into a DaemonSet pod).")
 def doctor(config_path, as_json, quick, host_root):
-    from gpuhook import preflight
+    from gpuhook.cli import preflight
 
-    config = cfg.load(config_path, os.environ, write_cache=False)
+    config = cfg.load(config_path, os.environ)
     checks = preflight.run(config, quick=quick, root=host_root)
     failed = [c.name for c in checks if c.status == preflight.FAIL]
     if as_json:

@@ -18,10 +18,10 @@ def resolve_devices(text: str | None, config) -> list:
     """GPU and MIG UUIDs from a comma-separated list of NVML indices, GPU UUIDs, PCI bus ids
     and MIG UUIDs; every GPU of the host when `text` is None. A device this host does not
     have is bad input (exit 2), named: nothing is checked and no report is written for it."""
-    from gpuhook import discover
-    from gpuhook import request as req
+    from gpuhook.discover import proc
+    from gpuhook.plan import select
 
-    host = discover.gpus(config.proc_root)
+    host = proc.gpus(config.proc_root)
     if text is None:
         return [gpu.uuid for gpu in host]
     wanted = [item.strip() for item in text.split(",") if item.strip()]
@@ -35,7 +35,7 @@ def resolve_devices(text: str | None, config) -> list:
                 migs = _mig_uuids(config)
             uuid = migs.get(item.lower())
         else:
-            gpu = req.match_gpu(item, host)
+            gpu = select.match_gpu(item, host)
             uuid = gpu.uuid if gpu is not None else None
         if uuid is None:
             here = ", ".join(f"{gpu.index} ({gpu.uuid})" for gpu in host) or "none"
@@ -47,9 +47,9 @@ def resolve_devices(text: str | None, config) -> list:
 
 def _mig_uuids(config) -> dict:
     """Lower-cased MIG UUID -> MIG UUID of every MIG device NVML reports."""
-    from gpuhook.inventory import nvml_facts
+    from gpuhook.cli.hostcmd import read_inventory
 
-    facts, _ = nvml_facts(config)
+    _, facts, _ = read_inventory(config, want_facts=True)
     return {mig.uuid.lower(): mig.uuid for gpu in facts.gpus.values() for mig in gpu.mig_devices}
 
 

@@ -10,7 +10,7 @@ from gpuhook import config as cfg
 from gpuhook import hook, schema
 from gpuhook.cli import CONFIG_OPTION
 from gpuhook.errors import InputError
-from gpuhook.plan import render_text
+from gpuhook.plan.render import render_text
 
 
 def _read_state(path):
@@ -45,7 +45,7 @@ def _start_command(stage: str):
             if as_json:
                 raise click.UsageError("--json goes with --dry-run")
             sys.exit(hook.run_hook(stage, raw, config_path, base_dir=base_dir))
-        config = cfg.load(config_path, os.environ, write_cache=False)
+        config = cfg.load(config_path, os.environ)
         state, spec = hook.read_container(raw, base_dir=base_dir)
         plan, _ = hook.plan_start(state, spec, config)  # the real run minus apply (and cache writes)
         found = schema.state_deviations(raw)
@@ -53,7 +53,7 @@ def _start_command(stage: str):
             deviations = ["state not checked against the OCI schema: jsonschema is not installed"]
         else:
             deviations = [f"state deviates from the OCI schema (accepted leniently): {d}" for d in found]
-        from gpuhook import preflight
+        from gpuhook.cli import preflight
 
         # What would fail other starts on this host (gpuhook doctor --quick), as notes.
         host = [f"host: {c.name}: {c.summary}" + (f" ({c.hint})" if c.hint else "")

@@ -10,6 +10,17 @@ from gpuhook import config as cfg
 from gpuhook.cli import CONFIG_OPTION
 
 
+def read_inventory(config, want_facts: bool = False) -> tuple:
+    """(Inventory, NVML facts or None, their source) as a start would find them
+    (gpuhook.discover.inventory.read); what the read refreshed is cached as a start caches it
+    (gpuhook.apply.statefiles.write_caches), so the next start or command reads the cache."""
+    from gpuhook.apply import statefiles
+    from gpuhook.discover import inventory
+
+    found, facts, source, pending = inventory.read(config, want_facts=want_facts)
+    statefiles.write_caches(config, [pending] if pending else [])
+    return found, facts, source
+
 
 @click.command(name="list", help=(
     "List the host's GPUs and MIG devices as the hook sees them: /proc/driver/nvidia for "
@@ -21,23 +32,24 @@ from gpuhook.cli import CONFIG_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def list_gpus(config_path, as_json):
     from gpuhook.errors import GpuhookError
-    from gpuhook.inventory import load, nvml_facts
 
     config = cfg.load(config_path, os.environ)
-    host = load(config)
+    host = read_inventory(config)[0]
     try:
-        (facts, source), problem = nvml_facts(config), None
+        (_, facts, source), problem = read_inventory(config, want_facts=True), None
     except GpuhookError as err:
         facts, source, problem = None, None, err.one_line()
     rows = []
     for gpu in host.gpus:
         known = facts.gpus.get(gpu.uuid) if facts else None
-        rows.append(dict(gpu._asdict(), brand=known and known.brand, arch=known and known.arch,
+        rows.append(dict(gpu.identity(), brand=known and known.brand, arch=known and known.arch,
                          mig_mode=known and known.mig_mode,
-                         mig_devices=[dict(d._asdict(), id=f"{gpu.index}:{d.index}")
+                         mig_devices=[{"index": d.index, "uuid": d.uuid, "gpu_instance_id": d.gpu_instance_id,
+                                       "compute_instance_id": d.compute_instance_id, "name": d.name,
+                                       "id": f"{gpu.index}:{d.index}"}
                                       for d in (known.mig_devices if known and known.mig_mode else ())]))
     if as_json:
-        from gpuhook import preflight
+        from gpuhook.cli import preflight
 
         click.echo(json.dumps({"driver_version": host.driver_version,
                                "cuda_version": facts.cuda_version if facts else None,
@@ -64,7 +76,7 @@ def list_gpus(config_path, as_json):
 def warn_about_host(config) -> None:
     """One stderr line per quick preflight check that is not ok (`gpuhook doctor` has them
     all): a host problem that fails every start shows before a container meets it."""
-    from gpuhook import preflight
+    from gpuhook.cli import preflight
 
     for check in preflight.problems(preflight.run(config, quick=True)):
         hint = f" ({check.hint})" if check.hint else ""

@@ -1,6 +1,6 @@
 """Device cgroup eBPF programs as data: build our allow prefix, decode programs into rules.
 
-Pure code, no system calls (gpuhook.cgroup.bpf loads and attaches). On cgroup v2 every
+Pure code, no system calls (gpuhook.apply.cgroup.bpf loads and attaches). On cgroup v2 every
 device program attached to a container's cgroup must allow an access (docs/runtime-facts.md
 §5), so a grant cannot add a program: it rebuilds each attached one as
 

@@ -8,9 +8,9 @@ signal goes through the pidfd (pidfd_send_signal). The wait for its exit is boun
 
 Resetting: `reset-command` (default ``nvidia-smi --gpu-reset -i {uuid}``) is split like a
 shell would (no shell runs it). A program name without a slash is looked up only in the
-driver root's binary directories (gpuhook.discover.BINARY_DIRS), never in a PATH and never
+driver root's binary directories (gpuhook.driver.BINARY_DIRS), never in a PATH and never
 in a container's image; it must be a regular executable file there. It runs through
-gpuhook.child: explicit minimal environment, / as working directory, its own process
+gpuhook.kernel.child: explicit minimal environment, / as working directory, its own process
 group, killed whole at its timeout.
 
 Around the command (`reset_gpu`, docs/health.md "Resetting"), what NVIDIA's driver requires:
@@ -20,7 +20,7 @@ Around the command (`reset_gpu`, docs/health.md "Resetting"), what NVIDIA's driv
     persistence mode off              it keeps the driver attached ("In use by another client");
                                       recorded first, so a later check restores it whatever
                                       happens in between
-    every NVML session closed         this process's (gpuhook.nvml.closed_for_reset), the
+    every NVML session closed         this process's (gpuhook.discover.nvml.closed_for_reset), the
                                       health daemon's (gpuhook.health.daemon.nvml_closed) and
                                       other gpuhook processes' (nvml.exclusive)
     the command                       one GPU; a driver that resets it only with its NVLink
@@ -35,7 +35,10 @@ import select
 import signal
 import time
 
-from gpuhook import child, discover, nvml
+from gpuhook import driver
+from gpuhook.apply import statefiles
+from gpuhook.discover import nvml
+from gpuhook.kernel import child
 from gpuhook.errors import ConfigError, GpuhookError, HostError, NvmlError
 from gpuhook.health import registry, store
 from gpuhook.record import record
@@ -149,11 +152,11 @@ def find_program(program: str, driver_root: str) -> str:
             raise ConfigError(f"health.reset-command: {program!r} must be a name or an absolute path")
         candidates = [program]
     else:
-        from gpuhook.safepath import resolve_host  # only when a reset is due
+        from gpuhook.kernel.paths import resolve_host  # only when a reset is due
 
         candidates = []
         top = os.path.realpath(driver_root)
-        for directory in discover.BINARY_DIRS:
+        for directory in driver.BINARY_DIRS:
             try:
                 # Symlinks are followed inside the driver root only (a driver container's
                 # absolute links point into its own tree).
@@ -169,7 +172,7 @@ def find_program(program: str, driver_root: str) -> str:
             continue
         if (st.st_mode & 0o170000) == 0o100000 and st.st_mode & 0o111:
             return path
-    where = program if "/" in program else f"{program} in {', '.join(discover.BINARY_DIRS)} of driver root {driver_root}"
+    where = program if "/" in program else f"{program} in {', '.join(driver.BINARY_DIRS)} of driver root {driver_root}"
     raise HostError(f"reset command not found: no executable {where}", "set health.reset-command")
 
 
@@ -209,8 +212,15 @@ class ResetOutcome(record("ResetOutcome", "actions refused")):
 
 
 def client_lock(config) -> str:
-    """The file every gpuhook NVML session holds shared and a reset exclusively (gpuhook.nvml)."""
-    return f"{store.health_dir(config.state_dir)}/nvml.lock"
+    """The file every gpuhook NVML session holds shared and a reset exclusively
+    (gpuhook.discover.nvml), made when missing. One that cannot be made is left to the
+    session: checks run without it, a reset is refused (docs/health.md)."""
+    path = f"{store.health_dir(config.state_dir)}/nvml.lock"
+    try:
+        os.close(statefiles.open_lock(path))
+    except OSError:
+        pass
+    return path
 
 
 def persistence_record(config, uuid: str) -> str:

@@ -37,7 +37,9 @@ import os
 import stat
 import time
 
-from gpuhook import cache, fastjson
+from gpuhook import fastjson
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
 
 MAX_REQUEST = 8 << 10  # bytes: a prepare of 64 GPUs is about 3 KiB
 MAX_ANSWER = 16 << 10  # bytes: the GPUs prepared and one error line
@@ -64,7 +66,7 @@ def _trusted_socket(path: str) -> bool:
         parent = os.lstat(os.path.dirname(path) or ".")
     except OSError:
         return False
-    return stat.S_ISSOCK(st.st_mode) and cache.trusted(st) and stat.S_ISDIR(parent.st_mode) and cache.trusted(parent)
+    return stat.S_ISSOCK(st.st_mode) and files.trusted(st) and stat.S_ISDIR(parent.st_mode) and files.trusted(parent)
 
 
 def ask(config, uuids: list, container: str, timeout: float) -> tuple:
@@ -203,7 +205,7 @@ class Daemon:
         import socket
         import threading
 
-        from gpuhook import nvml
+        from gpuhook.discover import nvml
         from gpuhook.errors import GpuhookError
 
         from gpuhook.health import actions
@@ -252,7 +254,7 @@ class Daemon:
 
         directory = os.path.dirname(self.path) or "."
         try:
-            cache.ensure_dir(directory)
+            statefiles.ensure_dir(directory)
         except OSError as err:
             raise HostError(f"the health daemon's socket directory {directory} is not usable: "
                             f"{err.strerror or err}") from err
@@ -310,7 +312,7 @@ class Daemon:
     def _answer(self, data: bytes, request, started: float) -> dict:
         """The answer to one request (`data`, parsed as `request`, received since monotonic
         time `started`)."""
-        from gpuhook import discover
+        from gpuhook.discover import proc
         from gpuhook.errors import GpuhookError
         from gpuhook.health import engine
 
@@ -325,7 +327,7 @@ class Daemon:
                 or not isinstance(seconds, (int, float))):
             return {"ok": False, "prepared": [], "error": f"a prepare request names 1 to {MAX_GPUS} GPUs"}
         try:
-            known = {gpu.uuid for gpu in discover.gpus(self.config.proc_root)}
+            known = {gpu.uuid for gpu in proc.gpus(self.config.proc_root)}
         except GpuhookError as err:
             return {"ok": False, "prepared": [], "error": err.one_line()[:300]}
         if not all(isinstance(u, str) and u in known for u in uuids):
@@ -347,7 +349,7 @@ class Daemon:
     def _close_nvml(self, conn, request) -> None:
         """Keep this process's NVML closed while the asker (about to reset a GPU) holds the
         connection open, MAX_CLOSED_SECONDS at most."""
-        from gpuhook import nvml
+        from gpuhook.discover import nvml
 
         seconds = request.get("seconds")
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:

@@ -17,7 +17,7 @@ Per GPU, under its lock (store.GpuLock), with an NVML session of its own:
     write <state-dir>/health/<uuid>.json
 
 NVML is open only while a GPU's work runs, never while a thread waits for a GPU lock: a
-reset needs every NVML session on the host closed (gpuhook.nvml, Resets), and a session held
+reset needs every NVML session on the host closed (gpuhook.discover.nvml, Resets), and a session held
 while waiting for the lock of a GPU another gpuhook process is resetting would keep that
 reset from ever running. A reset closes the sessions of this process (the other GPUs' threads
 wait for it between their NVML calls) and opens them again after.
@@ -34,7 +34,8 @@ import threading
 import time
 from enum import Enum
 
-from gpuhook import journal, nvml
+from gpuhook import journal
+from gpuhook.discover import nvml
 from gpuhook.errors import GpuhookError, GpuUnhealthyError, HealthDeadlineError, HostError, NvmlError
 from gpuhook.health import actions, checks, owners, registry, store
 from gpuhook.health.checks import Check, Outcome, Remedy
@@ -587,10 +588,10 @@ def _deadline(config, deadline_seconds) -> float:
 
 
 def _log(config, stage: str, report: Report | None, **extra) -> None:
-    record = {"stage": stage, **extra}
+    log = {"stage": stage, **extra}
     if report is not None:
-        record["health"] = report.as_dict()
-    journal.write(config.log_file, record, config.log_target, config.syslog_socket)
+        log["health"] = report.as_dict()
+    journal.write(config.log_file, log, config.log_target, config.syslog_socket)
 
 
 def check(uuids, config, repair: bool = False, deadline_seconds: float | None = None) -> Report:

@@ -1,9 +1,9 @@
 """The health checks at the hook's stages: before a start, after it, and after a stop.
 
-gpuhook.apply.run calls these only when the plan has a health step ([health] mode is not
+gpuhook.apply.run.run calls these only when the plan has a health step ([health] mode is not
 off and the plan has GPUs), so a
 container without GPUs, and every container with mode = "off", never loads NVML, threads or
-this package. Each fills the hook's log record (`record`) with what it decided.
+this package. Each fills the hook's log line (`log`) with what it decided.
 """
 
 import time
@@ -17,7 +17,7 @@ WARN = "warn"
 
 def plan_gpus(plan) -> list:
     """UUIDs of the GPUs a plan gives the container, each once: whole GPUs and the parent
-    GPUs of its MIG devices (gpuhook.plan keeps both in `gpus`)."""
+    GPUs of its MIG devices (gpuhook.plan.make keeps both in `gpus`)."""
     uuids = []
     for gpu in plan.gpus:
         if gpu.uuid not in uuids:
@@ -25,7 +25,7 @@ def plan_gpus(plan) -> list:
     return uuids
 
 
-def before_start(plan, state, config, hook_deadline: float, record: dict) -> None:
+def before_start(plan, state, config, hook_deadline: float, log: dict) -> None:
     """Carry out the plan's health step (plan.HealthStep): check and repair its GPUs (whole
     GPUs and the parents of its MIG devices) before the container gets them. In fallback
     mode a GPU is skipped when a fresh stamp made for this container's allocation (a token
@@ -35,7 +35,7 @@ def before_start(plan, state, config, hook_deadline: float, record: dict) -> Non
     health = plan.health
     uuids = list(health.gpus)
     info = {"mode": health.mode}
-    record["health"] = info
+    log["health"] = info
     if not uuids:
         return
     todo = list(uuids)
@@ -102,7 +102,7 @@ def _why_loaded(mode: str, daemon_said, config, seconds: float) -> str:
     return f"{daemon_said} at {daemon.socket_path(config)}: checked the GPUs in the hook, loading NVML ({seconds:.2f} s)"
 
 
-def register_container(plan, state, config, names: dict, record: dict):
+def register_container(plan, state, config, names: dict, log: dict):
     """Record the container being started (its init, cgroups and GPUs) in the registry, so
     its GPU processes are known as its own while it runs and as orphans once it is gone.
     Returns the entry, for `unregister` should the start fail after all; None when there
@@ -115,26 +115,26 @@ def register_container(plan, state, config, names: dict, record: dict):
     kept = {key: names[key] for key in ("pod", "namespace", "container_name") if key in names}
     try:
         entry = registry.from_process(state.id, state.pid, gpus, kept)
-        registry.record(config.state_dir, entry)
+        registry.add(config.state_dir, entry)
     except (OSError, LookupError) as err:
-        record["registered"] = f"not registered: {err}"
+        log["registered"] = f"not registered: {err}"
         return None
-    record["registered"] = {"pid": entry.pid, "cgroups": entry.cgroups}
+    log["registered"] = {"pid": entry.pid, "cgroups": entry.cgroups}
     return entry
 
 
-def unregister(config, entry, record: dict) -> None:
+def unregister(config, entry, log: dict) -> None:
     """Take back `register_container`'s entry of a start that failed after it."""
     if entry is None:
         return
     try:
         registry.forget(config.state_dir, entry)
-        record["registered"] = "not registered: the start failed"
+        log["registered"] = "not registered: the start failed"
     except OSError as err:
-        record["registered"] = f"the failed start's entry could not be removed: {err}"
+        log["registered"] = f"the failed start's entry could not be removed: {err}"
 
 
-def after_stop(state, config, hook_deadline: float, record: dict) -> None:
+def after_stop(state, config, hook_deadline: float, log: dict) -> None:
     """After the container stopped: kill what it left on its GPUs and, with reset-on-release,
     reset each GPU it was the last user of. Never raises: a stop must not fail; problems are
     in the record (and in the GPUs' reports).
@@ -145,14 +145,14 @@ def after_stop(state, config, hook_deadline: float, record: dict) -> None:
     loaded; docs/health.md, "After a stop")."""
     entries = registry.load_id(config.state_dir, state.id)
     if not entries:
-        record["decision"] = "nothing to clean up (container not registered)"
+        log["decision"] = "nothing to clean up (container not registered)"
         return
     # The state's id alone proves nothing: another runtime root can have a live container of
     # the same id, and a poststop can be invoked by hand. Only a container whose init is gone
     # is cleaned up; a live one is never touched (docs/security.md).
     gone = [entry for entry in entries if not registry.is_alive(entry)]
     if not gone:
-        record["decision"] = (f"nothing cleaned: container {entries[-1].label()} is still running "
+        log["decision"] = (f"nothing cleaned: container {entries[-1].label()} is still running "
                               f"(init pid {entries[-1].pid})")
         return
     deadline = min(time.monotonic() + config.health.deadline_seconds, hook_deadline)
@@ -163,7 +163,7 @@ def after_stop(state, config, hook_deadline: float, record: dict) -> None:
             if left:
                 # Kept: whatever is still in its cgroups is recognised as an orphan later.
                 decisions.append("cleanup incomplete (container kept in the registry)")
-                record["left"] = f"{len(left)} process(es) in its cgroups; not killed: kill-orphans is off"
+                log["left"] = f"{len(left)} process(es) in its cgroups; not killed: kill-orphans is off"
             else:
                 registry.forget(config.state_dir, entry)
                 decisions.append("cleaned up")
@@ -172,23 +172,23 @@ def after_stop(state, config, hook_deadline: float, record: dict) -> None:
 
         answer, why = daemon.release(config, entry, max(deadline - time.monotonic(), 0.05))
         if answer is not None:
-            record["daemon"] = why
+            log["daemon"] = why
             if answer.get("health") is not None:
-                record["health"] = answer["health"]
+                log["health"] = answer["health"]
             if answer.get("error"):
-                record.update(decision="cleanup failed", error=str(answer["error"])[:300])
+                log.update(decision="cleanup failed", error=str(answer["error"])[:300])
                 return
             decisions.append(str(answer.get("decision", "cleaned up")))
             continue
-        record["daemon"] = why
+        log["daemon"] = why
         try:
             decision, report = cleanup(entry, config, deadline)
         except GpuhookError as err:
-            record.update(decision="cleanup failed", error=err.one_line())
+            log.update(decision="cleanup failed", error=err.one_line())
             return
-        record["health"] = report.as_dict()
+        log["health"] = report.as_dict()
         decisions.append(decision)
-    record["decision"] = "; ".join(dict.fromkeys(decisions))
+    log["decision"] = "; ".join(dict.fromkeys(decisions))
 
 
 def cleanup(entry, config, deadline: float) -> tuple:
@@ -211,11 +211,10 @@ def cleanup(entry, config, deadline: float) -> tuple:
 def processes_left(entry, proc: str = "/proc") -> list:
     """Pids still in the container's own cgroups (one read of each cgroup.procs; an unreadable
     cgroup that still exists counts as holding something)."""
-    from gpuhook.cgroup import hierarchy
+    from gpuhook.kernel import mountinfo
 
     try:
-        with open(f"{proc}/self/mountinfo") as f:
-            mounts = hierarchy.cgroup_mounts(f.read())
+        mounts = mountinfo.cgroup_mounts_here(proc)
     except OSError:
         return ["?"]
     directories = registry.cgroup_directories(entry.cgroups, mounts)

@@ -44,10 +44,10 @@ another boot, is dropped when the registry is read.
 import os
 import time
 
-from gpuhook.cgroup import hierarchy
+from gpuhook.apply import statefiles
 from gpuhook.health import store
-from gpuhook import procstat
-from gpuhook.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)
+from gpuhook.kernel import mountinfo, procstat
+from gpuhook.kernel.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)
 from gpuhook.record import record
 
 FORMAT = 1
@@ -80,9 +80,9 @@ class Container(record("Container", "id pid start_time cgroups gpus names boot_i
 
 
 def read_cgroups(pid: int, proc: str = "/proc") -> dict | None:
+    """Process `pid`'s cgroups (controller -> path, "" for v2), or None when unreadable."""
     try:
-        with open(f"{proc}/{pid}/cgroup") as f:
-            return hierarchy.proc_cgroups(f.read(1 << 16))
+        return procstat.read_cgroups(pid, proc)
     except OSError:
         return None
 
@@ -234,7 +234,7 @@ def _shared(cgroups: dict, pid: int, mounts) -> bool:
     return False
 
 
-def record(state_dir: str, container: Container) -> None:
+def add(state_dir: str, container: Container) -> None:
     """Write (or replace) the entry of `container`. Raises OSError."""
     store.write_json(entry_path(state_dir, container), container.as_dict())
 
@@ -243,10 +243,7 @@ def forget(state_dir: str, container) -> None:
     """Remove the entry of `container` (a Container), or every entry of an id (a str)."""
     targets = [container] if isinstance(container, Container) else load_id(state_dir, container)
     for entry in targets:
-        try:
-            os.unlink(entry_path(state_dir, entry))
-        except FileNotFoundError:
-            pass
+        statefiles.remove(entry_path(state_dir, entry))
 
 
 def _parse(doc) -> Container | None:
@@ -303,7 +300,7 @@ def load_all(state_dir: str, proc: str = "/proc", prune: bool = True) -> tuple:
                 mounts = cgroup_mounts(proc)
             if entry.boot_id != this_boot or not cgroups_exist(entry, mounts) or not namespace_exists(entry, proc):
                 try:
-                    os.unlink(path)
+                    statefiles.remove(path)
                 except OSError:
                     pass
                 continue
@@ -317,22 +314,22 @@ def is_alive(container: Container, proc: str = "/proc") -> bool:
 
 
 def cgroup_mounts(proc: str = "/proc"):
-    """The cgroup hierarchies mounted where this process looks (hierarchy.cgroup_mounts)."""
+    """The cgroup hierarchies mounted where this process looks (gpuhook.kernel.mountinfo.cgroup_mounts);
+    none when the table cannot be read."""
     try:
-        with open(f"{proc}/self/mountinfo") as f:
-            return hierarchy.cgroup_mounts(f.read())
+        return mountinfo.cgroup_mounts_here(proc)
     except OSError:
         return []
 
 
 def cgroup_directories(cgroups: dict, mounts) -> list:
     """Where cgroup paths (controller -> path, "" for cgroup v2) are in the mounted
-    hierarchies `mounts` (hierarchy.cgroup_mounts); paths no mount shows are left out."""
+    hierarchies `mounts` (`cgroup_mounts`); paths no mount shows are left out."""
     found = []
     for key, path in cgroups.items():
         for fstype, root, point, options in mounts:
             if (key == "" and fstype == "cgroup2") or (key and fstype == "cgroup" and key in options):
-                directory = _directory(point, root, path)
+                directory = mountinfo.cgroup_directory(point, root, path)
                 if directory and directory not in found:
                     found.append(directory)
     return found
@@ -360,13 +357,3 @@ def cgroups_exist(container: Container, mounts) -> bool:
         if inode is not None and inode == ids.get(key):
             return True
     return False
-
-
-def _directory(mount_point: str, mount_root: str, path: str) -> str:
-    """Where cgroup `path` is under a hierarchy mounted at `mount_point` showing `mount_root`
-    ("" when the mount does not show it)."""
-    root = mount_root.rstrip("/")
-    if root and path != root and not path.startswith(root + "/"):
-        return ""
-    rest = path[len(root):].strip("/")
-    return mount_point.rstrip("/") + ("/" + rest if rest else "")

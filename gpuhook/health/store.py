@@ -20,9 +20,10 @@ import fcntl
 import os
 import time
 
-from gpuhook import cache
-from gpuhook.cache import boot_id  # noqa: F401  (re-exported: reports, stamps and the registry use it)
-from gpuhook.discover import is_uuid
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
+from gpuhook.kernel.files import boot_id  # noqa: F401  (re-exported: reports, stamps and the registry use it)
+from gpuhook.driver import is_uuid
 from gpuhook.errors import InputError
 
 FORMAT = 2  # 2: stamps carry the allocation they were made for
@@ -102,15 +103,15 @@ def boottime() -> float:
 
 
 def write_json(path: str, document, mode: int = 0o600) -> None:
-    """Write `document` to `path` atomically (gpuhook.cache), readable by root only (reports
+    """Write `document` to `path` atomically (gpuhook.apply.statefiles), readable by root only (reports
     and registry entries name pods, pids and GPUs). Raises OSError; the caller decides
     whether that matters."""
-    cache.write_atomic(path, document, mode=mode, dir_mode=0o700)
+    statefiles.write_atomic(path, document, mode=mode, dir_mode=0o700)
 
 
 def read_json(path: str):
     """The JSON document at `path`, or None when it is missing or damaged."""
-    return cache.read(path, limit=1 << 20)
+    return files.read(path, limit=1 << 20)
 
 
 # --- reports --------------------------------------------------------------------------------
@@ -154,7 +155,7 @@ def _prune_stamps(state_dir: str, uuid: str, ttl: float, keep: str) -> None:
         if _judge(read_json(path), uuid, None, ttl).fresh:
             continue
         try:
-            os.unlink(path)
+            statefiles.remove(path)
         except OSError:
             pass
 
@@ -202,7 +203,7 @@ def claim_stamp(state_dir: str, uuid: str, ttl: float, allocations) -> StampClai
         path = stamp_path(state_dir, uuid, allocation)
         taken = f"{path}.claimed.{os.getpid()}.{time.monotonic_ns()}"
         try:
-            os.rename(path, taken)
+            statefiles.claim(path, taken)
         except FileNotFoundError:
             continue
         except OSError as err:
@@ -212,7 +213,7 @@ def claim_stamp(state_dir: str, uuid: str, ttl: float, allocations) -> StampClai
             stamp = read_json(taken)
         finally:
             try:
-                os.unlink(taken)
+                statefiles.remove(taken)
             except OSError:
                 pass
         claim = _judge(stamp, uuid, allocation, ttl)
@@ -257,8 +258,7 @@ class GpuLock:
     def acquire(self, until: float, cancelled=None) -> bool:
         """True once held; False when monotonic time `until` passed (or `cancelled()` said so)
         first. Raises OSError when the lock file cannot be opened."""
-        cache.ensure_dir(os.path.dirname(self.path), 0o700)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = statefiles.open_lock(self.path)
         pause = 0.002
         while True:
             try:

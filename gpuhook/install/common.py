@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from gpuhook import config as cfg
 from gpuhook.errors import InputError
-from gpuhook.prescan import read_regular_file
+from gpuhook.kernel.files import read_regular_file
 
 TARGETS = ("podman", "crio", "containerd", "runc-bundle", "docker")
 
@@ -52,7 +52,7 @@ TIMEOUT_MARGIN = 5
 # The annotation-gated variant: podman and CRI-O start the hook only for containers with a
 # CDI annotation naming a device of any NVIDIA kind (nvidia.com/gpu, k8s.device-plugin.nvidia.com/gpu,
 # a DRA claim k8s.gpu.nvidia.com/claim) or of gpuhook's own (gpuhook.example/gpu), the kinds the
-# annotation channel accepts (gpuhook.request.is_gpu_kind) and the one request channel that is
+# annotation channel accepts (gpuhook.request.resolve.is_gpu_kind) and the one request channel that is
 # also an annotation (podman matches `when.annotations` keys and values as unanchored regular
 # expressions).
 CDI_WHEN = {r"^cdi\.k8s\.io/.*$": r"(nvidia\.com/[a-zA-Z0-9_.-]+|gpuhook\.example/gpu)="}
@@ -306,7 +306,7 @@ def _read_text(path: str) -> str | None:
 
 def _read_bytes(path: str, want_stat: bool = False):
     """The file at `path` (and its stat), never through a symlink, never blocking on a FIFO
-    (gpuhook.prescan.read_regular_file); None when it does not exist."""
+    (gpuhook.kernel.files.read_regular_file); None when it does not exist."""
     try:
         data, st = read_regular_file(path, MAX_FILE_BYTES + 1, os.O_NOFOLLOW, with_stat=True)
     except FileNotFoundError:
@@ -384,13 +384,13 @@ def _copy_atomic(source: str, target: str) -> None:
 
 
 def _replace(path: str, data: bytes, like=None, mode: int | None = None) -> None:
-    """Replace `path` with `data` through its directory's fd (safepath.replace_file), with
+    """Replace `path` with `data` through its directory's fd (gpuhook.apply.rootfs.replace_file), with
     the mode and owner of `like`, else of the file it replaces, else 0644 root. A link
     planted in a user-owned directory is never followed, and a FIFO or device is refused."""
-    from gpuhook import cache, safepath
+    from gpuhook.apply import rootfs, statefiles
 
     directory, name = os.path.split(path)
-    cache.make_dirs(directory)
+    statefiles.make_dirs(directory)
     dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         if like is None:
@@ -401,11 +401,11 @@ def _replace(path: str, data: bytes, like=None, mode: int | None = None) -> None
             if like is not None and not stat.S_ISREG(like.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file; refusing to replace it", path)
         if mode is not None:
-            safepath.replace_file(dir_fd, name, data, mode, (0, 0) if os.geteuid() == 0 else None)
+            rootfs.replace_file(dir_fd, name, data, mode, (0, 0) if os.geteuid() == 0 else None)
         elif like is None:
-            safepath.replace_file(dir_fd, name, data)
+            rootfs.replace_file(dir_fd, name, data)
         else:
             owner = (like.st_uid, like.st_gid) if os.geteuid() == 0 else None
-            safepath.replace_file(dir_fd, name, data, like.st_mode & 0o7777, owner)
+            rootfs.replace_file(dir_fd, name, data, like.st_mode & 0o7777, owner)
     finally:
         os.close(dir_fd)

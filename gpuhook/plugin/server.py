@@ -21,8 +21,11 @@ from collections import OrderedDict
 
 import grpc
 
-from gpuhook import cache, discover, journal
-from gpuhook import request as req
+from gpuhook import journal
+from gpuhook.kernel import files
+from gpuhook.discover import proc
+from gpuhook import driver
+from gpuhook.request import resolve
 from gpuhook.errors import GpuhookError, HostError, InputError, printable
 from gpuhook.health import store
 
@@ -76,16 +79,16 @@ class Devices:
 
 def offered_devices(config) -> Devices:
     """The devices to advertise (plugin.mig-strategy)."""
-    gpus = discover.gpus(config.proc_root)
+    gpus = proc.gpus(config.proc_root)
     ids, gpu_of, numa = [], {}, {}
     migs = {}
-    if config.plugin.mig_strategy == "single" and discover.has_mig_instances(discover.capabilities(config.proc_root)):
-        from gpuhook.inventory import nvml_facts
+    if config.plugin.mig_strategy == "single" and proc.has_mig_instances(proc.capabilities(config.proc_root)):
+        from gpuhook.discover.inventory import nvml_facts
 
-        facts, _ = nvml_facts(config, write=False)
+        facts, _ = nvml_facts(config)
         migs = {uuid: g.mig_devices for uuid, g in facts.gpus.items() if g.mig_mode}
     for gpu in gpus:
-        node = discover.numa_node(config.sys_root, gpu.bus_id)
+        node = proc.numa_node(config.sys_root, gpu.bus_id)
         for ident in [mig.uuid for mig in migs[gpu.uuid]] if gpu.uuid in migs else [gpu.uuid]:
             ids.append(ident)
             gpu_of[ident] = gpu.uuid
@@ -138,16 +141,16 @@ def allocate_response(pb, ids: list, strategy: str, token: str | None = None):
         response.mounts.add(container_path=f"{store.ALLOCATION_ROOT}/{token}", host_path="/dev/null", read_only=True)
     if strategy == "volume-mounts":
         for ident in ids:
-            response.mounts.add(container_path=f"{req.VOLUME_MOUNT_ROOT}/{ident}", host_path="/dev/null",
+            response.mounts.add(container_path=f"{resolve.VOLUME_MOUNT_ROOT}/{ident}", host_path="/dev/null",
                                 read_only=True)
-        response.envs["NVIDIA_VISIBLE_DEVICES"] = req.VOLUME_MOUNT_ROOT  # names no GPU itself
+        response.envs["NVIDIA_VISIBLE_DEVICES"] = resolve.VOLUME_MOUNT_ROOT  # names no GPU itself
     elif strategy == "envvar":
         response.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(ids)
     elif strategy == "cdi-annotations":
-        response.annotations[CDI_ANNOTATION] = ",".join(f"{req.CDI_KIND}={ident}" for ident in ids)
+        response.annotations[CDI_ANNOTATION] = ",".join(f"{driver.CDI_KIND}={ident}" for ident in ids)
     elif strategy == "cdi-cri":
         for ident in ids:
-            response.cdi_devices.add(name=f"{req.CDI_KIND}={ident}")
+            response.cdi_devices.add(name=f"{driver.CDI_KIND}={ident}")
     return response
 
 
@@ -452,7 +455,7 @@ def main(config, plugin_dir: str) -> int:
     st = os.lstat(plugin_dir)
     # Whoever can write the directory can swap our socket for theirs (kubelet would then
     # Allocate through them) or remove it at will.
-    if not stat.S_ISDIR(st.st_mode) or not cache.trusted(st):
+    if not stat.S_ISDIR(st.st_mode) or not files.trusted(st):
         raise HostError(f"the device plugin directory {printable(plugin_dir)[:200]} is not a directory owned by root "
                          "and writable only by it", "kubelet's own is /var/lib/kubelet/device-plugins (0750 or 0755)")
     return Plugin(config, plugin_dir).run()

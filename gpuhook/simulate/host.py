@@ -32,8 +32,8 @@ import stat
 import subprocess
 import uuid as uuidlib
 
-from gpuhook.discover import LIBRARIES, MULTIARCH
-from gpuhook.nvml import BRANDS
+from gpuhook.driver import LIBRARIES, MULTIARCH
+from gpuhook.discover.nvml import BRANDS
 from gpuhook.simulate import SimulationError
 from gpuhook.simulate import nvml as simnvml
 
@@ -235,11 +235,12 @@ def _check_target(directory: str) -> None:
     """Make `directory` (0755), or accept an existing one only if it is a real directory that
     root owns and nobody else can write. Root later loads the "NVML" library built there: a
     directory another user made (say /tmp/sim), or a symlink, would let that user swap it."""
-    from gpuhook import cache
+    from gpuhook.apply import statefiles
+    from gpuhook.kernel import files
 
     try:
-        cache.ensure_dir(directory, 0o755)
-    except cache.UntrustedPath as err:
+        statefiles.ensure_dir(directory, 0o755)
+    except files.UntrustedPath as err:
         raise SimulationError(f"{directory} is a symlink, or not a directory owned by root and writable only by "
                               f"it; choose a private directory (e.g. under /var/lib)") from err
 
@@ -419,7 +420,7 @@ def _lay_out_driver(driver: str, layout: str, multiarch: str, version: str, stat
 
 def _static_ldconfig() -> str:
     """This machine's statically linked ldconfig, to stand for a driver container's own."""
-    from gpuhook import elf
+    from gpuhook.discover import elf
 
     for path in ("/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig", "/usr/bin/ldconfig"):
         try:

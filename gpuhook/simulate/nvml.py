@@ -19,7 +19,7 @@ import fcntl
 import json
 import os
 
-from gpuhook.nvml import BRANDS
+from gpuhook.discover.nvml import BRANDS
 from gpuhook.simulate import SimulationError
 
 STATE_FILE = "nvml.json"
@@ -123,13 +123,13 @@ def new_state(driver_version: str, cuda_version: str, gpus: list, call_latency_m
 
 
 def gpu_state(uuid: str, name: str, minor: int, bus_id: str, **fields) -> dict:
-    """A healthy GPU record: every field at its default, then `fields`."""
-    record = {"uuid": uuid, "name": name, "minor": minor, "bus_id": bus_id}
+    """A healthy GPU's state: every field at its default, then `fields`."""
+    gpu = {"uuid": uuid, "name": name, "minor": minor, "bus_id": bus_id}
     for field, (_kind, default) in GPU_FIELDS.items():
-        if field not in record and field not in OPTIONAL_WITHOUT_DEFAULT:
-            record[field] = list(default) if isinstance(default, list) else default
-    _apply(record, fields, GPU_FIELDS, "gpu")
-    return record
+        if field not in gpu and field not in OPTIONAL_WITHOUT_DEFAULT:
+            gpu[field] = list(default) if isinstance(default, list) else default
+    _apply(gpu, fields, GPU_FIELDS, "gpu")
+    return gpu
 
 
 def process(pid: int, used_memory: int = 0, stale: bool = False, gpu_instance_id: int | None = None,
@@ -243,17 +243,17 @@ def _gpu_index(state: dict, gpu) -> int:
         if 0 <= gpu < len(state["gpus"]):
             return gpu
         raise SimulationError(f"no simulated GPU with index {gpu} (there are {len(state['gpus'])})")
-    for i, record in enumerate(state["gpus"]):
-        if record["uuid"] == gpu:
+    for i, entry in enumerate(state["gpus"]):
+        if entry["uuid"] == gpu:
             return i
     raise SimulationError(f"no simulated GPU {gpu!r}")
 
 
-def _apply(record: dict, fields: dict, known: dict, what: str) -> None:
+def _apply(entry: dict, fields: dict, known: dict, what: str) -> None:
     for name, value in fields.items():
         if name not in known:
             raise SimulationError(f"unknown {what} field {name!r} (known: {', '.join(known)})")
-        record[name] = value
+        entry[name] = value
 
 
 class _locked:

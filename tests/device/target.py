@@ -78,7 +78,7 @@ def runc() -> str:
 
 
 def busybox() -> str:
-    from gpuhook.simulate.runner import TestbedError, find_busybox
+    from gpuhook.simulate.demo import RuncError as TestbedError, find_busybox
 
     given = os.environ.get("GPUHOOK_DEVICE_BUSYBOX")
     if given:

@@ -22,8 +22,8 @@ import time
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import nvml
-from gpuhook.simulate import runner
+from gpuhook.discover import nvml
+from helpers import testbed as runner
 
 import target
 
@@ -152,7 +152,7 @@ def test_the_hooks_latency_is_measured(host):
         "median_hook_prestart_s": round(statistics.median(prestart), 4),
         "median_hook_poststop_s": round(statistics.median(poststop), 4),
         "poststop_nvml": sorted({r.get("nvml", "?") for r in records if r.get("stage") == "poststop"}),
-        "gpu": host.gpu0.name, "simulated": bool(target.simulated()),
+        "gpu": host.gpu0.model, "simulated": bool(target.simulated()),
     }
     print(json.dumps(figures))
     out = os.environ.get("GPUHOOK_DEVICE_FIGURES")

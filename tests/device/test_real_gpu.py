@@ -17,7 +17,8 @@ import time
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import discover, nvml
+from gpuhook.discover import nvml
+from gpuhook.discover import proc as discover
 from gpuhook.health import actions, checks, engine, owners, store
 
 import target

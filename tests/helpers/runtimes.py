@@ -15,7 +15,7 @@ import time
 from conftest import NODE_PATHS, GpuContainers
 
 from gpuhook.health import registry
-from gpuhook.simulate.runner import RUN_ENV, RunResult, TestbedError
+from helpers.testbed import RUN_ENV, RunResult, TestbedError
 
 
 class PodmanGpus(GpuContainers):

@@ -8,7 +8,7 @@ nsenter. From outside, the namespace's cgroup tree is reachable under /proc/HOLD
 Access is checked by errno inside the container as in tests/integration/test_runc_v1.py: ENXIO = the
 device programs allow the node but no driver is behind it, EPERM = they deny it.
 
-The last part tests gpuhook.cgroup.systemd against a stand-in systemctl (systemd cannot run
+The last part tests gpuhook.apply.cgroup.systemd against a stand-in systemctl (systemd cannot run
 here); docs/cgroup-v2.md says how to check it on a systemd host.
 """
 
@@ -17,22 +17,23 @@ import json
 import os
 import subprocess
 import sys
-
 import pytest
-
-from gpuhook.simulate import runner as testbed
-from gpuhook.cgroup import bpf, systemd, v2
+from helpers import testbed
+from gpuhook.apply.cgroup import bpf, systemd, v2
 from gpuhook.devrules import program
 from gpuhook.devrules.devices import DeviceRule, parse_v1_line
 from gpuhook.errors import ApplyError
-
 from conftest import REPO, require, require_root_tools, sim_config_values, write_config
 from helpers.bpfdata import RULE_SETS, golden
 from helpers.runtimes import STRICT_POLICY, start_with_runtime_node
 
+
 pytestmark = pytest.mark.root
 
+
 HARDEN = "/proc/sys/net/core/bpf_jit_harden"
+
+
 PATHS = ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/null", "/dev/zero"]
 
 
@@ -222,7 +223,7 @@ def test_one_program_holds_runcs_rules_then_ours_and_runc_update_changes_nothing
 
 def test_running_the_hook_twice_leaves_the_programs_rules_unchanged(v2ns, bed, gpus, runc_rules):
     # A second gpuhook with a state dir of its own (the same one would find the start served:
-    # gpuhook.served) grants again on the same container.
+    # gpuhook.apply.served) grants again on the same container.
     other = write_config(f"{bed.workdir}/other.toml", sim_config_values(gpus.sim, gpus.log),
                          **{"state-dir": f"{bed.workdir}/other-run"})
 
@@ -291,7 +292,7 @@ def test_missing_capability_is_one_line_and_changes_nothing(v2ns, bed, gpus):
         assert box.started.returncode == 0, box.output
         before = box.program_ids()
         script = ("import sys; sys.path.insert(0, sys.argv[1]);"
-                  "from gpuhook.cgroup import v2; from gpuhook.devrules.devices import char_device;"
+                  "from gpuhook.apply.cgroup import v2; from gpuhook.devrules.devices import char_device;"
                   "from gpuhook.errors import ApplyError\n"
                   "try: v2.grant(sys.argv[2], [char_device(195, 0)])\n"
                   "except ApplyError as err: print(err.one_line()); sys.exit(5)\n")
@@ -378,61 +379,6 @@ def test_kernel_and_bpftool_read_our_programs_as_stored(name):
     assert dump.splitlines() == golden(name)
 
 
-# --- which hierarchy holds the policy --------------------------------------------------------
-
-# /proc/self/mountinfo inside `unshare -m` after `mount -t cgroup2 cgroup2 /sys/fs/cgroup` on a
-# hybrid host (this machine): the v1 mounts are still listed, but under the new cgroup2 mount.
-HYBRID_WITH_V2_ON_TOP = """\
-31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
-36 31 0:33 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices
-40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
-41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
-66 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw
-"""
-HYBRID = "\n".join(HYBRID_WITH_V2_ON_TOP.splitlines()[:4]) + "\n"
-
-
-@pytest.mark.parametrize("mountinfo,devices_path,expected", [
-    # A container runc put on v2 (in a private mount namespace), seen from the hybrid host:
-    # its policy is its v2 cgroup's programs, not the v1 root's "allow all".
-    (HYBRID, "/", ("v2", "/sys/fs/cgroup/unified/ctr")),
-    (HYBRID, "/ctr", ("v1", "/sys/fs/cgroup/devices/ctr")),
-    (HYBRID_WITH_V2_ON_TOP, "/", ("v2", "/sys/fs/cgroup/ctr")),
-])
-def test_policy_is_found_where_the_runtime_put_it(tmp_path, mountinfo, devices_path, expected):
-    from gpuhook.cgroup import hierarchy
-
-    (tmp_path / "42").mkdir()
-    (tmp_path / "42" / "cgroup").write_text(f"9:name=systemd:/\n5:devices:{devices_path}\n0::/ctr\n")
-    place = hierarchy.placement(42, proc=str(tmp_path), mountinfo=mountinfo)
-    assert (place.mode, place.directory) == expected
-
-
-def test_a_v2_policy_this_namespace_cannot_see_is_said_not_guessed(tmp_path):
-    from gpuhook.cgroup import hierarchy
-    from gpuhook.errors import HostError
-
-    (tmp_path / "42").mkdir()
-    (tmp_path / "42" / "cgroup").write_text("5:devices:/\n0::/ctr\n")
-    only_v1 = "36 31 0:33 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices\n"
-    with pytest.raises(HostError) as caught:
-        hierarchy.placement(42, proc=str(tmp_path), mountinfo=only_v1)
-    assert "on cgroup v2 (/ctr), which is not mounted in this mount namespace" in caught.value.one_line()
-    assert "nsenter" in caught.value.one_line()
-
-
-def test_hidden_v1_devices_cgroup_that_restricts_is_an_error_not_a_silent_v2(tmp_path):
-    from gpuhook.cgroup import hierarchy
-    from gpuhook.errors import HostError
-
-    (tmp_path / "42").mkdir()
-    (tmp_path / "42" / "cgroup").write_text("5:devices:/ctr\n0::/ctr\n")
-    with pytest.raises(HostError, match="no devices hierarchy is mounted here"):
-        hierarchy.placement(42, proc=str(tmp_path), mountinfo=HYBRID_WITH_V2_ON_TOP)
-
-
-# --- cgroup show ------------------------------------------------------------------------------
-
 def test_cgroup_show_prints_the_rules_table_and_marks_ours(v2ns, bed, gpus, runc_rules):
     with Running(v2ns, bed, gpus, "v2-show", env=["NVIDIA_VISIBLE_DEVICES=0"], hook_count=1) as box:
         assert box.started.returncode == 0, box.output
@@ -446,28 +392,6 @@ def test_cgroup_show_prints_the_rules_table_and_marks_ours(v2ns, bed, gpus, runc
     assert rows[-1][:5] == [str(4 + len(runc_rules)), "deny", "a", "*:*", "rwm"]
     assert lines[-1] == f"systemd: the cgroup {bed.cgroup_path(box.id)} is not a scope of the system's systemd"
 
-
-def test_cgroup_show_reads_devices_list_on_v1(tmp_path):
-    cgroup = tmp_path / "docker-1.scope"
-    cgroup.mkdir()
-    (cgroup / "devices.list").write_text("c 1:3 rwm\nc 195:0 rw\nc 136:* rwm\n")
-    done = subprocess.run([sys.executable, "-m", "gpuhook", "cgroup", "show", "--path", str(cgroup), "--json"],
-                          capture_output=True, text=True, timeout=60, cwd="/")
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    assert report["mode"] == "v1" and report["programs"] is None
-    assert [(r["type"], r["major"], r["minor"], r["access"]) for r in report["rules"]] == [
-        ("c", 1, 3, "rwm"), ("c", 195, 0, "rw"), ("c", 136, None, "rwm")]
-
-
-def test_cgroup_show_needs_exactly_one_of_pid_and_path():
-    done = subprocess.run([sys.executable, "-m", "gpuhook", "cgroup", "show"], capture_output=True, text=True,
-                          timeout=60, cwd="/")
-    assert done.returncode != 0
-    assert done.stderr == "gpuhook: give either --pid PID or --path CGROUP_DIR\n"
-
-
-# --- systemd, against a stand-in systemctl -------------------------------------------------------
 
 FAKE_SYSTEMCTL = r"""#!/bin/sh
 # Stand-in for systemctl: logs its arguments; `show` prints the unit file $DIR/unit plus what
@@ -486,6 +410,7 @@ for arg; do case "$arg" in
 esac; done
 exit 2
 """
+
 
 PROC_DEVICES = "Character devices:\n  1 mem\n136 pts\n195 nvidia-frontend\n509 nvidia-uvm\n\nBlock devices:\n  8 sd\n"
 
@@ -524,7 +449,11 @@ class FakeSystemd:
 
 RUNC_SCOPE_UNIT = ("LoadState=loaded\nDevicePolicy=strict\nDeviceAllow=/dev/char/1:3 rwm\n"
                    "DeviceAllow=char-pts rwm\n")
+
+
 GPU_RULES = [R("c 195:255 rw"), R("c 195:0 rw"), R("c 1:3 rw")]
+
+
 SHOW = ("--no-pager --no-ask-password show --property=LoadState --property=DevicePolicy --property=DeviceAllow "
         "--property=ControlGroup -- ")
 
@@ -545,89 +474,6 @@ def test_scope_that_restricts_devices_gets_runtime_device_allow_for_what_it_lack
     assert os.readlink(fake.dev / "char" / "195:0") == "../nvidia0"
     assert os.readlink(fake.dev / "char" / "195:255") == "../nvidiactl"
 
-
-def test_registering_again_finds_everything_known_and_calls_only_show(tmp_path):
-    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT, control_groups=["/kubepods.slice/cri-containerd-1.scope"])
-    fake.systemd.register("/kubepods.slice/cri-containerd-1.scope", GPU_RULES)
-    again = fake.systemd.register("/kubepods.slice/cri-containerd-1.scope", GPU_RULES)
-    assert again.entries == []
-    assert [call.split()[2] for call in fake.calls()] == ["show", "set-property", "show"]
-
-
-@pytest.mark.parametrize("cgroup_path,unit_text,running,why", [
-    ("/docker/abc", RUNC_SCOPE_UNIT, True, "not a scope of the system's systemd"),
-    ("/user.slice/user-1000.slice/user@1000.service/app.slice/c.scope", RUNC_SCOPE_UNIT, True,
-     "not a scope of the system's systemd"),
-    ("/system.slice/docker-abc.scope", RUNC_SCOPE_UNIT, False, "systemd is not running"),
-    ("/system.slice/docker-abc.scope", "LoadState=not-found\n", True, "LoadState=not-found"),
-    ("/system.slice/docker-abc.scope", "LoadState=loaded\nDevicePolicy=auto\n", True, "does not restrict devices"),
-    # A cgroupfs path that merely ends in another unit's name is not that unit's cgroup.
-    ("/attacker/init.scope", RUNC_SCOPE_UNIT, True, "is not init.scope's (ControlGroup=/init.scope)"),
-    ("/attacker/docker-abc.scope", RUNC_SCOPE_UNIT, True,
-     "is not docker-abc.scope's (ControlGroup=/system.slice/docker-abc.scope)"),
-    ("/attacker/session-1.scope", RUNC_SCOPE_UNIT, True, "is not session-1.scope's (ControlGroup=none)"),
-])
-def test_registration_is_skipped_where_systemd_would_not_drop_the_grant(tmp_path, cgroup_path, unit_text,
-                                                                          running, why):
-    fake = FakeSystemd(tmp_path, unit_text, running,
-                       control_groups=["/system.slice/docker-abc.scope", "/init.scope"])
-    done = fake.systemd.register(cgroup_path, GPU_RULES)
-    assert done.entries == [] and why in done.skipped
-    assert not [call for call in fake.calls() if "set-property" in call]  # never switches an allow list on
-
-
-def test_systemd_refusal_is_one_clear_line(tmp_path):
-    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT, control_groups=["/system.slice/docker-abc.scope"])
-    (fake.dir / "refuse").write_text("Failed to set unit properties on docker-abc.scope: Access denied\n")
-    with pytest.raises(ApplyError) as caught:
-        fake.systemd.register("/system.slice/docker-abc.scope", GPU_RULES)
-    assert caught.value.one_line() == ("cgroup: systemd did not add DeviceAllow= to docker-abc.scope: "
-                                       "Failed to set unit properties on docker-abc.scope: Access denied")
-
-
-def test_show_marks_allowed_devices_that_systemd_does_not_know(tmp_path):
-    fake = FakeSystemd(tmp_path, RUNC_SCOPE_UNIT, control_groups=["/docker-abc.scope"])
-    cgroup = tmp_path / "docker-abc.scope"
-    cgroup.mkdir()
-    (cgroup / "devices.list").write_text("c 1:3 rwm\nc 136:* rwm\nc 195:0 rw\n")
-    report = v2.describe(v2.placement_of_directory(str(cgroup), mountinfo=""), systemd=fake.systemd)
-    assert report.systemd.at_risk == [R("c 195:0 rw")]
-    from gpuhook.cli.cgroupcmd import render
-
-    lines = render(report)
-    (gpu_row,) = [line for line in lines if line.startswith("  ") and " 195:0 " in line]
-    assert gpu_row.rstrip().endswith("NOT KNOWN")
-    assert lines[-1] == ("systemd: docker-abc.scope does not know 1 allowed device rule(s); "
-                         "a daemon-reload would take them away: c 195:0 rw")
-    assert report.cgroup_path == "/docker-abc.scope"
-    fake.systemd.register(report.cgroup_path, [R("c 195:0 rw")])
-    assert fake.systemd.status(report.cgroup_path, report.allowed()).at_risk == []
-
-
-@pytest.mark.parametrize("entry,rules", [
-    ("/dev/char/195:0 rw", [R("c 195:0 rw")]),
-    ("/dev/block/8:0 r", [R("b 8:0 r")]),
-    ("char-pts rwm", [R("c 136:* rwm")]),
-    ("char-nvidia* rw", [R("c 195:* rw"), R("c 509:* rw")]),
-    ("char-* m", [R("c *:* m")]),
-    ("block-sd", [R("b 8:* rwm")]),
-    ("/dev/no-such-node rw", []),
-])
-def test_device_allow_entries_are_read_as_rules(tmp_path, entry, rules):
-    assert systemd.parse_entry(entry, PROC_DEVICES) == rules
-
-
-@pytest.mark.parametrize("rule,entries", [
-    (R("c 195:0 rw"), ["/dev/char/195:0 rw"]),
-    (R("c 195:* rw"), ["char-nvidia-frontend rw"]),
-    (R("c 77:* r"), ["char-77 r"]),
-    (R("a *:* m"), ["char-* m", "block-* m"]),
-])
-def test_rules_become_the_device_allow_entries_systemd_understands(rule, entries):
-    assert systemd.device_entries(rule, PROC_DEVICES) == entries
-
-
-# --- the hook with systemd in the picture (stand-in systemctl, private namespace) ----------------
 
 HOOK_SYSTEMCTL = r"""#!/bin/sh
 # Stand-in systemctl bind-mounted over the real one in a private namespace: logs its
@@ -769,7 +615,7 @@ def test_a_parent_cgroup_program_that_denies_the_gpu_fails_the_start_clearly(v2n
 FOREIGN_HOOK = r'''
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from gpuhook.cgroup import bpf
+from gpuhook.apply.cgroup import bpf
 from gpuhook.devrules import program
 from gpuhook.devrules.devices import parse_v1_line as R
 state = json.load(sys.stdin)

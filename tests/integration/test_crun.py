@@ -15,7 +15,7 @@ from conftest import LIBDIR, GpuContainers, require, require_root_tools
 from helpers.runtimes import (STRICT_POLICY, gpu_nodes, gpuhook_cli, log_records, other_gpu_node, registered,
                               start_with_runtime_node)
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 
 pytestmark = pytest.mark.root
 

@@ -72,10 +72,10 @@ def test_a_hook_held_past_its_deadline_is_ended_by_the_backstop(bed, slow_nvml_h
 WORKER_SCRIPT = r"""
 import json, mmap, os, subprocess, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook import nsworker, workerproc
-from gpuhook.plan import BindMount, Plan
+from gpuhook.apply import nsworker, order
+from gpuhook.plan.records import BindMount; from gpuhook.plan.records import Plan
 
-workerproc.COMMIT_WAIT = 0.5
+nsworker.COMMIT_WAIT = 0.5
 root = {root!r}
 subprocess.run(["mount", "--bind", root, root], check=True)  # a rootfs is a mount point
 lib = BindMount({source!r}, "/usr/lib64/libcuda.so.1", "file", ("ro", "nosuid", "nodev"))
@@ -83,7 +83,7 @@ plan = Plan("c", os.getpid(), root, "gpus", "env", frozenset(), (), (), (lib,), 
 ns = os.open("/proc/self/ns/mnt", os.O_RDONLY)
 out_r, out_w = os.pipe()
 decide_r, decide_w = os.pipe()  # the "hook" keeps its end open and never says a word
-progress = mmap.mmap(-1, workerproc.PROGRESS_BYTES + workerproc.JOURNAL_BYTES)
+progress = mmap.mmap(-1, order.PROGRESS_BYTES + order.JOURNAL_BYTES)
 started = time.monotonic()
 code = nsworker.run(plan, ns, None, {{}}, started + 0.5, out_w, progress, decide_r)
 took = time.monotonic() - started
@@ -96,7 +96,7 @@ print(json.dumps({{"code": code, "took": took, "reports": reports, "left": os.li
 def test_a_worker_the_hook_never_answers_undoes_its_work_by_itself(tmp_path):
     """After its report the worker waits for COMMIT or ABORT; a hook that is alive but can no
     longer act (stuck in the kernel) never sends either. The worker waits a bounded time past
-    its deadline (workerproc.COMMIT_WAIT), then takes its work back, as it does on ABORT."""
+    its deadline (gpuhook.apply.order.COMMIT_WAIT), then takes its work back, as it does on ABORT."""
     import json
     import subprocess
     import sys

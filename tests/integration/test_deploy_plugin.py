@@ -31,7 +31,7 @@ import json, sys
 from gpuhook import config as cfg
 from gpuhook.health.actions import reset_argv
 from gpuhook.plugin.server import Plugin
-config = cfg.load(sys.argv[1], {}, use_cache=False, write_cache=False)
+config = cfg.load(sys.argv[1], {}, use_cache=False)
 plugin = Plugin(config, sys.argv[2])
 plugin.recheck()
 try:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO, require_root_tools, write_config
-from gpuhook import preflight
+from gpuhook.cli import preflight
 from gpuhook.simulate import host as simhost
 
 SAMPLE = os.path.join(REPO, "examples", "states", "runc-gpu0.json")

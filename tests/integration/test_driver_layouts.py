@@ -13,7 +13,7 @@ import pytest
 
 from conftest import GpuContainers, require, require_root_tools
 from gpuhook.simulate import host as simhost
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 
 ENV = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
 # What the simulated nvidia-smi prints first when it runs (gpuhook/simulate/csrc/tool.c).
@@ -60,11 +60,11 @@ def test_the_gke_layouts_wrappers_are_skipped_and_the_real_programs_run_in_the_c
 def test_named_driver_dirs_are_the_only_places_looked_at(bed, gke_host, probe, tmp_path):
     """driver-bin-dirs and driver-lib-dirs: the operator says where the driver is."""
     from gpuhook import config as cfg
-    from gpuhook import discover
+    from gpuhook.discover import inventory as discover_inventory
 
     gpus = containers(bed, gke_host, probe, tmp_path, **{"driver-bin-dirs": ["/usr/bin"],
                                                           "driver-lib-dirs": ["/usr/local/nvidia/lib64"]})
-    inventory = discover.inventory(cfg.load(gpus.config))
+    inventory = discover_inventory.scan(cfg.load(gpus.config))
     assert not any(b.container_path == "/usr/bin/nvidia-smi" for b in inventory.binaries)  # only a wrapper there
     assert {lib.host_path.rsplit("/", 1)[0] for lib in inventory.libraries} == {gke_host["lib_dir"]}
     result = gpus.run("gke-named", env=ENV, before="ls /usr/bin/nvidia-smi; echo ls-rc=$?")

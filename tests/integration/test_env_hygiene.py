@@ -69,7 +69,7 @@ def test_image_environment_reaches_neither_the_hook_nor_its_children(gpus, evil,
 
 
 def test_host_ldconfig_runs_with_no_capability_no_procfs_and_a_read_only_rootfs(gpus, tmp_path):
-    """The sandbox the host's ldconfig runs in (gpuhook.ldsandbox), as ldconfig sees it."""
+    """The sandbox the host's ldconfig runs in (gpuhook.apply.ldsandbox), as ldconfig sees it."""
     gpus.configure(ldconfig=fake_ldconfig(tmp_path))
 
     def image_dev_zero(rootfs):  # the image's own node, under the runtime's /dev (which the sandbox leaves out)
@@ -101,7 +101,7 @@ def test_runtime_environment_python_variables_are_ignored_without_hook_env(gpus,
     original_run = bed.run
 
     def run_with_runtime_env(bundle, container_id, timeout=60, runc_args=()):
-        import gpuhook.simulate.runner as tb
+        from helpers import testbed as tb
 
         saved = dict(tb.RUN_ENV)
         tb.RUN_ENV.update(python_vars)

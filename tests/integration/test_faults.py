@@ -68,7 +68,7 @@ def test_cgroup_write_failure_names_the_rule(gpus, tmp_path):
 
 
 def test_a_failed_grant_puts_the_images_own_ld_cache_back(gpus):
-    """The namespace worker runs while the hook grants the cgroup rules (gpuhook.apply): when
+    """The namespace worker runs while the hook grants the cgroup rules (gpuhook.apply.run): when
     the grant fails after the worker finished, even its last step (the image's ld.so.cache,
     replaced) is undone, byte for byte."""
     parent = f"/sys/fs/cgroup/devices/gpuhook-fault-cache-{os.getpid()}"
@@ -203,7 +203,7 @@ def test_nvml_failure_fails_the_start_in_one_line_and_changes_nothing(bed, probe
 def test_cgroup_v1_undo_takes_back_only_the_access_gpuhook_added(tmp_path):
     """A container that could already read 195:0 keeps that when a failed start takes our
     'rw' grant back (the kernel merges both into one entry; only 'w' was ours)."""
-    from gpuhook.cgroup import v1
+    from gpuhook.apply.cgroup import v1
     from gpuhook.devrules.devices import char_device, parse_v1_line
 
     directory = f"/sys/fs/cgroup/devices/gpuhook-undo-{os.getpid()}"

@@ -1,4 +1,4 @@
-"""cgroup v1 grants do not outlive their container (gpuhook.grants, docs/security.md).
+"""cgroup v1 grants do not outlive their container (gpuhook.apply.grants, docs/security.md).
 
 Two real runc containers share one devices cgroup (one cgroupsPath). B has no GPU. A gets
 GPU 0 from gpuhook, which writes its rule into the shared cgroup, so B could open GPU 0 too
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from gpuhook.simulate import runner as testbed
-from gpuhook.cgroup import hierarchy
+from helpers import testbed
+from gpuhook.apply.cgroup import hierarchy
 
 from conftest import GpuContainers, require_root_tools, run_hook_process
 

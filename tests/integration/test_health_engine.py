@@ -17,12 +17,12 @@ import uuid as uuidlib
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import oci
-from gpuhook.cgroup import hierarchy
+from gpuhook.request import oci
+from gpuhook.kernel import mountinfo
 from gpuhook.errors import GpuUnhealthyError, HealthDeadlineError, HostError
 from gpuhook.health import engine, hooks, owners, registry, store
 from gpuhook.health.owners import Owner
-from gpuhook.nvml import Process
+from gpuhook.discover.nvml import Process
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
 
@@ -124,8 +124,7 @@ def wait_until(condition, timeout=5.0) -> bool:
 def cgroup_parent() -> str:
     """A directory in a mounted cgroup hierarchy where tests can make cgroups: cgroup2 if
     mounted, else the v1 pids hierarchy."""
-    with open("/proc/self/mountinfo") as f:
-        mounts = hierarchy.cgroup_mounts(f.read())
+    mounts = mountinfo.cgroup_mounts_here()
     for wanted in ("cgroup2", "pids"):
         for fstype, root, point, options in mounts:
             if fstype == wanted or (fstype == "cgroup" and wanted in options):
@@ -155,7 +154,7 @@ class FakeContainer:
     def register(self, state_dir, *gpus) -> registry.Container:
         entry = registry.from_process(self.id, self.init, gpus)
         assert entry.cgroups, "the test cgroup must be the container's own"
-        registry.record(state_dir, entry)
+        registry.add(state_dir, entry)
         return entry
 
     def stop_init(self) -> None:
@@ -555,7 +554,7 @@ def test_a_reset_waits_for_the_other_gpus_nvml_calls_and_they_go_on_after_it(con
 # Another gpuhook process with an NVML session open (as a concurrent start's check has).
 OTHER_SESSION = r"""
 import sys, time
-from gpuhook import nvml
+from gpuhook.discover import nvml
 with nvml.Session(sys.argv[1], client_lock=sys.argv[2]):
     print("open", flush=True)
     time.sleep(float(sys.argv[3]))
@@ -929,7 +928,7 @@ def test_a_cgroup_that_held_other_processes_is_never_the_containers(config, sim,
     daemon = shared.spawn("sleep", "600")  # there before the container registers
     entry = registry.from_process(shared.id, shared.init, [gpu(sim, 0)])
     assert entry.cgroups == {}
-    registry.record(config.state_dir, entry)
+    registry.add(config.state_dir, entry)
     simnvml.add_process(nvml_state, 0, pid=daemon, used_memory=GIB)
     shared.stop_init()
     record = {}

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpuhook.simulate import runner as testbed
-from gpuhook.cgroup import hierarchy
+from helpers import testbed
+from gpuhook.kernel import mountinfo
 from gpuhook.health import registry, store
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
@@ -158,7 +158,7 @@ def test_a_gpu_with_a_fault_a_reset_fixes_is_reset_before_the_container_gets_it(
 
 
 def test_an_unrepairable_gpu_fails_the_start_with_one_line(hgpus, nvml_state):
-    """The check runs while the rest of the start is applied (gpuhook.apply): its failure
+    """The check runs while the rest of the start is applied (gpuhook.apply.run): its failure
     undoes that too, so nothing of the start is left."""
     simnvml.set_gpu(nvml_state, 2, remapped_rows_failure=True, remapped_rows_uncorrectable=3)
     before = host_mounts()
@@ -211,7 +211,7 @@ def test_a_health_deadline_fails_the_start_naming_the_gpu_and_the_step(hgpus, nv
 def test_a_health_step_cut_off_by_the_hooks_own_deadline_still_undoes_the_start(hgpus, nvml_state):
     """The health step runs while the rest of the start is applied; when it is the hook's
     deadline (not the health step's own) that cuts it off, there must still be time to undo
-    the rest (gpuhook.apply.CLEANUP_MARGIN)."""
+    the rest (gpuhook.apply.run.CLEANUP_MARGIN)."""
     hgpus.configure(**{"deadline-seconds": 3}, health={"deadline-seconds": 30.0})
     simnvml.set_gpu(nvml_state, 3, handle_latency_ms=8000)
     before = host_mounts()
@@ -379,8 +379,7 @@ def test_concurrent_starts_on_one_gpu_never_run_two_resets_at_once(hgpus, nvml_s
 
 def container_cgroups(cgroups: dict) -> list:
     """The directories of a registered container's cgroups on this host."""
-    with open("/proc/self/mountinfo") as f:
-        return registry.cgroup_directories(cgroups, hierarchy.cgroup_mounts(f.read()))
+    return registry.cgroup_directories(cgroups, mountinfo.cgroup_mounts_here())
 
 
 def join_cgroups(pid, cgroups: dict, child: str = "") -> list:
@@ -624,7 +623,7 @@ def test_poststop_of_a_broken_or_unknown_state_exits_0_and_logs_why(hgpus, state
 def imported(hgpus, name: str, tmp_path) -> set:
     """The modules the hook process loaded for a real GPU start (python -X importtime, its
     stderr kept in a file). The health step runs only once the start is under way in a real
-    container (gpuhook.apply), so nothing less than a container shows it."""
+    container (gpuhook.apply.run), so nothing less than a container shows it."""
     errors = tmp_path / f"{name}.importtime"
     entry = testbed.hook_entry(hgpus.config, "prestart")
     python, flags, rest = entry["args"][0], entry["args"][1:3], entry["args"][3:]
@@ -643,8 +642,8 @@ def imported(hgpus, name: str, tmp_path) -> set:
 def test_mode_off_loads_no_nvml_no_threads_and_no_health_code(hgpus, tmp_path):
     hgpus.configure(health={"mode": "off"})
     off = imported(hgpus, "imports-off", tmp_path)
-    assert "gpuhook.apply" in off  # it went all the way
-    assert not off & {"pynvml", "psutil", "threading", "gpuhook.nvml"}
+    assert "gpuhook.apply.run" in off  # it went all the way
+    assert not off & {"pynvml", "psutil", "threading", "gpuhook.discover.nvml"}
     assert not {m for m in off if m.startswith("gpuhook.health")}
     hgpus.configure(health={"mode": "always"})
     on = imported(hgpus, "imports-on", tmp_path)

@@ -10,15 +10,17 @@ import socket
 import subprocess
 import sys
 import time
-
 import pytest
-
 from conftest import REPO, GpuContainers, require_root_tools
 from gpuhook.simulate import host as simhost
 
+
 pytestmark = pytest.mark.root
 
+
 UNIT = os.path.join(REPO, "packaging", "systemd", "gpuhook-health.service")
+
+
 INIT_MS = 1500
 
 
@@ -42,15 +44,6 @@ def exec_start(config: str) -> list:
     argv = unit()["Service"]["ExecStart"].split()
     assert argv[0] == "/usr/bin/gpuhook"
     return [sys.executable, "-m", "gpuhook", *argv[1:], "--config", config]
-
-
-def test_the_unit_is_a_notify_service_ordered_before_the_runtimes_and_restarted():
-    service, section = unit()["Service"], unit()["Unit"]
-    assert service["Type"] == "notify" and service["Restart"] == "on-failure"
-    before = section["Before"].split()
-    for runtime in ("containerd.service", "docker.service", "crio.service", "kubelet.service"):
-        assert runtime in before
-    assert unit()["Install"]["WantedBy"] == "multi-user.target"
 
 
 def test_the_daemon_says_ready_only_once_its_socket_listens_and_the_next_gpu_start_loads_no_nvml(

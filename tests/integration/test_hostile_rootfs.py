@@ -218,7 +218,7 @@ def test_mount_targets_in_a_rootfs_that_keeps_changing_never_leave_it(gpus, sent
 
 # The host's real ldconfig against images that aim it at the host through procfs magic links
 # (before pivot_root the container's /proc/1/root is the runtime's init, whose root is the
-# host's /), at special files, or at huge ones. gpuhook.ldsandbox runs it where none of these
+# host's /), at special files, or at huge ones. gpuhook.apply.ldsandbox runs it where none of these
 # exist; each start ends in the container's own cache or one clean failure, and the host's
 # sentinel is untouched.
 HOST_SECRET = "HOSTSECRET-must-never-show"

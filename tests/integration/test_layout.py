@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-
 from conftest import REPO, require_root_tools
 
 
@@ -18,8 +17,3 @@ def test_the_unit_tests_pass_as_an_unprivileged_user_with_nothing_skipped():
     summary = done.stdout.strip().splitlines()[-1]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert re.fullmatch(r"=* ?\d+ passed in [\d.]+s ?=*", summary), summary
-
-
-def test_every_test_file_is_in_one_part():
-    here = os.path.join(REPO, "tests")
-    assert not [name for name in os.listdir(here) if name.startswith("test_")], "put it in unit/ or integration/"

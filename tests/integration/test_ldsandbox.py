@@ -15,7 +15,7 @@ pytestmark = pytest.mark.root
 SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook import ldsandbox, linux
+from gpuhook.apply import ldsandbox; from gpuhook.kernel import linux
 root = {root!r}
 linux.mount(root, root, None, linux.MS_BIND)
 linux.mount("proc", root + "/proc", "proc", 0)

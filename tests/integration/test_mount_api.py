@@ -20,17 +20,17 @@ pytestmark = pytest.mark.root
 SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook import nsworker, safepath
-from gpuhook.plan import BindMount, Plan
+from gpuhook.apply import mounts; from gpuhook.apply.target import Target
+from gpuhook.plan.records import BindMount, Plan
 
-nsworker.use_new_mount_api = {new_api!r}
+mounts.use_new_mount_api = {new_api!r}
 root = {root!r}
 lib = BindMount({source!r}, "/usr/lib64/libcuda.so.1", "file", ("ro", "nosuid", "nodev"))
 plan = Plan("c", 1, root, "gpus", "env", frozenset(), (), (), (lib,), (), (), None, None, ())
-work = nsworker._Work(plan, time.monotonic() + 10)
+work = Target(plan, time.monotonic() + 10)
 work.open_sources()
 work.root = os.open(root, os.O_PATH | os.O_DIRECTORY)
-work.bind(lib)
+mounts.bind(work, lib)
 
 def mounts():
     return [l.split()[4:6] for l in open("/proc/self/mountinfo") if "libcuda.so.1" in l]

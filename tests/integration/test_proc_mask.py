@@ -9,25 +9,25 @@ plain directory, inside `unshare -m` so nothing reaches the host's mount table.
 import json
 import subprocess
 import sys
-
 import pytest
-
 from conftest import REPO, host_mounts, require_root_tools
 
+
 pytestmark = pytest.mark.root
+
 
 SCRIPT = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
-from gpuhook import apply, nsworker, oci
-from gpuhook.plan import Plan, ProcMask
+from gpuhook.apply import procmask, run as apply; from gpuhook.apply.target import Target
+from gpuhook.plan.records import Plan, ProcMask
 
 root = {root!r}
 mask = ProcMask({source!r}, ("0000:28:00.0",))
 plan = Plan("c", 1, root, "gpus", "env", frozenset(), (), (), (), (), (), mask, None, ())
-work = nsworker._Work(plan, time.monotonic() + 10)
+work = Target(plan, time.monotonic() + 10)
 work.root = os.open(root, os.O_PATH | os.O_DIRECTORY)
-work.mask_proc(apply.read_proc_files(mask))
+procmask.mask_proc(work, apply.read_proc_files(mask))
 base = root + "/proc/driver/nvidia"
 out = {{
     "params": open(base + "/params").read(),
@@ -73,10 +73,3 @@ def test_proc_driver_nvidia_is_masked_read_only_with_only_the_containers_gpus(tm
     assert out["write"] == "Read-only file system"
     assert host_mounts() == before
     assert (fake / "params").read_text() == "ModifyDeviceFiles: 1\n"  # the real tree is untouched
-
-
-def test_params_rewrite_adds_the_line_when_missing():
-    from gpuhook.apply import _no_device_files
-
-    assert _no_device_files(b"A: 1\nModifyDeviceFiles: 1\n") == b"A: 1\nModifyDeviceFiles: 0\n"
-    assert _no_device_files(b"A: 1\n") == b"A: 1\nModifyDeviceFiles: 0\n"

@@ -21,7 +21,7 @@ from conftest import LIBDIR, GpuContainers, require, require_root_tools
 from helpers.runtimes import PodmanGpus
 from test_crun import UNIFIED, hybrid_cgroup_layout
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 
 pytestmark = pytest.mark.root
 

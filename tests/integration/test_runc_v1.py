@@ -11,7 +11,7 @@ import pytest
 
 from conftest import LIBDIR, host_mounts, sim_config_values, write_config
 
-from gpuhook.simulate import runner as testbed
+from helpers import testbed
 
 pytestmark = pytest.mark.root
 
@@ -51,6 +51,19 @@ def test_one_gpu_container_sees_its_gpu_driver_files_and_nothing_else(gpus):
     assert host_mounts() == before == mounts_before
     (line,) = gpus.log_lines()
     assert line["decision"] == "gpus injected" and line["gpus"] == [gpus.uuid(0)] and line["cgroup"] == "v1"
+
+
+def test_a_mount_point_whose_name_is_not_utf8_does_not_fail_the_start(gpus, tmp_path):
+    """A mount point is whatever bytes its creator chose, and the hook reads the runtime's
+    whole mount table (to find the container's device cgroup): one name there that is not
+    UTF-8 made every GPU start on the host fail with exit 70."""
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9 mount")
+    gpus.bed.wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-ec",
+                        'mkdir -p "$0" && mount -t tmpfs tmpfs "$0" && exec "$@"', odd]
+    result = gpus.run("odd", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {"/dev/nvidia0"}
+    assert gpus.log_lines()[-1]["decision"] == "gpus injected"
 
 
 def test_static_image_gets_the_driver_but_no_ld_cache(gpus):
@@ -195,7 +208,7 @@ def test_debian_family_image_gets_the_multiarch_library_dir(gpus):
 
 def test_hook_run_twice_is_idempotent(gpus):
     # A second gpuhook with a state dir of its own (the same one would find the start served:
-    # gpuhook.served) applies again on the same container.
+    # gpuhook.apply.served) applies again on the same container.
     other = write_config(f"{gpus.workdir}/other.toml", sim_config_values(gpus.sim, gpus.log),
                          **{"state-dir": f"{gpus.workdir}/other-run"})
 

@@ -1,15 +1,11 @@
 """One start that carries gpuhook twice (docs/packaging.md, "containerd": a base spec's prestart
 and a CDI spec's createRuntime, and both poststops), in real runc: the first entry of each kind
-does the work, the other is a no-op (gpuhook.served)."""
-
-import os
+does the work, the other is a no-op (gpuhook.apply.served)."""
 
 import pytest
-
 from helpers.runtimes import gpu_nodes, log_records, registered
+from helpers import testbed
 
-from gpuhook import cache
-from gpuhook.simulate import runner as testbed
 
 pytestmark = pytest.mark.root
 
@@ -51,18 +47,3 @@ def test_a_new_start_of_the_same_id_is_served_again(gpus):
     assert [r["decision"].split(":")[0] for r in log_records(gpus, "createRuntime")] == ["untouched"] * 2
     assert [r["decision"].split(":")[0] for r in log_records(gpus, "poststop")] == \
         ["cleaned up", "nothing to do"] * 2
-
-
-def test_records_of_stopped_starts_are_pruned_once_there_are_many(tmp_path):
-    """A record outlives its start only until the registry of served starts grows: then the
-    records of gone inits that a poststop marked stopped go, and live ones stay."""
-    from gpuhook import procstat, served
-
-    state = str(tmp_path / "run")
-    me = procstat.read_stat(os.getpid())
-    for i in range(served.PRUNE_ABOVE + 1):  # gone inits (pid 0 is none), marked stopped
-        cache.write_atomic(f"{state}/served/old{i}@0-{i}.json", {"id": f"old{i}", "pid": 0, "start_time": i,
-                                                                  "boot_id": cache.boot_id(), "stopped": True})
-    served.record(state, "live", os.getpid(), "prestart")
-    assert os.listdir(f"{state}/served") == [f"live@{os.getpid()}-{me.start_time}.json"]
-    assert served.served_by(state, "live", os.getpid()) == "prestart"

@@ -25,7 +25,7 @@ SIZE = 65536
 def userns_gpus(sim_host, probe):
     """GpuContainers whose bundles live under a world-traversable directory: the container's
     root is host uid 200000, which must be able to reach its rootfs."""
-    from gpuhook.simulate import runner as testbed
+    from helpers import testbed
 
     workdir = tempfile.mkdtemp(prefix="gpuhook-userns-")
     os.chmod(workdir, 0o755)

@@ -11,7 +11,7 @@ runtime's /dev, and a volume that stops answering never holds a start past its d
 - When a filesystem gpuhook must use stalls anyway (here a driver binary on such a FUSE),
   the worker stuck in the kernel is not waited for: the start ends one line, exit 7 and a
   log record of exactly what is left, within a second of its deadline; the record is reaped
-  once the worker is gone (gpuhook.leftovers).
+  once the worker is gone (gpuhook.apply.leftovers).
 """
 
 import json
@@ -19,17 +19,16 @@ import os
 import shutil
 import subprocess
 import time
-
 import pytest
-
 from conftest import (LIBDIR, GpuContainers, assert_rootfs_clean, require_root_tools, run_hook_process)
 from helpers.hangfs import StalledFuse
 from test_bad_input import snapshot
-
-from gpuhook import ldcache
+from gpuhook.discover import ldcache
 from gpuhook.simulate import host as simhost
 
+
 pytestmark = pytest.mark.root
+
 
 ANOTHER_MOUNT = "lies on another mount than the container's rootfs"
 
@@ -257,30 +256,3 @@ def test_a_worker_stuck_in_the_kernel_is_left_recorded_and_reaped_later(bed, sta
     assert_rootfs_clean(result.rootfs)
     assert os.listdir(f"{tmp_path}/work/run/leftovers") == []
     subprocess.run(["true"])  # nothing of the start is left: the worker is gone, its files too
-
-
-def test_the_reaper_takes_back_its_own_records_keeps_others_and_drops_those_of_rootfses_gone(tmp_path):
-    """Records as gpuhook.leftovers.settle writes them, for three rootfses whose workers are
-    gone: the one being started is taken back, another's stays for its own poststop or
-    start, one whose rootfs the runtime already removed is dropped."""
-    from gpuhook import cache, leftovers
-
-    state_dir = str(tmp_path / "state")
-    rootfses = {}
-    for name in ("this", "other", "gone"):
-        rootfs = tmp_path / name
-        (rootfs / "usr/bin").mkdir(parents=True)
-        (rootfs / "usr/bin/nvidia-smi").write_text("")
-        st = os.lstat(rootfs / "usr/bin/nvidia-smi")
-        cache.write_atomic(f"{leftovers.directory(state_dir)}/{name}.json", {
-            "container": name, "rootfs": str(rootfs), "rootfs_identity": [os.stat(rootfs).st_dev, os.stat(rootfs).st_ino],
-            "worker": 1, "worker_start_time": -1, "boot_id": cache.boot_id(), "step": "mount /usr/bin/nvidia-debugdump",
-            "entries": [["file", "/usr/bin/nvidia-smi", "nvidia-smi", "", st.st_dev, st.st_ino, st.st_ctime_ns]],
-            "overflowed": False})
-        rootfses[name] = rootfs
-    shutil.rmtree(rootfses["gone"])
-    record = {}
-    leftovers.reap(state_dir, record, rootfs=str(rootfses["this"]))
-    assert sorted(os.listdir(leftovers.directory(state_dir))) == ["other.json"]
-    assert not (rootfses["this"] / "usr/bin/nvidia-smi").exists() and (rootfses["other"] / "usr/bin/nvidia-smi").exists()
-    assert sorted((r["container"], r["rootfs"]) for r in record["leftovers"]) == [("gone", "gone"), ("this", "there")]

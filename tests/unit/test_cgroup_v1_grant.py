@@ -1,4 +1,4 @@
-"""gpuhook.cgroup.v1 against directories that stand in for a devices cgroup (no root needed).
+"""gpuhook.apply.cgroup.v1 against directories that stand in for a devices cgroup (no root needed).
 
 The kernel takes one rule per write(2) and answers with devices.list. Like runc's
 devices/v1.go, gpuhook reads the list back after writing: a write the kernel took without
@@ -9,7 +9,7 @@ cannot open.
 
 import pytest
 
-from gpuhook.cgroup import v1
+from gpuhook.apply.cgroup import v1
 from gpuhook.devrules.devices import char_device
 from gpuhook.errors import ApplyError
 

@@ -3,7 +3,7 @@
 import os
 import time
 
-from gpuhook import child
+from gpuhook.kernel import child
 
 
 def test_child_gets_only_the_minimal_environment(monkeypatch):

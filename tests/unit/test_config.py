@@ -78,10 +78,14 @@ def test_readme_documents_every_key_with_its_default():
 
 
 def test_parsed_config_is_cached_and_invalidated_by_any_change(tmp_path, monkeypatch):
+    from gpuhook.apply import statefiles
+
     state = tmp_path / "state"
     path = tmp_path / "c.toml"
     path.write_text(f'proc-root = "/one"\nstate-dir = "{state}"\n')
-    assert cfg.load(str(path)).proc_root == "/one"
+    config = cfg.load(str(path))
+    assert config.proc_root == "/one"
+    statefiles.write_caches(config)  # as a start writes it
     (cached,) = os.listdir(state / "config-cache")
     # A cache hit never parses TOML: make parsing impossible and load again.
     monkeypatch.setattr(cfg, "_parse_toml", lambda raw, target: (_ for _ in ()).throw(AssertionError("parsed")))
@@ -102,19 +106,37 @@ def test_a_bad_config_is_never_cached(tmp_path):
     assert not (tmp_path / "state").exists()
 
 
+def test_loading_a_config_writes_nothing_a_start_writes_its_cache_and_the_next_load_uses_it(tmp_path):
+    # A host write outside apply: config.load used to write (and prune) its cache on every
+    # start, dry runs and commands included.
+    from gpuhook.apply import statefiles
+
+    state = tmp_path / "state"
+    (tmp_path / "c.toml").write_text(f'driver-root = "/run/nvidia/driver"\nstate-dir = "{state}"\n')
+    config = cfg.load(str(tmp_path / "c.toml"))
+    assert not state.exists()
+    path, document = config.cache_entry
+    assert path == cfg.cache_path(str(state), str(tmp_path / "c.toml")) and document["data"]["state-dir"] == str(state)
+    statefiles.write_caches(config)
+    assert os.listdir(state / "config-cache") == [os.path.basename(path)]
+    again = cfg.load(str(tmp_path / "c.toml"))
+    assert again.cache_entry is None and again.driver_root == "/run/nvidia/driver"  # from the cache
+    assert cfg.load(str(tmp_path / "c.toml"), use_cache=False).cache_entry is None
+
+
 def test_cache_of_deleted_configs_is_pruned(tmp_path):
-    from gpuhook import cache
+    from gpuhook.apply import statefiles
 
     state = tmp_path / "state"
     for i in range(70):
         (tmp_path / f"c{i}.toml").write_text(f'state-dir = "{state}"\n')
-        cfg.load(str(tmp_path / f"c{i}.toml"))
+        statefiles.write_caches(cfg.load(str(tmp_path / f"c{i}.toml")))
         (tmp_path / f"c{i}.toml").unlink()
     (tmp_path / "live.toml").write_text(f'state-dir = "{state}"\n')
-    cfg.load(str(tmp_path / "live.toml"))
+    statefiles.write_caches(cfg.load(str(tmp_path / "live.toml")))
     left = os.listdir(state / "config-cache")
     assert len(left) < 64
-    assert os.path.basename(cache.config_cache_path(str(state), str(tmp_path / "live.toml"))) in left
+    assert os.path.basename(cfg.cache_path(str(state), str(tmp_path / "live.toml"))) in left
 
 
 def test_every_key_is_a_declared_attribute_of_its_table():

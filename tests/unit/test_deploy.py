@@ -117,7 +117,7 @@ def test_the_plugin_container_reaches_the_nodes_driver_through_its_own_config():
     # The node's root (its driver's ld cache, libnvidia-ml.so.1, nvidia-smi) and its /dev.
     assert plugin_config.driver_root == "/host" and volumes[mounts["/host"]]["hostPath"]["path"] == "/"
     assert plugin_config.dev_root == "/dev" and volumes[mounts["/dev"]]["hostPath"]["path"] == "/dev"
-    assert plugin_config.nvml_library == ""  # found in the driver root's ld cache (gpuhook.nvml)
+    assert plugin_config.nvml_library == ""  # found in the driver root's ld cache (gpuhook.discover.nvml)
     # The state the hook reads (stamps, the health daemon's socket) is the node's.
     assert volumes[mounts[plugin_config.state_dir]]["hostPath"]["path"] == plugin_config.state_dir == "/run/gpuhook"
     assert plugin_config.log_file.startswith("/host/")

@@ -10,7 +10,7 @@ import pytest
 from gpuhook.devrules import devices
 from gpuhook.devrules.devices import char_device, parse_v1_line
 from gpuhook.devrules.policy import RuntimeRules
-from gpuhook.oci import CgroupRule
+from gpuhook.request.oci import CgroupRule
 
 
 def rule(text: str, allow: bool = True) -> CgroupRule:

@@ -1,4 +1,4 @@
-"""Discovery from a literal /proc (tests/data/host-a100-proc): what gpuhook.discover makes of
+"""Discovery from a literal /proc (tests/data/host-a100-proc): what gpuhook.discover.proc makes of
 the driver's own files, without a simulated host."""
 
 import os
@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from gpuhook import discover
+from gpuhook.discover import proc as discover
 from gpuhook.errors import HostError
 
 PROC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "host-a100-proc")

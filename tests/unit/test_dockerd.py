@@ -1,9 +1,9 @@
 """What dockerd appends as NVIDIA_VISIBLE_DEVICES for a container's DeviceRequests (moby
-daemon/nvidia_linux.go), as gpuhook.dockerd reads it from hostconfig.json."""
+daemon/nvidia_linux.go), as gpuhook.request.dockerd reads it from hostconfig.json."""
 
 import pytest
 
-from gpuhook import dockerd
+from gpuhook.request import dockerd
 
 GPU = [["gpu"]]  # what `docker run --gpus` asks for
 

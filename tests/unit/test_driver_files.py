@@ -6,7 +6,7 @@ import os
 import pytest
 from test_elf import I386, STATIC, elf_bytes, write
 
-from gpuhook import discover
+from gpuhook.discover import driverfiles as discover
 from gpuhook.errors import HostError
 
 VERSION = "580.159.04"

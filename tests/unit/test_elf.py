@@ -1,12 +1,13 @@
-"""gpuhook.elf on literal ELF files built here byte by byte (System V ABI layouts), and the
-host ldconfig lookup (gpuhook.discover.find_ldconfig) on literal distribution trees."""
+"""gpuhook.discover.elf on literal ELF files built here byte by byte (System V ABI layouts), and the
+host ldconfig lookup (gpuhook.discover.driverfiles.find_ldconfig) on literal distribution trees."""
 
 import os
 import struct
 
 import pytest
 
-from gpuhook import discover, elf
+from gpuhook.discover import elf
+from gpuhook.discover import driverfiles as discover
 
 X86_64, I386, AARCH64 = 62, 3, 183
 

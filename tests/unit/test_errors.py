@@ -23,7 +23,7 @@ def _error_classes():
 def test_every_error_class_exits_with_a_code_of_the_table():
     import gpuhook.install  # noqa: F401  (subclasses live there too)
     import gpuhook.simulate  # noqa: F401
-    import gpuhook.simulate.runner  # noqa: F401
+    import gpuhook.simulate.demo  # noqa: F401
 
     for cls in _error_classes():
         assert cls.exit_code in errors.EXIT_CODES, cls

@@ -7,7 +7,7 @@ from gpuhook.errors import ConfigError
 from gpuhook.health import checks, registry
 from gpuhook.health.checks import Check, Outcome, Remedy
 from gpuhook.health.owners import Attributed, Owner
-from gpuhook.nvml import EccCounts, Health, RemappedRows, RetiredPages
+from gpuhook.discover.nvml import EccCounts, Health, RemappedRows, RetiredPages
 
 MIB = 1 << 20
 UUID = "GPU-11111111-2222-3333-4444-555555555555"

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import oci
+from gpuhook.request import oci
 from gpuhook.errors import ConfigError, HostError, InputError
 from gpuhook.health import actions, registry, store
 
@@ -226,7 +226,7 @@ def test_registry_entries_round_trip_and_identify_the_init_by_start_time(state_d
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         entry = registry.from_process("ctr-1", sleeper.pid, [UUID], {"pod": "p"})
-        registry.record(state_dir, entry)
+        registry.add(state_dir, entry)
         assert registry.load(state_dir, "ctr-1") == entry
         # It shares this test's pid namespace: the one gpuhook runs in, which nothing else can be.
         assert entry.pid_ns == registry.pid_namespace(os.getpid()) and entry.ns_init == (0, 0)
@@ -256,7 +256,7 @@ def test_odd_container_ids_get_a_hashed_file_name(state_dir, container_id):
     name = registry.entry_name(container_id)
     assert name.startswith("sha256-") and "/" not in name
     entry = registry.Container(container_id, 1, 1, {}, (UUID,), {}, store.boot_id(), 0.0)
-    registry.record(state_dir, entry)
+    registry.add(state_dir, entry)
     assert registry.load(state_dir, container_id) == entry
 
 
@@ -269,7 +269,7 @@ def test_reading_the_registry_drops_entries_nothing_can_depend_on(state_dir):
     old_boot = live._replace(id="old-boot", boot_id="another")
     gone_cgroup = live._replace(id="gone", pid=999999999, cgroups={"": "/gpuhook-test-no-such-cgroup"})
     for entry in (live, kept_dead, old_boot, gone_cgroup, ended_ns):
-        registry.record(state_dir, entry)
+        registry.add(state_dir, entry)
     mounts = [("cgroup2", "/", "/sys/fs/cgroup/unified", {"rw"})]
     assert registry.cgroups_exist(gone_cgroup, mounts) is False
     assert registry.cgroups_exist(gone_cgroup, []) is True  # cannot be located: assume it exists

@@ -1,11 +1,11 @@
-"""The ld cache reader (gpuhook.ldcache) on a cache a real ldconfig wrote
+"""The ld cache reader (gpuhook.discover.ldcache) on a cache a real ldconfig wrote
 (tests/data/host-ldcache), and on damaged copies of it."""
 
 import os
 
 import pytest
 
-from gpuhook import ldcache
+from gpuhook.discover import ldcache
 from gpuhook.errors import HostError
 
 CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "host-ldcache",

@@ -1,10 +1,10 @@
-"""gpuhook.leftovers.take_back: what a killed or stuck worker left is taken back later, entry
+"""gpuhook.apply.leftovers.take_back: what a killed or stuck worker left is taken back later, entry
 by entry, and only while each entry is still the very file, directory or link it made."""
 
 import os
 import time
 
-from gpuhook import leftovers
+from gpuhook.apply import leftovers
 
 
 def made(path) -> list:

@@ -9,8 +9,8 @@ import tempfile
 
 from conftest import REPO, require
 
-TYPED = ["gpuhook/config.py", "gpuhook/plan.py", "gpuhook/request.py", "gpuhook/survey.py", "gpuhook/cdi.py", "gpuhook/errors.py",
-         "gpuhook/grants.py"]
+TYPED = ["gpuhook/config.py", "gpuhook/plan/make.py", "gpuhook/request/resolve.py", "gpuhook/discover/survey.py", "gpuhook/discover/cdi.py", "gpuhook/errors.py",
+         "gpuhook/apply/grants.py"]
 
 
 def tool(name: str) -> str:

@@ -7,7 +7,8 @@ import os
 import jsonschema
 import pytest
 
-from gpuhook import oci
+from gpuhook import prescan
+from gpuhook.request import oci
 from gpuhook.errors import InputError
 
 from conftest import REPO
@@ -69,7 +70,7 @@ def test_unusable_states_are_named(raw, message):
 
 def test_huge_state_is_refused_before_parsing():
     with pytest.raises(InputError, match="larger than"):
-        oci.parse_state(b" " * (oci.MAX_STATE_BYTES + 1))
+        oci.parse_state(b" " * (prescan.MAX_STATE_BYTES + 1))
 
 
 def test_pid_zero_or_missing_reads_as_zero():

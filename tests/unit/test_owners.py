@@ -10,7 +10,7 @@ import pytest
 
 from gpuhook.health import checks, owners, registry
 from gpuhook.health.owners import Owner
-from gpuhook.nvml import Process
+from gpuhook.discover.nvml import Process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROC = os.path.join(os.path.dirname(HERE), "data", "host-proc-owners")
@@ -177,7 +177,7 @@ def test_a_process_whose_files_are_hidden_stays_a_live_unknown(monkeypatch):
 
 
 def _facts():
-    from gpuhook import nvml
+    from gpuhook.discover import nvml
 
     fields = dict.fromkeys(nvml.Health._fields)
     fields.update(lost=False, memory_used=GIB)

@@ -5,12 +5,15 @@ import json
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import oci
-from gpuhook import request as req
-from gpuhook.discover import ContainerFacts, Gpu, HostFile, HostLdconfig, Inventory, Library
+from gpuhook.request import oci
+from gpuhook.request import resolve as req
+from gpuhook.discover.container import ContainerFacts
+from gpuhook.discover.types import Gpu, HostFile, Inventory, Library
+from gpuhook.discover.driverfiles import HostLdconfig
 from gpuhook.errors import HostError
-from gpuhook.plan import make_plan, render_text
-from gpuhook.survey import Host
+from gpuhook.plan.make import make_plan
+from gpuhook.plan.render import render_text
+from gpuhook.discover.survey import Host
 
 GPUS = (Gpu(0, "GPU-a", 0, "0000:18:00.0", "Sim"), Gpu(1, "GPU-b", 3, "0000:28:00.0", "Sim"))
 INV = Inventory(

@@ -12,8 +12,8 @@ if not STRICT:  # under CI a missing grpcio fails the import below instead of sk
     pytest.importorskip("grpc", reason="the device plugin needs grpcio (pip install -e '.[plugin]')")
 
 from gpuhook import config as cfg  # noqa: E402
-from gpuhook import oci  # noqa: E402
-from gpuhook import request as req  # noqa: E402
+from gpuhook.request import oci  # noqa: E402
+from gpuhook.request import resolve as req  # noqa: E402
 from gpuhook.plugin import server  # noqa: E402
 
 IDS = ["GPU-1aaaaaaa-0000-0000-0000-000000000001", "GPU-3aaaaaaa-0000-0000-0000-000000000003"]

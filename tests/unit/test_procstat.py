@@ -1,4 +1,4 @@
-"""gpuhook.procstat against psutil, an independent reading of the same /proc files.
+"""gpuhook.kernel.procstat against psutil, an independent reading of the same /proc files.
 
 gpuhook reads /proc/<pid>/stat itself instead of importing psutil: the reads are a few lines,
 and psutil's import costs about 27 ms on a GPU start (README, "Why not psutil"). psutil stays
@@ -13,7 +13,7 @@ import time
 
 import psutil
 
-from gpuhook import procstat
+from gpuhook.kernel import procstat
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

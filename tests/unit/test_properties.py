@@ -6,9 +6,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpuhook import config as cfg
-from gpuhook import oci, prescan
-from gpuhook import request as req
-from gpuhook.discover import Gpu
+from gpuhook import prescan
+from gpuhook.request import oci
+from gpuhook import driver
+from gpuhook.plan import select
+from gpuhook.request import resolve
+from gpuhook.discover.types import Gpu
 from gpuhook.errors import InputError, RequestError
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -77,7 +80,7 @@ def test_prescan_says_no_only_when_the_full_parser_finds_no_request(env, privile
         return
     spec = oci.parse_spec(raw, "/b")
     try:
-        r = req.resolve(spec, {}, cfg.from_mapping({}))
+        r = resolve.resolve(spec, {}, cfg.from_mapping({}))
     except RequestError:
         raise AssertionError(f"pre-scan skipped an env the full parser rejects: {env}")
     assert r.empty, env
@@ -90,28 +93,28 @@ def test_request_resolution_returns_a_request_or_a_request_error(value, accept_u
         "env": [f"NVIDIA_VISIBLE_DEVICES={value}"]}}).encode(), "/b")
     config = cfg.from_mapping({"accept-env-when-unprivileged": accept_unprivileged})
     try:
-        r = req.resolve(spec, {}, config)
-        gpus = req.select(r, GPUS).gpus
+        r = resolve.resolve(spec, {}, config)
+        gpus = select.select(r, GPUS).gpus
     except RequestError as err:
         assert "\n" not in err.one_line()
         return
     assert len(set(gpus)) == len(gpus) and all(g in GPUS for g in gpus)
-    if r.wants == req.ALL:
+    if r.wants == resolve.ALL:
         assert gpus == GPUS
     if not accept_unprivileged:
         assert r.empty
 
 
 @SETTINGS
-@given(st.lists(st.sampled_from(list(req.CAPABILITIES) + ["all", "", " ", "x", "COMPUTE"]), max_size=5))
+@given(st.lists(st.sampled_from(list(driver.CAPABILITIES) + ["all", "", " ", "x", "COMPUTE"]), max_size=5))
 def test_capabilities_parse_or_name_the_unknown_one(parts):
     value = ",".join(parts)
     try:
-        caps = req.parse_capabilities(value)
+        caps = resolve.parse_capabilities(value)
     except RequestError as err:
         assert "unknown driver capability" in err.message
         return
-    assert caps <= set(req.CAPABILITIES) and caps
+    assert caps <= set(driver.CAPABILITIES) and caps
 
 
 # Values at and beyond the parsers' size limits: long digit runs (int() refuses over 4300
@@ -146,11 +149,12 @@ def test_oversized_requests_are_request_errors_never_crashes(value, channel):
         doc["annotations"] = annotations
     spec = oci.parse_spec(json.dumps(doc).encode(), "/b")
     try:
-        request = req.resolve(spec, {}, cfg.from_mapping({}))
-        req.select(request, GPUS)
-        from gpuhook import requirements as reqs
+        request = resolve.resolve(spec, {}, cfg.from_mapping({}))
+        select.select(request, GPUS)
+        from gpuhook.plan import requirements as plan_requirements
+        from gpuhook.request import requirements as request_requirements
 
-        for requirement in reqs.collect(spec.env):
-            reqs.check(requirement, reqs.HostFacts("12.4", "550.54.15", []))
+        for requirement in request_requirements.collect(spec.env):
+            plan_requirements.check(requirement, plan_requirements.HostFacts("12.4", "550.54.15", []))
     except RequestError as err:
         assert "\n" not in err.one_line() and len(err.one_line()) < 1024

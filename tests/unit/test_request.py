@@ -5,9 +5,11 @@ import json
 import pytest
 
 from gpuhook import config as cfg
-from gpuhook import oci
-from gpuhook import request as req
-from gpuhook.discover import Gpu
+from gpuhook.request import oci
+from gpuhook import driver
+from gpuhook.plan import select
+from gpuhook.request import resolve as request_resolve
+from gpuhook.discover.types import Gpu
 from gpuhook.errors import RequestError
 
 GPUS = tuple(Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", i, f"0000:{i}0:00.0", "Sim") for i in range(4))
@@ -23,7 +25,7 @@ def spec(env=(), mounts=(), annotations=None, privileged=False):
 
 
 def resolve(s, state_annotations=None, **config):
-    return req.resolve(s, state_annotations or {}, cfg.from_mapping(config))
+    return request_resolve.resolve(s, state_annotations or {}, cfg.from_mapping(config))
 
 
 def vm(device):
@@ -31,23 +33,23 @@ def vm(device):
 
 
 @pytest.mark.parametrize("env,wants,ids", [
-    ([], req.NOTHING, ()),
-    (["NVIDIA_VISIBLE_DEVICES="], req.NOTHING, ()),
-    (["NVIDIA_VISIBLE_DEVICES=void"], req.NOTHING, ()),
-    (["NVIDIA_VISIBLE_DEVICES=0,void"], req.NOTHING, ()),
-    (["NVIDIA_VISIBLE_DEVICES= , "], req.NOTHING, ()),
-    (["NVIDIA_VISIBLE_DEVICES=none"], req.DRIVER_ONLY, ()),
-    (["NVIDIA_VISIBLE_DEVICES=all"], req.ALL, ()),
-    (["NVIDIA_VISIBLE_DEVICES=1,all"], req.ALL, ()),
-    (["NVIDIA_VISIBLE_DEVICES=0"], req.GPUS, ("0",)),
-    (["NVIDIA_VISIBLE_DEVICES= 2, 0 ,2,0"], req.GPUS, ("2", "0")),
-    (["NVIDIA_VISIBLE_DEVICES=GPU-x,1"], req.GPUS, ("GPU-x", "1")),
-    (["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"], req.NOTHING, ()),
-    (["CUDA_VERSION=11.0"], req.ALL, ()),
-    (["CUDA_VERSION=11.0", "NVIDIA_REQUIRE_CUDA=cuda>=11.0"], req.NOTHING, ()),
-    (["CUDA_VERSION=11.0", "NVIDIA_VISIBLE_DEVICES=void"], req.NOTHING, ()),
-    (["CUDA_VERSION="], req.NOTHING, ()),
-    (["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_VISIBLE_DEVICES=void"], req.NOTHING, ()),  # last wins
+    ([], request_resolve.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES="], request_resolve.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES=void"], request_resolve.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES=0,void"], request_resolve.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES= , "], request_resolve.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES=none"], request_resolve.DRIVER_ONLY, ()),
+    (["NVIDIA_VISIBLE_DEVICES=all"], request_resolve.ALL, ()),
+    (["NVIDIA_VISIBLE_DEVICES=1,all"], request_resolve.ALL, ()),
+    (["NVIDIA_VISIBLE_DEVICES=0"], request_resolve.GPUS, ("0",)),
+    (["NVIDIA_VISIBLE_DEVICES= 2, 0 ,2,0"], request_resolve.GPUS, ("2", "0")),
+    (["NVIDIA_VISIBLE_DEVICES=GPU-x,1"], request_resolve.GPUS, ("GPU-x", "1")),
+    (["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"], request_resolve.NOTHING, ()),
+    (["CUDA_VERSION=11.0"], request_resolve.ALL, ()),
+    (["CUDA_VERSION=11.0", "NVIDIA_REQUIRE_CUDA=cuda>=11.0"], request_resolve.NOTHING, ()),
+    (["CUDA_VERSION=11.0", "NVIDIA_VISIBLE_DEVICES=void"], request_resolve.NOTHING, ()),
+    (["CUDA_VERSION="], request_resolve.NOTHING, ()),
+    (["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_VISIBLE_DEVICES=void"], request_resolve.NOTHING, ()),  # last wins
 ])
 def test_environment_requests(env, wants, ids):
     r = resolve(spec(env))
@@ -64,8 +66,8 @@ def test_none_cannot_be_combined():
     ("", {"utility", "compute"}),
     ("utility", {"utility"}),
     ("compute, video", {"compute", "video"}),
-    ("all", set(req.CAPABILITIES)),
-    ("graphics,all", set(req.CAPABILITIES)),
+    ("all", set(driver.CAPABILITIES)),
+    ("graphics,all", set(driver.CAPABILITIES)),
 ])
 def test_driver_capabilities(value, caps):
     env = ["NVIDIA_VISIBLE_DEVICES=0"] + ([f"NVIDIA_DRIVER_CAPABILITIES={value}"] if value is not None else [])
@@ -73,7 +75,7 @@ def test_driver_capabilities(value, caps):
 
 
 def test_legacy_image_gets_every_capability():
-    assert resolve(spec(["CUDA_VERSION=10.2"])).capabilities == set(req.CAPABILITIES)
+    assert resolve(spec(["CUDA_VERSION=10.2"])).capabilities == set(driver.CAPABILITIES)
 
 
 def test_unknown_capability_is_refused_with_the_known_list():
@@ -85,19 +87,19 @@ def test_unprivileged_env_request_is_ignored_when_policy_forbids_it():
     r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"]), **{"accept-env-when-unprivileged": False})
     assert r.empty and "unprivileged" in r.notes[0]
     r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"], privileged=True), **{"accept-env-when-unprivileged": False})
-    assert r.wants == req.ALL
+    assert r.wants == request_resolve.ALL
 
 
 def test_volume_mounts_win_over_the_environment_and_are_deduplicated():
     r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"], mounts=[vm(1), vm(3), vm(1), {"destination": "/data"}]))
-    assert (r.wants, r.ids, r.channel) == (req.GPUS, ("1", "3"), req.MOUNTS)
+    assert (r.wants, r.ids, r.channel) == (request_resolve.GPUS, ("1", "3"), request_resolve.MOUNTS)
     assert any("takes precedence" in n for n in r.notes)
 
 
 def test_volume_mount_all_and_run_alias():
     r = resolve(spec(mounts=[{"destination": "/run/nvidia-container-devices/all", "source": "/dev/null",
                               "type": "none", "options": ["rbind", "ro"]}]))
-    assert r.wants == req.ALL
+    assert r.wants == request_resolve.ALL
 
 
 @pytest.mark.parametrize("mount", [
@@ -128,7 +130,7 @@ def test_requests_are_bounded():
 def test_an_index_with_thousands_of_digits_is_a_request_error_not_a_crash():
     r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=" + "9" * 200]))
     with pytest.raises(RequestError, match="does not exist"):
-        req.select(r, GPUS)
+        select.select(r, GPUS)
 
 
 def test_volume_mounts_work_for_unprivileged_containers_even_when_env_is_refused():
@@ -144,7 +146,7 @@ def test_volume_mounts_ignored_by_policy():
 def test_cdi_annotations_from_spec_and_state_are_merged():
     r = resolve(spec(annotations={"cdi.k8s.io/a": "nvidia.com/gpu=0, vendor.com/nic=eth1"}),
                 state_annotations={"cdi.k8s.io/b": "nvidia.com/gpu=GPU-x,nvidia.com/gpu=0"})
-    assert (r.wants, r.ids, r.channel) == (req.GPUS, ("0", "GPU-x"), req.CDI)
+    assert (r.wants, r.ids, r.channel) == (request_resolve.GPUS, ("0", "GPU-x"), request_resolve.CDI)
     assert any("vendor.com/nic" in n for n in r.notes)
 
 
@@ -159,21 +161,21 @@ def test_cdi_empty_device_name_is_an_error():
 
 def test_select_by_index_uuid_and_all():
     r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES=3,{GPUS[1].uuid.lower()}"]))
-    assert [g.index for g in req.select(r, GPUS).gpus] == [3, 1]
-    assert req.select(resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"])), GPUS).gpus == GPUS
-    assert req.select(resolve(spec(["NVIDIA_VISIBLE_DEVICES=none"])), GPUS).gpus == ()
+    assert [g.index for g in select.select(r, GPUS).gpus] == [3, 1]
+    assert select.select(resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"])), GPUS).gpus == GPUS
+    assert select.select(resolve(spec(["NVIDIA_VISIBLE_DEVICES=none"])), GPUS).gpus == ()
 
 
 def test_same_gpu_by_index_and_uuid_is_given_once():
     r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES=1,{GPUS[1].uuid}"]))
-    assert [g.index for g in req.select(r, GPUS).gpus] == [1]
+    assert [g.index for g in select.select(r, GPUS).gpus] == [1]
 
 
 @pytest.mark.parametrize("ident", ["7", "GPU-nope", "-1", "1.0", "０"])
 def test_missing_gpu_lists_the_real_ones(ident):
     r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES={ident}"]))
     with pytest.raises(RequestError) as err:
-        req.select(r, GPUS).gpus
+        select.select(r, GPUS).gpus
     assert "does not exist" in err.value.message and GPUS[3].uuid in err.value.message
 
 
@@ -223,15 +225,15 @@ def test_every_refused_variable_is_named_in_one_line():
                                        ("gpuhook.example/gpu=all", ())])
 def test_the_cdi_annotation_channel_accepts_gpuhooks_own_kind(value, ids):
     r = resolve(spec(annotations={"cdi.k8s.io/gpuhook": value}))
-    assert (r.ids, r.channel) == (ids, req.CDI) and r.wants == (req.ALL if not ids else req.GPUS)
+    assert (r.ids, r.channel) == (ids, request_resolve.CDI) and r.wants == (request_resolve.ALL if not ids else request_resolve.GPUS)
 
 
 def test_the_device_plugins_cdi_mount_of_gpuhooks_kind_is_a_grant():
     r = resolve(spec(mounts=[vm("cdi/gpuhook.example/gpu/GPU-x")]))
-    assert (r.ids, r.channel) == (("GPU-x",), req.MOUNTS)
+    assert (r.ids, r.channel) == (("GPU-x",), request_resolve.MOUNTS)
 
 
 @pytest.mark.parametrize("value", ["gpuhook.example/nic=1", "example.com/gpu=1", "gpuhook.example.com/gpu=1"])
 def test_other_kinds_are_left_to_other_tools(value):
     r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"], annotations={"cdi.k8s.io/x": value}))
-    assert r.channel == req.ENV and any("not an NVIDIA device" in note for note in r.notes)
+    assert r.channel == request_resolve.ENV and any("not an NVIDIA device" in note for note in r.notes)

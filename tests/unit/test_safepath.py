@@ -7,12 +7,13 @@ import stat
 
 import pytest
 
-from gpuhook import safepath
+from gpuhook.apply import rootfs
+from gpuhook.kernel import paths
 
 
 @pytest.fixture(params=["openat2", "walk"])
 def resolver(request, monkeypatch):
-    monkeypatch.setattr(safepath, "use_openat2", request.param == "openat2")
+    monkeypatch.setattr(paths, "use_openat2", request.param == "openat2")
     return request.param
 
 
@@ -67,7 +68,7 @@ def test_paths_resolve_inside_the_root(tree, resolver, path, expected):
     root, _ = tree
     fd = rootfd(root)
     try:
-        assert real(safepath.open_in_root(fd, path)) == os.path.join(str(root), expected).rstrip("/")
+        assert real(paths.open_in_root(fd, path)) == os.path.join(str(root), expected).rstrip("/")
     finally:
         os.close(fd)
 
@@ -77,7 +78,7 @@ def test_a_host_path_spelled_absolutely_is_looked_up_inside_the_root(tree, resol
     fd = rootfd(root)
     try:
         with pytest.raises(FileNotFoundError):
-            safepath.open_in_root(fd, "/to-host/secret")
+            paths.open_in_root(fd, "/to-host/secret")
     finally:
         os.close(fd)
 
@@ -89,7 +90,7 @@ def test_bad_paths_fail_with_the_right_errno(tree, resolver, path, code):
     fd = rootfd(root)
     try:
         with pytest.raises(OSError) as err:
-            safepath.open_in_root(fd, path)
+            paths.open_in_root(fd, path)
         assert err.value.errno == code
     finally:
         os.close(fd)
@@ -99,7 +100,7 @@ def test_final_symlink_is_not_followed_on_request(tree, resolver):
     root, _ = tree
     fd = rootfd(root)
     try:
-        link = safepath.open_in_root(fd, "/abs-etc", os.O_PATH, follow_final=False)
+        link = paths.open_in_root(fd, "/abs-etc", os.O_PATH, follow_final=False)
         assert os.readlink("", dir_fd=link) == "/etc"
         os.close(link)
     finally:
@@ -109,14 +110,14 @@ def test_final_symlink_is_not_followed_on_request(tree, resolver):
 def test_make_dirs_through_a_link_to_a_host_path_is_refused_and_touches_nothing(tree, resolver):
     root, host = tree
     fd = rootfd(root)
-    changes = safepath.Changes()
+    changes = rootfs.Changes()
     try:
         # "/to-host" names <host>/etc, which inside the root does not exist: refused.
         with pytest.raises(OSError, match="symlink to a missing directory"):
-            safepath.make_dirs(fd, "/to-host/new/dir", changes)
+            rootfs.make_dirs(fd, "/to-host/new/dir", changes)
         assert not (host / "etc/new").exists()
         # "/abs-etc" is the container's own /etc: followed, inside the root.
-        os.close(safepath.make_dirs(fd, "/abs-etc/new", changes))
+        os.close(rootfs.make_dirs(fd, "/abs-etc/new", changes))
         assert (root / "etc/new").is_dir() and not (host / "etc/new").exists()
     finally:
         changes.undo()
@@ -126,9 +127,9 @@ def test_make_dirs_through_a_link_to_a_host_path_is_refused_and_touches_nothing(
 def test_make_dirs_creates_and_undo_removes(tree, resolver):
     root, _ = tree
     fd = rootfd(root)
-    changes = safepath.Changes()
+    changes = rootfs.Changes()
     try:
-        os.close(safepath.make_dirs(fd, "/lib/x86_64/deeper", changes))
+        os.close(rootfs.make_dirs(fd, "/lib/x86_64/deeper", changes))
         assert (root / "usr/lib/x86_64/deeper").is_dir()
         assert changes.undo() == []
         assert not (root / "usr/lib/x86_64").exists()
@@ -143,7 +144,7 @@ def test_mount_targets_of_the_wrong_type_are_refused(tree, resolver, name, kind)
     fd = rootfd(root)
     try:
         with pytest.raises(OSError) as err:
-            safepath.ensure_file(fd, f"/{name}", safepath.Changes())
+            rootfs.ensure_file(fd, f"/{name}", rootfs.Changes())
         assert kind in str(err.value)
     finally:
         os.close(fd)
@@ -152,11 +153,11 @@ def test_mount_targets_of_the_wrong_type_are_refused(tree, resolver, name, kind)
 def test_ensure_file_creates_an_empty_file_and_keeps_an_existing_one(tree, resolver):
     root, _ = tree
     fd = rootfd(root)
-    changes = safepath.Changes()
+    changes = rootfs.Changes()
     try:
-        os.close(safepath.ensure_file(fd, "/lib/libcuda.so.1", changes))
+        os.close(rootfs.ensure_file(fd, "/lib/libcuda.so.1", changes))
         assert (root / "usr/lib/libcuda.so.1").stat().st_size == 0
-        os.close(safepath.ensure_file(fd, "/etc/secret", changes))
+        os.close(rootfs.ensure_file(fd, "/etc/secret", changes))
         assert (root / "etc/secret").read_text() == "container file"
         changes.undo()
         assert not (root / "usr/lib/libcuda.so.1").exists() and (root / "etc/secret").exists()
@@ -167,7 +168,7 @@ def test_ensure_file_creates_an_empty_file_and_keeps_an_existing_one(tree, resol
 def test_relink_is_undone(tmp_path):
     (tmp_path / "lib.so.1").symlink_to("old")
     parent = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
-    changes = safepath.Changes()
+    changes = rootfs.Changes()
     os.unlink(tmp_path / "lib.so.1")
     os.symlink("new", tmp_path / "lib.so.1")
     changes.add_relink(parent, "lib.so.1", "old")
@@ -179,10 +180,10 @@ def test_relink_is_undone(tmp_path):
 def test_very_deep_paths(tmp_path, resolver):
     deep = "/" + "/".join(["d"] * 300)
     fd = rootfd(tmp_path)
-    changes = safepath.Changes()
+    changes = rootfs.Changes()
     try:
-        os.close(safepath.make_dirs(fd, deep, changes))
-        assert real(safepath.open_in_root(fd, deep)).endswith("/d/d/d")
+        os.close(rootfs.make_dirs(fd, deep, changes))
+        assert real(paths.open_in_root(fd, deep)).endswith("/d/d/d")
         changes.undo()
         assert not (tmp_path / "d").exists()
     finally:
@@ -204,9 +205,9 @@ def test_exists_in_root_answers_as_open_in_root_does(tree, resolver, path, exist
     root, _ = tree
     fd = rootfd(root)
     try:
-        assert safepath.exists_in_root(fd, path) is exists
+        assert paths.exists_in_root(fd, path) is exists
         try:
-            os.close(safepath.open_in_root(fd, path))
+            os.close(paths.open_in_root(fd, path))
             opened = True
         except OSError:
             opened = False
@@ -220,9 +221,9 @@ def test_replaced_is_undone_to_the_old_file_and_forget_drops_the_copy(tmp_path):
     parent = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
     try:
         for keep in (False, True):
-            changes = safepath.Changes()
-            changes.add_replaced(parent, "ld.so.cache", safepath.set_aside(parent, "ld.so.cache"))
-            safepath.replace_file(parent, "ld.so.cache", b"ours")
+            changes = rootfs.Changes()
+            changes.add_replaced(parent, "ld.so.cache", rootfs.set_aside(parent, "ld.so.cache"))
+            rootfs.replace_file(parent, "ld.so.cache", b"ours")
             if keep:
                 changes.forget()
                 assert os.listdir(tmp_path) == ["ld.so.cache"]
@@ -232,13 +233,13 @@ def test_replaced_is_undone_to_the_old_file_and_forget_drops_the_copy(tmp_path):
                 assert os.listdir(tmp_path) == ["ld.so.cache"]
                 assert (tmp_path / "ld.so.cache").read_bytes() == b"image's own"
         os.unlink(tmp_path / "ld.so.cache")
-        changes = safepath.Changes()  # nothing to set aside: undo removes ours
-        changes.add_replaced(parent, "ld.so.cache", safepath.set_aside(parent, "ld.so.cache"))
-        safepath.replace_file(parent, "ld.so.cache", b"ours")
+        changes = rootfs.Changes()  # nothing to set aside: undo removes ours
+        changes.add_replaced(parent, "ld.so.cache", rootfs.set_aside(parent, "ld.so.cache"))
+        rootfs.replace_file(parent, "ld.so.cache", b"ours")
         assert changes.undo() == [] and os.listdir(tmp_path) == []
         (tmp_path / "ld.so.cache").mkdir()
         with pytest.raises(IsADirectoryError):
-            safepath.set_aside(parent, "ld.so.cache")
+            rootfs.set_aside(parent, "ld.so.cache")
     finally:
         os.close(parent)
 
@@ -251,14 +252,14 @@ def test_a_path_onto_another_mount_is_refused_when_it_must_stay_on_one(tmp_path,
     root = os.open("/", os.O_PATH | os.O_DIRECTORY)
     try:
         for path in ("/proc/self/status", f"{tmp_path}/to-proc/status", "/proc"):
-            with pytest.raises(safepath.OtherMountError) as refused:
-                safepath.open_in_root(root, path, same_mount=True)
+            with pytest.raises(paths.OtherMountError) as refused:
+                paths.open_in_root(root, path, same_mount=True)
             assert refused.value.errno == errno.EXDEV and refused.value.filename == path
-            assert not safepath.exists_in_root(root, path)
-            os.close(safepath.open_in_root(root, path))
-        os.close(safepath.open_in_root(root, str(tmp_path), same_mount=True))
-        with pytest.raises(safepath.OtherMountError) as refused:
-            safepath.make_dirs(root, f"{tmp_path}/to-proc/new", safepath.Changes())
+            assert not paths.exists_in_root(root, path)
+            os.close(paths.open_in_root(root, path))
+        os.close(paths.open_in_root(root, str(tmp_path), same_mount=True))
+        with pytest.raises(paths.OtherMountError) as refused:
+            rootfs.make_dirs(root, f"{tmp_path}/to-proc/new", rootfs.Changes())
         assert refused.value.filename == f"{tmp_path}/to-proc"
     finally:
         os.close(root)
@@ -271,10 +272,10 @@ def test_beneath_refuses_what_would_leave_the_directory(tree, resolver):
     fd = os.open(root / "real", os.O_PATH | os.O_DIRECTORY)
     (root / "real" / "abs").symlink_to("/etc")
     try:
-        os.close(safepath.open_in_root(fd, "/deep/er", beneath=True))
+        os.close(paths.open_in_root(fd, "/deep/er", beneath=True))
         for path in ("/abs/secret", "/../etc/secret", "/deep/../../etc"):
             with pytest.raises(OSError) as refused:
-                safepath.open_in_root(fd, path, beneath=True)
+                paths.open_in_root(fd, path, beneath=True)
             assert refused.value.errno == errno.EXDEV, path
     finally:
         os.close(fd)
@@ -283,11 +284,11 @@ def test_beneath_refuses_what_would_leave_the_directory(tree, resolver):
 def test_an_entry_that_is_a_mount_point_is_never_stated(tmp_path):
     root = os.open("/", os.O_PATH | os.O_DIRECTORY)
     try:
-        with pytest.raises(safepath.OtherMountError):
-            safepath.lstat_here(root, "proc", "/proc")
-        with pytest.raises(safepath.OtherMountError):
-            safepath.set_aside(root, "proc", "/proc")
-        assert stat.S_ISDIR(safepath.lstat_here(root, "usr").st_mode)
+        with pytest.raises(paths.OtherMountError):
+            rootfs.lstat_here(root, "proc", "/proc")
+        with pytest.raises(paths.OtherMountError):
+            rootfs.set_aside(root, "proc", "/proc")
+        assert stat.S_ISDIR(rootfs.lstat_here(root, "usr").st_mode)
     finally:
         os.close(root)
 

@@ -1,4 +1,4 @@
-"""gpuhook.workerproc: the namespace worker forked ahead of the planning never outlives the
+"""gpuhook.apply.worker: the namespace worker forked ahead of the planning never outlives the
 hook, whether it was used or not. (Its work in a real container: tests/integration.)"""
 
 import errno
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gpuhook import nsworker, workerproc
+from gpuhook.apply import nsworker, order, worker as apply_worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,18 +24,18 @@ def gone(pid: int) -> bool:
 
 
 def test_an_unused_early_worker_is_killed_and_reaped():
-    workerproc.start_early()
-    pid = workerproc._early.pid
-    workerproc.discard()
-    assert workerproc._early is None and gone(pid)
-    workerproc.discard()  # nothing left to end: a no-op
+    apply_worker.start_early()
+    pid = apply_worker._early.pid
+    apply_worker.discard()
+    assert apply_worker._early is None and gone(pid)
+    apply_worker.discard()  # nothing left to end: a no-op
 
 
 def test_take_hands_out_the_early_worker_once():
-    workerproc.start_early()
-    early = workerproc._early.pid
-    first = workerproc.take()
-    second = workerproc.take()  # none forked early any more: a new one
+    apply_worker.start_early()
+    early = apply_worker._early.pid
+    first = apply_worker.take()
+    second = apply_worker.take()  # none forked early any more: a new one
     try:
         assert first.pid == early and second.pid != early
     finally:
@@ -46,7 +46,7 @@ def test_take_hands_out_the_early_worker_once():
 
 def test_a_worker_whose_order_never_comes_exits_by_itself():
     """The hook died, or closed the pipe: the worker ends with status 0, having done nothing."""
-    worker = workerproc.start()
+    worker = apply_worker.start()
     os.close(worker.order_w)
     worker.order_w = -1
     deadline = time.monotonic() + 30
@@ -133,24 +133,24 @@ def test_the_journal_lists_exactly_what_is_made_and_not_undone(tmp_path):
     stuck in the kernel leaves is what it lists, each with its identity."""
     import mmap
 
-    from gpuhook import safepath
+    from gpuhook.apply import rootfs
 
-    memory = mmap.mmap(-1, workerproc.PROGRESS_BYTES + workerproc.JOURNAL_BYTES)
+    memory = mmap.mmap(-1, order.PROGRESS_BYTES + apply_worker.JOURNAL_BYTES)
     root = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
-    changes = safepath.Changes(workerproc.Journal(memory))
+    changes = rootfs.Changes(apply_worker.Journal(memory))
     try:
-        lib = safepath.make_dirs(root, "/usr/lib64", changes)
+        lib = rootfs.make_dirs(root, "/usr/lib64", changes)
         os.close(os.open("libcuda.so.1", os.O_CREAT | os.O_WRONLY, dir_fd=lib))
         changes.add("file", lib, "libcuda.so.1", "/usr/lib64/libcuda.so.1")
         made = os.stat(tmp_path / "usr/lib64/libcuda.so.1")
-        entries, overflowed = workerproc.Journal(memory).entries()
+        entries, overflowed = apply_worker.Journal(memory).entries()
         assert [e[:2] for e in entries] == [["dir", "/usr"], ["dir", "/usr/lib64"], ["file", "/usr/lib64/libcuda.so.1"]]
         assert entries[-1][4:] == [made.st_dev, made.st_ino, made.st_ctime_ns] and not overflowed
         assert changes.undo(since=2) == []  # the file only
-        assert [e[1] for e in workerproc.Journal(memory).entries()[0]] == ["/usr", "/usr/lib64"]
+        assert [e[1] for e in apply_worker.Journal(memory).entries()[0]] == ["/usr", "/usr/lib64"]
         changes.forget()  # kept: nothing is left over
-        assert workerproc.Journal(memory).entries() == ([], False)
-        journal = workerproc.Journal(memory)
+        assert apply_worker.Journal(memory).entries() == ([], False)
+        journal = apply_worker.Journal(memory)
         while journal.add("file", "/x" * 200, lib, "nothing", "") is not None:
             pass
         assert journal.entries()[1] is True  # full: the reader is told that more was made
@@ -165,10 +165,10 @@ def test_a_worker_that_does_not_die_is_given_up_on_not_waited_for(monkeypatch):
     it, never without bound, and says so (`stuck`; `unsettled`: it had an order and may have
     changed the container). A SIGKILL that does not take effect stands for one the kernel
     holds (tests/integration/test_volumes.py has the real one, on a stalled FUSE)."""
-    monkeypatch.setattr(workerproc, "REAP_GRACE", 0.2)
+    monkeypatch.setattr(apply_worker, "REAP_GRACE", 0.2)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        worker = workerproc.Worker(sleeper.pid, -1, -1, None)
+        worker = apply_worker.Worker(sleeper.pid, -1, -1, None)
         worker.ordered = True
         monkeypatch.setattr(os, "kill", lambda pid, sig: None)  # SIGKILL that does not take effect
         started = time.monotonic()

@@ -1,0 +1,136 @@
+"""Device access gpuhook wrote into a cgroup v1 devices cgroup, taken back once its container is gone.
+
+On cgroup v1 gpuhook adds allow rules to the container's devices cgroup (gpuhook.apply.cgroup.v1).
+A cgroup the container has to itself is removed with it, rules and all. But two containers
+can share one cgroup (one `cgroupsPath`; runc removes a cgroup only once it is empty): then
+the rules outlive the container they were written for, and the other container keeps a GPU
+it was never granted (docs/security.md, "shared cgroups"). So every v1 grant is recorded in
+<state-dir>/grants/<id>@<pid>-<start_time>.json (root only, like the health registry):
+
+    {"format": 1, "id": "...", "pid": 4242, "start_time": 123456, "boot_id": "...",
+     "directory": "/sys/fs/cgroup/devices/...", "planned": ["c 195:0 rw", ...],
+     "added": ["c 195:0 rw", ...]}
+
+`planned` is every rule the container was to have, `added` only what the cgroup lacked
+(gpuhook.apply.cgroup.v1.grant). At poststop, whatever the health mode, `release` denies `added`
+again once the container's init is gone (pid and start time, as in gpuhook.health.registry)
+and its cgroup still exists, except for devices that another live container's grant in the
+same cgroup planned. A poststop naming a live container changes nothing.
+
+What this does not know: device access that a *runtime* gave a container sharing the cgroup
+after gpuhook's grant. Taking back our rule then takes that access away too. A shared cgroup
+is not a supported way to run GPU containers; the failure is the safe one (EPERM), never a
+GPU granted to nobody.
+"""
+
+import os
+
+from gpuhook.apply import statefiles
+from gpuhook.kernel import files
+from gpuhook.kernel import procstat
+from gpuhook.devrules.devices import parse_v1_line
+
+FORMAT = 1
+MAX_ENTRIES = 4096  # bound on the directory scan; the directory lives in /run (tmpfs)
+
+
+def grants_dir(state_dir: str) -> str:
+    return f"{state_dir}/grants"
+
+
+class Grant:
+    """One recorded grant (see the module docstring)."""
+
+    __slots__ = ("id", "pid", "start_time", "boot_id", "directory", "planned", "added", "path")
+
+    def __init__(self, doc: dict, path: str = ""):
+        self.id = str(doc["id"])
+        self.pid = int(doc["pid"])
+        self.start_time = int(doc["start_time"])
+        self.boot_id = str(doc["boot_id"])
+        self.directory = str(doc["directory"])
+        self.planned = [parse_v1_line(str(line)) for line in doc["planned"]]
+        self.added = [parse_v1_line(str(line)) for line in doc["added"]]
+        self.path = path
+
+    def alive(self) -> bool:
+        return procstat.is_alive(self.pid, self.start_time)
+
+
+def save(state_dir: str, container_id: str, pid: int, directory: str, planned, added) -> str:
+    """Record a v1 grant made for the container whose init is `pid`; returns the entry's path.
+    Raises OSError (or LookupError when the init cannot be read)."""
+    stat = procstat.read_stat(pid)
+    if stat is None or stat.zombie:
+        raise LookupError(f"container init pid {pid} is not readable")
+    path = f"{grants_dir(state_dir)}/{procstat.entry_name(container_id)}@{pid}-{stat.start_time}.json"
+    statefiles.write_atomic(path, {"format": FORMAT, "id": container_id, "pid": pid, "start_time": stat.start_time,
+                              "boot_id": files.boot_id(), "directory": directory,
+                              "planned": [rule.v1_line() for rule in planned],
+                              "added": [rule.v1_line() for rule in added]})
+    return path
+
+
+def _load(state_dir: str) -> list:
+    """Every readable entry of this boot; entries of another boot are removed."""
+    directory = grants_dir(state_dir)
+    try:
+        names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_ENTRIES]
+    except OSError:
+        return []
+    this_boot = files.boot_id()
+    found = []
+    for name in names:
+        path = f"{directory}/{name}"
+        doc = files.read(path, limit=1 << 20)
+        try:
+            if doc is None or doc["format"] != FORMAT:
+                continue
+            grant = Grant(doc, path)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        if grant.boot_id != this_boot:
+            _forget(grant)
+            continue
+        found.append(grant)
+    return found
+
+
+def _forget(grant: Grant) -> None:
+    statefiles.remove(grant.path)
+
+
+def release(state_dir: str, container_id: str) -> str:
+    """Take back what was granted to the stopped container `container_id` (every gone init
+    recorded under that id); returns the decision for the log. Never raises."""
+    from gpuhook.apply.cgroup import v1
+
+    try:
+        everything = _load(state_dir)
+    except OSError as err:
+        return f"grants not read: {err.strerror or err}"
+    mine = [grant for grant in everything if grant.id == container_id]
+    if not mine:
+        return "no cgroup v1 grant recorded"
+    decisions = []
+    for grant in mine:
+        if grant.alive():
+            decisions.append(f"grant kept: container init pid {grant.pid} is still running")
+            continue
+        if not os.path.isdir(grant.directory):
+            _forget(grant)
+            decisions.append("cgroup removed with the container")
+            continue
+        # A device another live container in this cgroup was granted stays allowed.
+        kept = {(rule.type, rule.major, rule.minor)
+                for other in everything if other is not grant and other.directory == grant.directory
+                and other.alive() for rule in other.planned}
+        revoke = [rule for rule in grant.added if rule.access and (rule.type, rule.major, rule.minor) not in kept]
+        problems = v1.revoke(grant.directory, revoke)
+        if problems:
+            decisions.append("grant not taken back: " + "; ".join(problems))
+            continue  # kept: a later poststop of this id tries again
+        _forget(grant)
+        decisions.append(f"took back {len(revoke)} device rule(s) from the cgroup it shared" if revoke
+                         else "cgroup shared: nothing of its grant to take back")
+    return "; ".join(dict.fromkeys(decisions))

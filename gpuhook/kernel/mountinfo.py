@@ -1,0 +1,161 @@
+"""The mount table of the caller's mount namespace (/proc/self/mountinfo), parsed: the one reader.
+
+Used where the hook must know how a mount is set up before it acts on it: whether the mount
+it attaches a mount to propagates mounts to other namespaces (a `shared:` peer group), which
+filesystem a mount point it meets belongs to (before it asks that filesystem anything), which
+mounts the ldconfig sandbox must detach, and where the cgroup hierarchies are mounted (the
+device policy's placement, the health registry's kernel identities). Fields are described in
+proc_pid_mountinfo(5).
+
+The table is read as bytes: a mount point is whatever bytes its creator chose, and one name
+that is not UTF-8 anywhere in the namespace must not make the table unreadable. Paths come
+back as str by os.fsdecode (surrogate escapes), which os functions turn back into the same
+bytes.
+"""
+
+import os
+
+LIMIT = 16 << 20  # a mount table larger than this is refused, not read without bound
+
+
+class MountEntry:
+    """One line of mountinfo: `id`, `parent`, `dev` (the filesystem's device number, as
+    st_dev), `root` (the path of the filesystem the mount shows) and mount `point` (both
+    unescaped), per-mount `options` (bytes, e.g. b"ro"), `shared` (whether it is in a peer
+    group), `fstype` and `super_options` (the filesystem's, e.g. {"rw", "devices"} for a v1
+    devices hierarchy). Raises ValueError for a line that is not one."""
+
+    __slots__ = ("id", "parent", "dev", "root", "point", "options", "shared", "fstype", "super_options")
+
+    def __init__(self, line: bytes):
+        fields = line.split()
+        dash = fields.index(b"-")
+        if dash < 6 or len(fields) < dash + 3:
+            raise ValueError("not a mountinfo line")
+        self.id = int(fields[0])
+        self.parent = int(fields[1])
+        major, _, minor = fields[2].partition(b":")
+        self.dev = os.makedev(int(major), int(minor))
+        self.root = unescape(fields[3])
+        self.point = unescape(fields[4])
+        self.options = tuple(fields[5].split(b","))
+        self.shared = any(f.startswith(b"shared:") for f in fields[6:dash])
+        self.fstype = fields[dash + 1].decode("ascii", "replace")
+        self.super_options = frozenset(os.fsdecode(o) for o in fields[dash + 3].split(b",")) \
+            if len(fields) > dash + 3 else frozenset()
+
+
+def unescape(field: bytes) -> str:
+    """mountinfo writes space, tab, newline and backslash as a backslash and three octal digits."""
+    out, i = bytearray(), 0
+    while i < len(field):
+        octal = field[i + 1:i + 4]
+        if field[i] == 0x5C and len(octal) == 3 and all(0x30 <= c <= 0x37 for c in octal):
+            out.append(int(octal, 8))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return os.fsdecode(bytes(out))
+
+
+def open_table(proc: str = "/proc") -> int:
+    """A descriptor of the caller's mount table, for `read` to read again as it changes."""
+    return os.open(f"{proc}/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def read(fd: int | None = None, proc: str = "/proc") -> list:
+    """The mounts of the caller's namespace; `fd` is an open mountinfo file (`open_table`) to
+    read again from its start (it shows the table as it is at the time of reading). Raises
+    OSError."""
+    own = fd is None
+    if own:
+        fd = open_table(proc)
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = b""
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+            if len(data) > LIMIT:
+                raise OSError(27, "the mount table is too large")  # EFBIG
+    finally:
+        if own:
+            os.close(fd)
+    return parse(data)
+
+
+def parse(data: bytes) -> list:
+    """The MountEntry of each line of a mount table (lines that are not entries are skipped)."""
+    entries = []
+    for line in data.splitlines():
+        try:
+            entries.append(MountEntry(line))
+        except (ValueError, IndexError):
+            continue
+    return entries
+
+
+def cgroup_mounts(entries) -> list:
+    """(fstype, root, mount point, super options) of every visible cgroup and cgroup2 mount
+    among `entries`, in table order.
+
+    A mount that a later one covers (at its mount point or above) is hidden: a private
+    namespace that mounts cgroup2 over a hybrid host's /sys/fs/cgroup still lists the v1
+    mounts beneath it (docs/runtime-facts.md §5).
+    """
+    entries = list(entries)
+    found = []
+    for i, m in enumerate(entries):
+        if m.fstype not in ("cgroup", "cgroup2"):
+            continue
+        if any(_covers(later.point, m.point) for later in entries[i + 1:]):
+            continue
+        found.append((m.fstype, m.root, m.point, set(m.super_options)))
+    return found
+
+
+def cgroup_mounts_here(proc: str = "/proc") -> list:
+    """`cgroup_mounts` of the caller's mount table. Raises OSError."""
+    return cgroup_mounts(read(proc=proc))
+
+
+def _covers(upper: str, point: str) -> bool:
+    upper = upper.rstrip("/")
+    return point == upper or point.startswith(upper + "/") or not upper
+
+
+def cgroup_directory(mount_point: str, mount_root: str, path: str) -> str:
+    """Where cgroup `path` (as /proc/<pid>/cgroup names it) is under a hierarchy mounted at
+    `mount_point` that shows `mount_root` of it; "" when that mount does not show it (the
+    cgroup lies outside the mount's root)."""
+    root = mount_root.rstrip("/")
+    if root and path != root and not path.startswith(root + "/"):
+        return ""
+    rest = path[len(root):].strip("/")
+    return mount_point.rstrip("/") + ("/" + rest if rest else "")
+
+
+def subtree(mounts: list, top_id: int) -> list:
+    """The mounts at and below the mount `top_id`."""
+    children: dict = {}
+    for m in mounts:
+        children.setdefault(m.parent, []).append(m)
+    found, todo = [], [m for m in mounts if m.id == top_id]
+    while todo:
+        m = todo.pop()
+        found.append(m)
+        todo += [c for c in children.get(m.id, ()) if c.id != m.id]
+    return found
+
+
+def mount_id(fd: int) -> int:
+    """The id of the mount an open fd is on (its `mnt_id` in /proc/self/fdinfo)."""
+    info = os.open(f"/proc/self/fdinfo/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(info, 4096)
+    finally:
+        os.close(info)
+    start = data.find(b"mnt_id:")
+    if start < 0:
+        raise OSError(5, "fdinfo has no mnt_id")
+    return int(data[start + 7:data.index(b"\n", start)])

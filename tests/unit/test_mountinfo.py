@@ -1,0 +1,78 @@
+"""The mount table, read once way for everyone (gpuhook.kernel.mountinfo): literal mountinfo
+lines (proc_pid_mountinfo(5)) in a directory standing in for /proc."""
+
+import os
+
+import pytest
+
+from gpuhook.apply.cgroup import hierarchy
+from gpuhook.health import registry
+from gpuhook.kernel import mountinfo
+
+# A hybrid host's table (v1 controllers, cgroup2 at .../unified), then a tmpfs whose mount
+# point is not UTF-8 (any user who may mount can name one so; mountinfo shows its bytes).
+HYBRID = (b"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+          b"25 22 0:21 / /sys/fs/cgroup ro,nosuid shared:4 - tmpfs tmpfs ro,mode=755\n"
+          b"26 25 0:22 / /sys/fs/cgroup/unified rw,nosuid shared:5 - cgroup2 cgroup2 rw,nsdelegate\n"
+          b"30 25 0:26 / /sys/fs/cgroup/devices rw,nosuid shared:11 - cgroup cgroup rw,devices\n"
+          b"31 25 0:27 / /sys/fs/cgroup/pids rw,nosuid shared:12 - cgroup cgroup rw,pids\n")
+NOT_UTF8 = b"90 22 0:50 / /tmp/caf\xe9\\040x rw,relatime shared:40 - tmpfs tmpfs rw\n"
+CGROUP = b"12:pids:/ctr\n11:devices:/ctr\n0::/ctr\n"
+
+
+@pytest.fixture
+def proc(tmp_path):
+    """A /proc with the hybrid table plus a mount point that is not UTF-8, and process 42."""
+    os.makedirs(tmp_path / "self")
+    os.makedirs(tmp_path / "42")
+    (tmp_path / "self" / "mountinfo").write_bytes(HYBRID + NOT_UTF8)
+    (tmp_path / "42" / "cgroup").write_bytes(CGROUP)
+    return str(tmp_path)
+
+
+def test_a_mount_point_that_is_not_utf8_does_not_hide_the_device_policy(proc):
+    # Before, the table was read as UTF-8 text: this one mount made every GPU start fail
+    # with exit 70 (an internal error) on the host.
+    place = hierarchy.placement(42, proc=proc)
+    assert (place.mode, place.directory, place.cgroup_path) == (hierarchy.V1, "/sys/fs/cgroup/devices/ctr", "/ctr")
+
+
+def test_the_health_registry_reads_the_same_table(proc):
+    mounts = registry.cgroup_mounts(proc)
+    assert [(fstype, point) for fstype, _, point, _ in mounts] == [
+        ("cgroup2", "/sys/fs/cgroup/unified"), ("cgroup", "/sys/fs/cgroup/devices"), ("cgroup", "/sys/fs/cgroup/pids")]
+    assert registry.cgroup_directories({"pids": "/ctr", "": "/ctr"}, mounts) == [
+        "/sys/fs/cgroup/pids/ctr", "/sys/fs/cgroup/unified/ctr"]
+
+
+def test_an_entry_keeps_the_bytes_of_its_names():
+    (tmpfs,) = [m for m in mountinfo.parse(HYBRID + NOT_UTF8) if m.fstype == "tmpfs" and m.id == 90]
+    assert os.fsencode(tmpfs.point) == b"/tmp/caf\xe9 x"  # \040 unescaped, the byte kept
+    assert (tmpfs.root, tmpfs.parent, tmpfs.shared, tmpfs.options) == ("/", 22, True, (b"rw", b"relatime"))
+    (devices,) = [m for m in mountinfo.parse(HYBRID) if m.id == 30]
+    assert devices.super_options == {"rw", "devices"} and devices.dev == os.makedev(0, 26)
+
+
+def test_lines_that_are_no_entries_are_skipped():
+    cut = b"22 1 8:1 / / rw,relatime shared:1 - ext4\n"  # no source, no super options
+    assert [m.id for m in mountinfo.parse(b"garbage\n\n22 1 8:1 / /\n" + cut + NOT_UTF8)] == [90]
+
+
+def test_a_hierarchy_covered_by_a_later_mount_is_hidden():
+    # A private namespace mounted cgroup2 over a hybrid host's /sys/fs/cgroup: the v1
+    # mounts beneath it are still listed, and no longer visible (docs/runtime-facts.md §5).
+    over = b"40 22 0:60 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n"
+    assert mountinfo.cgroup_mounts(mountinfo.parse(HYBRID + over)) == [
+        ("cgroup2", "/", "/sys/fs/cgroup", {"rw"})]
+
+
+@pytest.mark.parametrize("point,root,path,expected", [
+    ("/sys/fs/cgroup/devices", "/", "/ctr", "/sys/fs/cgroup/devices/ctr"),
+    ("/sys/fs/cgroup/devices", "/", "/", "/sys/fs/cgroup/devices"),
+    ("/sys/fs/cgroup", "/kubepods", "/kubepods/pod1/ctr", "/sys/fs/cgroup/pod1/ctr"),
+    ("/sys/fs/cgroup", "/kubepods", "/kubepods", "/sys/fs/cgroup"),
+    ("/sys/fs/cgroup", "/kubepods", "/kubepodsX/ctr", ""),  # outside what the mount shows
+    ("/sys/fs/cgroup", "/kubepods", "/system.slice/ctr", ""),
+])
+def test_a_cgroup_path_is_joined_onto_its_mount_one_way(point, root, path, expected):
+    assert mountinfo.cgroup_directory(point, root, path) == expected
