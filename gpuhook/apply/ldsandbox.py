@@ -11,7 +11,10 @@ and echo them in its warnings, or read /dev/zero until the host runs out of memo
 So ldconfig runs here in a sandbox where those paths do not exist, rather than in one where
 they are forbidden:
 
-1. a new mount namespace, everything private (nothing propagates in or out);
+1. a new mount namespace, everything private (nothing propagates in or out), and new PID,
+   network, IPC and UTS namespaces: ldconfig is pid 1 of its own PID namespace (it sees no
+   other process to signal or trace), has only a loopback that is down (no host abstract
+   UNIX socket, no network) and no SysV IPC object or POSIX queue of the host;
 2. a read-only, nosuid, nodev, noexec copy of the rootfs holding gpuhook's own mounts (the
    driver's files) and nothing else: every other submount (procfs, sysfs, the runtime's /dev,
    the pod's volumes, which may be filesystems that never answer) is detached, and an empty
@@ -57,6 +60,12 @@ DETACH_ROUNDS = 32
 UMOUNT_NOFOLLOW = 0x8  # umount2(2): do not follow a final symlink
 KILL_GRACE = 0.3  # seconds a killed process gets to end before it counts as stuck in the kernel
 KILL_MARGIN = 0.3 + 2 * KILL_GRACE  # the sandbox stops ldconfig itself this long before the deadline
+# The namespaces the sandbox leaves. After unshare(CLONE_NEWPID) the sandbox itself stays in
+# the caller's PID namespace; the next process it forks, ldconfig, is pid 1 of the new one:
+# it is still this process's child (killed, with its group, and reaped from here), and when
+# it ends the kernel kills whatever it left in that namespace.
+NAMESPACES = (linux.CLONE_NEWNS | linux.CLONE_NEWPID | linux.CLONE_NEWNET | linux.CLONE_NEWIPC
+              | linux.CLONE_NEWUTS)
 
 
 class SandboxError(Exception):
@@ -172,7 +181,7 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, ne
     try:
         linux.prctl_set_pdeathsig(linux.SIGKILL)
         os.setpgid(0, 0)
-        linux.unshare(linux.CLONE_NEWNS)
+        linux.unshare(NAMESPACES)
         linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
         # Read again after each change: it shows the live table (proc_pid_mountinfo(5)).
         info = mountinfo.open_table()

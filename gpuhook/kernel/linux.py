@@ -13,7 +13,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 SIGKILL = 9  # as signal.SIGKILL, without importing signal (and enum) on the hook's path
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
 
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000

@@ -2,14 +2,22 @@
  *   -DHANG  never finishes, and leaves a child that never finishes either;
  *   -DFAIL  prints a line and exits 3;
  *   (none)  a spy: prints what it can see of its environment, credentials, limits and
- *           filesystem, then writes a minimal ld.so.cache where -C says.
+ *           filesystem, then writes a minimal ld.so.cache where -C says. When the image
+ *           has /etc/escape-targets ("PID SOCKET SHMKEY": a host process, a host abstract
+ *           UNIX socket name, a host SysV shared-memory key), it also tries to signal that
+ *           process, connect to that socket and attach that segment, and says how it went.
  * The spy's output reaches gpuhook's log only, which is what the tests read. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stddef.h>
 #include <linux/capability.h>
 #include <stdio.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/prctl.h>
+#include <sys/shm.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -28,6 +36,28 @@ static void try_open(const char *path) {
     printf("OPEN %s %s\n", path, f ? "ok" : strerror(errno));
     if (f)
         fclose(f);
+}
+
+static void try_escape(void) {
+    FILE *f = fopen("/etc/escape-targets", "r");
+    long pid;
+    char name[100];
+    int key;
+    if (!f)
+        return;
+    int got = fscanf(f, "%ld %99s %d", &pid, name, &key);
+    fclose(f);
+    if (got != 3)
+        return;
+    printf("PID %d\n", (int)getpid());
+    printf("KILL %s\n", kill((pid_t)pid, SIGTERM) == 0 ? "ok" : strerror(errno));
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    memcpy(addr.sun_path + 1, name, strlen(name));  /* abstract: a leading NUL */
+    int s = socket(AF_UNIX, SOCK_STREAM, 0);
+    int done = s >= 0 && connect(s, (struct sockaddr *)&addr,
+                                 (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + strlen(name))) == 0;
+    printf("CONNECT %s\n", done ? "ok" : strerror(errno));
+    printf("SHM %s\n", shmget((key_t)key, 0, 0) >= 0 ? "ok" : strerror(errno));
 }
 
 int main(int argc, char **argv) {
@@ -62,6 +92,7 @@ int main(int argc, char **argv) {
     try_open("/proc/self/mountinfo");
     try_open("/sys/kernel/uevent_seqnum");
     try_open("/dev/zero");
+    try_escape();
     FILE *w = fopen("/etc/written-by-ldconfig", "w");
     printf("WRITE_ROOTFS %s\n", w ? "ok" : strerror(errno));
     FILE *cache = fopen(cache_path(argc, argv), "w");

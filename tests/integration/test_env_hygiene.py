@@ -8,7 +8,9 @@ ldconfig the hook starts must see an empty environment and a working directory o
 rootfs. (Issue 7, item 2.)
 """
 
+import ctypes
 import os
+import socket
 import stat
 import subprocess
 
@@ -88,6 +90,46 @@ def test_host_ldconfig_runs_with_no_capability_no_procfs_and_a_read_only_rootfs(
     assert "WRITE_ROOTFS Read-only file system" in seen
     with open(result.rootfs + "/etc/ld.so.cache", "rb") as f:
         assert f.read().startswith(b"glibc-ld.so.cache1.1")  # what it wrote, installed
+
+
+def test_host_ldconfig_can_neither_signal_host_processes_nor_reach_host_sockets(gpus, tmp_path):
+    """ldconfig parses the image's files: a compromised one (the spy, told by the image where
+    to aim) must find no host process to signal, no host abstract UNIX socket to connect to
+    and no host SysV IPC object to attach: it runs in its own PID (as its pid 1), network,
+    IPC and UTS namespaces (issue 23, S1)."""
+    gpus.configure(ldconfig=fake_ldconfig(tmp_path))
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = 0x6770_0000 | (os.getpid() & 0xFFFF)
+    shm = libc.shmget(key, 4096, 0o1000 | 0o600)  # IPC_CREAT, owner only: root's, like the spy
+    assert shm >= 0, os.strerror(ctypes.get_errno())
+    victim = subprocess.Popen(["sleep", "120"])  # a host process of the same uid (root)
+    name = f"gpuhook-test-{os.getpid()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind("\0" + name)
+        listener.listen(4)
+        listener.setblocking(False)
+
+        def aim(rootfs):
+            os.makedirs(f"{rootfs}/etc", exist_ok=True)
+            with open(f"{rootfs}/etc/escape-targets", "w") as f:
+                f.write(f"{victim.pid} {name} {key}\n")
+
+        result = gpus.run("ldconfig-escape", env=["NVIDIA_VISIBLE_DEVICES=0"], rootfs_setup=aim)
+        assert result.returncode == 0, result.stderr
+        seen = gpus.log_lines()[-1]["ldconfig_output"].splitlines()
+        assert "PID 1" in seen, seen  # pid 1 of a namespace of its own
+        assert "KILL No such process" in seen, seen
+        assert "CONNECT Connection refused" in seen, seen
+        assert "SHM No such file or directory" in seen, seen
+        assert victim.poll() is None, "the host process was signalled"
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+        victim.kill()
+        victim.wait()
+        libc.shmctl(shm, 0, None)  # IPC_RMID
 
 
 def test_runtime_environment_python_variables_are_ignored_without_hook_env(gpus, evil, bed):
