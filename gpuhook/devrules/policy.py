@@ -61,6 +61,20 @@ class RuntimeRules:
             return False
         return _runc_allows(self._runc, device) and _crun_v2_allows(self.rules, device)
 
+    def denied(self, wanted: DeviceRule) -> str:
+        """The letters of `wanted.access` the runtime's rules EXPLICITLY deny: each one they do
+        not allow (alone) while a deny rule naming the device's major (``c 195:0``,
+        ``c 195:*``) takes it. "" when none. A blanket deny (``a``, or a ``*`` major) is every
+        runtime's default, which a GPU request exists to add to; a deny of this very device
+        is the runtime (or its user) saying no, and granting it would widen what the runtime
+        allowed: on cgroup v1 an allow of the device removes the runtime's deny exception
+        from an allow-all cgroup, on v2 a program that allows it lets it through."""
+        named = "".join(rule.access for rule in self.rules
+                        if not rule.allow and rule.type == wanted.type and rule.major == wanted.major
+                        and rule.minor in (WILDCARD, wanted.minor))
+        return "".join(c for c in wanted.access
+                       if c in named and not self.allows(wanted.with_access(c)))
+
     def grantable(self, wanted: DeviceRule) -> DeviceRule:
         """`wanted` cut down to the letters the runtime already allows, so that an allow rule
         for them lets through nothing the runtime's rules deny: the largest subset of

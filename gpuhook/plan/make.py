@@ -9,7 +9,7 @@ gpuhook.apply.run turns it into system calls (docs/architecture.md).
 
 from gpuhook.devrules.devices import char_device
 from gpuhook.driver import CONTROL_NODES, LIBRARY_CAPABILITIES
-from gpuhook.errors import HostError
+from gpuhook.errors import HostError, RequestError
 from gpuhook.plan import select
 from gpuhook.plan.records import BindMount, DeviceNode, HealthStep, LdCacheUpdate, Plan, ProcMask, Symlink  # noqa: F401 (re-exported)
 from gpuhook.request import resolve
@@ -54,6 +54,7 @@ def make_plan(state, spec, request, host, config) -> Plan:
     nodes = _device_nodes(wanted, host, userns, config, notes)
     mounts, symlinks, ld_dirs = _driver_files(inventory, host.container, request.capabilities, notes)
     rules = _cgroup_rules(nodes, spec, selection, cap_names, inventory, notes)
+    _refuse_runtime_denials(rules, nodes, spec)
     ldcache = _ld_cache_update(host, ld_dirs, notes)
     if host.facts_source:
         notes.append(host.facts_source)
@@ -179,6 +180,25 @@ def _cgroup_rules(nodes, spec, selection, cap_names, inventory, notes: list) -> 
     if selection.runtime_grant:
         rules = _within_runtime_rules(rules, spec, selection.gpus, cap_names, inventory, notes)
     return rules
+
+
+def _refuse_runtime_denials(rules, nodes, spec) -> None:
+    """Refuse (exit 3) a request that needs a device the runtime's own rules explicitly deny
+    (`deny c 195:0 rwm`, even after `allow a *:* rwm`): granting it would widen what the
+    runtime allowed (docs/security.md). Blanket denials (`a`, a `*` major) are the default
+    every GPU grant adds to and are left to gpuhook.devrules.policy's narrowing."""
+    if not any(not r.allow and r.type in ("b", "c") and r.major >= 0 for r in spec.device_rules):
+        return
+    from gpuhook.devrules.policy import RuntimeRules
+
+    runtime = RuntimeRules(spec.device_rules)
+    paths = {(n.major, n.minor): n.path for n in nodes}
+    for rule in rules:
+        letters = runtime.denied(rule)
+        if letters:
+            raise RequestError(f"the runtime's device rules deny {rule.with_access(letters).v1_line()} "
+                               f"({paths.get((rule.major, rule.minor), 'a device')[:80]}), which this request "
+                               f"needs; gpuhook never grants what the runtime denied")
 
 
 def _proc_mask(inventory, gpus, cap_names) -> ProcMask:

@@ -15,6 +15,7 @@ here); docs/cgroup-v2.md says how to check it on a systemd host.
 import contextlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import pytest
@@ -661,3 +662,31 @@ def test_cgroup_show_from_the_hosts_namespace_finds_the_v2_programs(v2ns, bed, g
         assert done.returncode == 0, done.stderr
         shown = json.loads(done.stdout)
         assert shown["mode"] == "v2" and len(shown["programs"]) == 1
+
+
+def test_a_node_the_runtime_explicitly_denies_is_refused_never_granted(v2ns, bed, gpus):
+    """Issue 23, G1 on pure v2: runc's program allows every device but GPU 0. A request for
+    GPU 0 fails the start (exit 3, one line) instead of a program that opens it; a request
+    for GPU 1 is served and GPU 0 stays shut."""
+    nvidia, minor0 = gpus.sim["majors"]["nvidia"], gpus.sim["gpus"][0]["minor"]
+
+    def deny_gpu0(spec):
+        spec["linux"]["resources"]["devices"] = [
+            {"allow": True, "access": "rwm"},
+            {"allow": False, "type": "c", "major": nvidia, "minor": minor0, "access": "rwm"}]
+
+    def image_gpu0(rootfs):  # the image ships the node outside the runtime's /dev
+        os.mknod(rootfs + "/gpu0", 0o666 | stat.S_IFCHR, os.makedev(nvidia, minor0))
+
+    result = gpus.run(unique("v2-denied-gpu0"), env=["NVIDIA_VISIBLE_DEVICES=0"], edit=deny_gpu0,
+                      rootfs_setup=image_gpu0, paths=["/gpu0"])
+    assert result.returncode != 0 and "exit status 3" in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    assert f"c {nvidia}:{minor0}" in line and "deny" in line, line
+    result = gpus.run(unique("v2-denied-gpu0-asks-gpu1"), env=["NVIDIA_VISIBLE_DEVICES=1"], edit=deny_gpu0,
+                      rootfs_setup=image_gpu0, paths=["/gpu0"])
+    assert result.returncode == 0, result.stderr
+    p = result.probes()
+    assert p["/dev/nvidia1"]["read"] == "ENXIO" and p["/dev/nvidia1"]["write"] == "ENXIO", p["/dev/nvidia1"]
+    assert not p["/dev/nvidia0"]["exists"]
+    assert p["/gpu0"]["read"] == "EPERM" and p["/gpu0"]["write"] == "EPERM", p["/gpu0"]

@@ -5,6 +5,7 @@ the node but no driver is behind it (a simulated GPU), EPERM = the cgroup denies
 """
 
 import os
+import stat
 import subprocess
 
 import pytest
@@ -221,3 +222,39 @@ def test_hook_run_twice_is_idempotent(gpus):
     assert gpu_nodes(p) == {"/dev/nvidia0"} and p["/dev/nvidia0"]["read"] == "ENXIO"
     assert [line["decision"] for line in gpus.log_lines()] == ["gpus injected", "gpus injected"]
     assert gpus.log_lines()[1]["rules_added"] == []  # the second run found them granted
+
+
+def deny_after_allowing_everything(major: int, minor: int):
+    """A spec edit: the runtime's rules open every device, then explicitly deny one
+    (linux.resources.devices `allow a *:* rwm`, `deny c MAJOR:MINOR rwm`)."""
+    def edit(spec):
+        spec["linux"]["resources"]["devices"] = [
+            {"allow": True, "access": "rwm"},
+            {"allow": False, "type": "c", "major": major, "minor": minor, "access": "rwm"}]
+    return edit
+
+
+def image_node(path: str, major: int, minor: int):
+    """A rootfs_setup: the image ships a device node at `path` (outside the runtime's /dev)."""
+    def setup(rootfs):
+        os.mknod(rootfs + path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+    return setup
+
+
+def test_a_node_the_runtime_explicitly_denies_is_refused_never_granted(gpus):
+    """Issue 23, G1: everything allowed but GPU 0 denied. A request for GPU 0 fails the start
+    (exit 3, one line) instead of writing c 195:0 to devices.allow, which in the runtime's
+    allow-all cgroup removes the deny; a request for GPU 1 is served and GPU 0 stays shut."""
+    nvidia, minor0 = gpus.sim["majors"]["nvidia"], gpus.sim["gpus"][0]["minor"]
+    edit = deny_after_allowing_everything(nvidia, minor0)
+    result = gpus.run("denied-gpu0", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=edit, paths=["/gpu0"],
+                      rootfs_setup=image_node("/gpu0", nvidia, minor0))
+    assert result.returncode != 0 and "exit status 3" in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    assert f"c {nvidia}:{minor0}" in line and "deny" in line, line
+    result = gpus.run("denied-gpu0-asks-gpu1", env=["NVIDIA_VISIBLE_DEVICES=1"], edit=edit, paths=["/gpu0"],
+                      rootfs_setup=image_node("/gpu0", nvidia, minor0))
+    assert result.returncode == 0, result.stderr
+    p = result.probes()
+    assert gpu_nodes(p) == {"/dev/nvidia1"} and p["/dev/nvidia1"]["write"] == "ENXIO"
+    assert p["/gpu0"]["read"] == "EPERM" and p["/gpu0"]["write"] == "EPERM", p["/gpu0"]

@@ -104,3 +104,26 @@ def test_a_wildcard_rule_covers_only_what_it_matches_and_holds():
     assert wide.covers(char_device(195, 7, "r")) and not wide.covers(char_device(195, 7, "rwm"))
     assert not wide.covers(char_device(510, 0, "r"))
     assert wide.with_access("").access == "" and wide.with_access("wr").access == "rw"
+
+
+@pytest.mark.parametrize("rules,gpu0,gpu1", [
+    # Issue 23, G1: everything allowed, then GPU 0 denied by name.
+    ([rule("a"), deny("c 195:0 rwm")], "rw", ""),
+    ([rule("a"), deny("c 195:* rwm")], "rw", "rw"),
+    ([rule("a"), deny("c 195:0 w")], "w", ""),
+    ([DENY_ALL, rule("c 195:* rw"), deny("c 195:0 rwm")], "rw", ""),
+    ([DENY_ALL, deny("c 195:0 rwm")], "rw", ""),  # named, though deny-all already said it
+    ([rule("a"), deny("c 195:0 m")], "", ""),  # gpuhook never asks for m
+    # Blanket denials are the default a GPU request adds to: nothing explicit.
+    ([], "", ""),
+    ([DENY_ALL], "", ""),
+    ([rule("a"), deny("c *:* rwm")], "", ""),
+    ([rule("a"), deny("b 195:0 rwm")], "", ""),  # a block device of that number is another device
+    # A later rule that opens the device again undoes the deny in both runtimes.
+    ([deny("c 195:0 rwm"), rule("a")], "", ""),
+    ([rule("a"), deny("c 195:0 rwm"), rule("c 195:0 rw")], "", ""),
+])
+def test_the_letters_the_runtime_explicitly_denies(rules, gpu0, gpu1):
+    policy = RuntimeRules(rules)
+    assert policy.denied(char_device(195, 0, "rw")) == gpu0
+    assert policy.denied(char_device(195, 1, "rw")) == gpu1

@@ -10,7 +10,7 @@ from gpuhook.request import resolve as req
 from gpuhook.discover.container import ContainerFacts
 from gpuhook.discover.types import Gpu, HostFile, Inventory, Library
 from gpuhook.discover.driverfiles import HostLdconfig
-from gpuhook.errors import HostError
+from gpuhook.errors import HostError, RequestError
 from gpuhook.plan.make import make_plan
 from gpuhook.plan.render import render_text
 from gpuhook.discover.survey import Host
@@ -200,3 +200,21 @@ def test_a_foreign_node_with_an_nvidia_name_leaves_the_environments_gpu_its_rule
                                        {"allow": True, "type": "c", "major": 1, "minor": 3, "access": "rwm"}]}}
     plan = plan_for(["NVIDIA_VISIBLE_DEVICES=0"], linux=linux)
     assert [g.index for g in plan.gpus] == [0] and "c 195:0 rw" in [r.v1_line() for r in plan.rules]
+
+
+def test_a_node_the_runtime_explicitly_denies_is_refused_not_granted():
+    """Issue 23, G1: `allow a *:* rwm` then `deny c 195:0 rwm`. GPU 0 (index 0, minor 0) is
+    refused at planning with a request error (exit 3); GPU 1 is planned, with no rule for
+    195:0; a denied control node refuses every GPU."""
+    def linux(*denied):
+        return {"resources": {"devices": [{"allow": True, "access": "rwm"}] + [
+            {"allow": False, "type": "c", "major": 195, "minor": m, "access": "rwm"} for m in denied]}}
+
+    with pytest.raises(RequestError) as refused:
+        plan_for(["NVIDIA_VISIBLE_DEVICES=0"], linux=linux(0))
+    assert refused.value.exit_code == 3
+    assert "deny c 195:0 rw (/dev/nvidia0)" in str(refused.value)
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=1"], linux=linux(0))
+    assert [g.index for g in plan.gpus] == [1] and "c 195:0" not in " ".join(r.v1_line() for r in plan.rules)
+    with pytest.raises(RequestError, match="/dev/nvidiactl"):
+        plan_for(["NVIDIA_VISIBLE_DEVICES=1"], linux=linux(255))
