@@ -66,29 +66,57 @@ class CgroupRule(record("CgroupRule", "allow type major minor access")):
 MAX_DEVICES = 4096  # linux.devices (and linux.resources.devices) entries; far above any real container
 
 
-# Every member name gpuhook reads from the state or config.json, case-folded. runc parses
-# with Go's encoding/json, which matches member names case-insensitively and lets the last
-# duplicate win; Python's json lets the last exact duplicate win. So {"root":…,"Root":…}
-# meant one rootfs to runc and another to gpuhook. Any object holding two names that fold
-# to the same one of these is refused (docs/security.md, "parser differentials").
-_FIELDS = frozenset(name.lower() for name in (
+# Every member name gpuhook reads from the state or config.json, by its Go-folded spelling.
+# runc parses with Go's encoding/json, which matches a member name to a field case-
+# insensitively under Unicode simple folding ("Linux", "DEVICES", "\u017ftatus" with a long s,
+# "\u212aind" with a Kelvin sign all select the field) and lets the last duplicate win; crun's
+# parser (libocispec, yajl) matches names exactly; Python's json reads only the exact name. So
+# {"root":…,"Root":…} meant one rootfs to runc and another to gpuhook, and a lone "Linux"
+# carried devices and device rules runc applied while gpuhook (and crun) saw none. No runtime
+# or orchestrator writes another spelling: any member whose name folds to one of these without
+# being it, and any name twice, is refused (docs/security.md, "parser differentials").
+_SPELLINGS = (
     "ociVersion", "id", "status", "pid", "bundle", "annotations", "root", "path", "readonly", "process",
     "env", "capabilities", "bounding", "mounts", "destination", "source", "type", "options", "linux",
     "namespaces", "devices", "major", "minor", "resources", "cgroupsPath", "uidMappings", "gidMappings", "hooks",
     "allow", "access",
-))
+)
+# The only non-ASCII characters that Unicode simple folding maps onto ASCII letters.
+_GO_FOLD_SPECIAL = {0x17F: "s", 0x212A: "k"}
+
+
+def go_fold(name: str) -> str:
+    """`name` as Go's encoding/json compares member names to field names (bytes.EqualFold):
+    ASCII case ignored, U+017F (long s) as s and U+212A (Kelvin sign) as k. Other non-ASCII
+    characters fold to nothing ASCII, so such a name is returned unchanged (never a field's)."""
+    if name.isascii():
+        return name.lower()
+    folded = name.translate(_GO_FOLD_SPECIAL)
+    return folded.lower() if folded.isascii() else name
+
+
+_FIELDS = {go_fold(name): name for name in _SPELLINGS}
+
+
+class _Differential(ValueError):
+    """A member name runtimes and gpuhook could read differently."""
 
 
 def _unambiguous_object(pairs: list) -> dict:
     doc = {}
-    folded = set()
     for key, value in pairs:
-        fold = key.lower()
-        if key in doc or (fold in _FIELDS and fold in folded):
-            raise ValueError(f"member {key[:64]!r} appears twice (names are matched case-insensitively "
+        if key in doc:
+            raise _Differential(f"member {key[:64]!r} appears twice")
+        exact = _FIELDS.get(go_fold(key))
+        if exact is not None and key != exact:
+            if exact in doc or any(go_fold(k) == go_fold(exact) for k in doc):
+                raise _Differential(f"member {key[:64]!r} appears twice (names are matched case-insensitively "
+                                 f"by the runtime)")
+            raise _Differential(f"member {key[:64]!r} is not runtime-spec's {exact!r}; runtimes disagree on "
+                             f"such a name (runc reads it as {exact!r}, crun ignores it)")
+        if exact is not None and any(k != key and go_fold(k) == go_fold(key) for k in doc):
+            raise _Differential(f"member {key[:64]!r} appears twice (names are matched case-insensitively "
                              f"by the runtime)")
-        if fold in _FIELDS:
-            folded.add(fold)
         doc[key] = value
     return doc
 
@@ -104,6 +132,8 @@ def _decode(raw: bytes, what: str):
         return fastjson.loads(text, object_pairs_hook=_unambiguous_object)
     except RecursionError as err:
         raise InputError(f"{what} is nested too deeply") from err
+    except _Differential as err:
+        raise InputError(f"{what}: {err}") from None
     except ValueError as err:
         raise InputError(f"{what} is not valid JSON: {err}") from err
 

@@ -99,6 +99,14 @@ CASES = [
          raw_spec=b'{"root":{"path":"rootfs"},"Root":{"path":"/tmp"},"process":{"env":["NVIDIA_VISIBLE_DEVICES=0"]}}'),
     Case("duplicate pid in the state", 2, "appears twice",
          raw_state=b'{"id":"x","status":"creating","pid":1,"PID":2,"bundle":"/tmp"}'),
+    Case("a lone Linux: runc reads it as linux, crun ignores it", 2, "is not runtime-spec's 'linux'",
+         raw_spec=b'{"root":{"path":"rootfs"},"process":{"env":["NVIDIA_VISIBLE_DEVICES=0"]},'
+                  b'"Linux":{"devices":[{"path":"/dev/nvidia1","type":"c","major":195,"minor":1}]}}'),
+    Case("access spelled with a long s, which Go folds to s", 2, "is not runtime-spec's 'access'",
+         raw_spec='{"root":{"path":"rootfs"},"process":{"env":["NVIDIA_VISIBLE_DEVICES=0"]},"linux":{"resources":'
+                  '{"devices":[{"allow":true,"type":"c","major":195,"minor":1,"acce\u017f\u017f":"rwm"}]}}}'.encode()),
+    Case("a lone Pid in the state", 2, "is not runtime-spec's 'pid'",
+         raw_state=b'{"id":"x","status":"creating","Pid":1,"bundle":"/tmp"}'),
     Case("rootfs missing", 2, "container rootfs", spec={"root": {"path": "no-such-rootfs"}, "process": {"env": GPU_ENV}}),
     # --- request values
     Case("unknown gpu id", 3, "requested GPU 'garbage'", env=["NVIDIA_VISIBLE_DEVICES=garbage"]),
