@@ -282,12 +282,19 @@ class Plugin:
         asked = [list(ask.devices_ids) for ask in request.container_requests]
         strategy = self.config.plugin.strategy
         unknown = [i for ids in asked for i in ids if i not in self.devices.gpu_of]
+        # A container asking for more devices than advertised, or for one device twice,
+        # is refused like an unknown id: kubelet never sends either (attacker finding P1).
+        too_many = next((ids for ids in asked if len(ids) > len(self.devices.ids)), None)
+        twice = next((ids for ids in asked if len(set(ids)) != len(ids)), None)
+        error = (f"{len(too_many)} device ids: more than the {len(self.devices.ids)} this plugin offers"
+                 if too_many is not None else f"unknown device {unknown[0][:100]}" if unknown
+                 else "a device named twice" if twice is not None else None)
         self._log("allocate", strategy=strategy, gpus=list(dict.fromkeys(
                       self.devices.gpu_of[i] for ids in asked for i in ids if i in self.devices.gpu_of)),
                   containers=[{"devices": ids[:64]} for ids in asked[:16]],
-                  **({"error": f"unknown device {unknown[0][:100]}"} if unknown else {}))
-        if unknown:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device {unknown[0][:100]}")
+                  **({"error": error} if error else {}))
+        if error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         for ids in asked:
             response.container_responses.append(allocate_response(self.pb, ids, strategy,
                                                                    self.allocations.new(ids)))
