@@ -420,7 +420,8 @@ class Plugin:
 
         health_daemon = daemon.Daemon(self.config)
         health_daemon.stop = self.stop
-        threading.Thread(target=self._run_daemon, args=(health_daemon,), daemon=True).start()
+        health_thread = threading.Thread(target=self._run_daemon, args=(health_daemon,), daemon=True)
+        health_thread.start()
         kubelet = os.path.join(self.dir, KUBELET_SOCKET)
         registered_with = None
         while not self.stop.is_set():
@@ -437,6 +438,9 @@ class Plugin:
                     self._log("registration failed", error=str(err.details() or err.code())[:200])
             self.stop.wait(0.5)
         self.server.stop(grace=2).wait()
+        # The health daemon sees the same stop event; wait (bounded) for it to remove its
+        # socket, or a SIGTERM left health.sock behind for the next start to trip on.
+        health_thread.join(timeout=5)
         try:
             os.unlink(self.socket)
         except FileNotFoundError:

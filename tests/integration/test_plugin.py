@@ -490,3 +490,14 @@ def test_sigterm_stops_serving_removes_the_socket_and_exits_0(cluster):
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=15) == 0
     assert not os.path.exists(f"{cluster['dir']}/gpuhook.sock")
+
+
+def test_sigterm_waits_for_the_health_daemon_to_remove_its_socket(sim, tmp_path):
+    shared = tmp_path / "health"
+    shared.mkdir(mode=0o755)
+    sock = f"{shared}/health.sock"
+    with running_plugin(sim, tmp_path, 3600, health={"daemon-socket": sock}) as state:
+        assert wait(lambda: os.path.exists(sock))
+        state["process"].send_signal(signal.SIGTERM)
+        assert state["process"].wait(timeout=15) == 0
+        assert os.listdir(shared) == []
