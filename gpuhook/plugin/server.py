@@ -282,12 +282,19 @@ class Plugin:
         asked = [list(ask.devices_ids) for ask in request.container_requests]
         strategy = self.config.plugin.strategy
         unknown = [i for ids in asked for i in ids if i not in self.devices.gpu_of]
+        # A container asking for more devices than advertised, or for one device twice,
+        # is refused like an unknown id: kubelet never sends either (attacker finding P1).
+        too_many = next((ids for ids in asked if len(ids) > len(self.devices.ids)), None)
+        twice = next((ids for ids in asked if len(set(ids)) != len(ids)), None)
+        error = (f"{len(too_many)} device ids: more than the {len(self.devices.ids)} this plugin offers"
+                 if too_many is not None else f"unknown device {unknown[0][:100]}" if unknown
+                 else "a device named twice" if twice is not None else None)
         self._log("allocate", strategy=strategy, gpus=list(dict.fromkeys(
                       self.devices.gpu_of[i] for ids in asked for i in ids if i in self.devices.gpu_of)),
                   containers=[{"devices": ids[:64]} for ids in asked[:16]],
-                  **({"error": f"unknown device {unknown[0][:100]}"} if unknown else {}))
-        if unknown:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown device {unknown[0][:100]}")
+                  **({"error": error} if error else {}))
+        if error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         for ids in asked:
             response.container_responses.append(allocate_response(self.pb, ids, strategy,
                                                                    self.allocations.new(ids)))
@@ -413,7 +420,8 @@ class Plugin:
 
         health_daemon = daemon.Daemon(self.config)
         health_daemon.stop = self.stop
-        threading.Thread(target=self._run_daemon, args=(health_daemon,), daemon=True).start()
+        health_thread = threading.Thread(target=self._run_daemon, args=(health_daemon,), daemon=True)
+        health_thread.start()
         kubelet = os.path.join(self.dir, KUBELET_SOCKET)
         registered_with = None
         while not self.stop.is_set():
@@ -430,6 +438,9 @@ class Plugin:
                     self._log("registration failed", error=str(err.details() or err.code())[:200])
             self.stop.wait(0.5)
         self.server.stop(grace=2).wait()
+        # The health daemon sees the same stop event; wait (bounded) for it to remove its
+        # socket, or a SIGTERM left health.sock behind for the next start to trip on.
+        health_thread.join(timeout=5)
         try:
             os.unlink(self.socket)
         except FileNotFoundError:

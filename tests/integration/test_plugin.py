@@ -284,6 +284,21 @@ def test_prestart_refuses_ids_it_never_advertised_before_any_work(quiet_cluster,
         assert set(first_devices(pb, stub).values()) == {"Healthy"}
 
 
+@pytest.mark.parametrize("case", ["one id twice", "more ids than advertised"])
+def test_allocate_refuses_a_repeated_id_or_more_ids_than_advertised(quiet_cluster, case):
+    """Attacker finding P1: Allocate granted a GPU named twice, or 5 of 4 GPUs."""
+    pb, stub, channel = quiet_cluster["kubelet"].plugin()
+    uuids = [g["uuid"] for g in quiet_cluster["sim"]["gpus"]]
+    ids = {"one id twice": [uuids[0], uuids[0]], "more ids than advertised": uuids + [uuids[0]]}[case]
+    with channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
+                          timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert caught.value.details() == {"one id twice": "a device named twice",
+                                      "more ids than advertised": "5 device ids: more than the 4 this plugin offers"}[case]
+
+
 def test_a_prestart_stamp_serves_only_the_allocation_it_was_made_for(quiet_cluster, bed, probe, tmp_path):
     """kubelet's PreStartContainer names devices, not the container; a container that then
     never starts must not lend its stamp to another start on that GPU."""
@@ -475,3 +490,14 @@ def test_sigterm_stops_serving_removes_the_socket_and_exits_0(cluster):
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=15) == 0
     assert not os.path.exists(f"{cluster['dir']}/gpuhook.sock")
+
+
+def test_sigterm_waits_for_the_health_daemon_to_remove_its_socket(sim, tmp_path):
+    shared = tmp_path / "health"
+    shared.mkdir(mode=0o755)
+    sock = f"{shared}/health.sock"
+    with running_plugin(sim, tmp_path, 3600, health={"daemon-socket": sock}) as state:
+        assert wait(lambda: os.path.exists(sock))
+        state["process"].send_signal(signal.SIGTERM)
+        assert state["process"].wait(timeout=15) == 0
+        assert os.listdir(shared) == []
