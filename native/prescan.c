@@ -268,6 +268,23 @@ int main(int argc, char **argv)
 		fputs("gpuhook: usage: gpuhook-prescan PYTHON ARGS... (the hook's Python command)\n", stderr);
 		return 2;
 	}
+	/* A relative interpreter or config path would be resolved against whatever working
+	 * directory the runtime gave the hook (the bundle, which the image may shape): refuse. */
+	if (argv[1][0] != '/') {
+		fputs("gpuhook: the hook's interpreter must be an absolute path\n", stderr);
+		return 2;
+	}
+	for (int i = 2; i < argc; i++) {
+		const char *value = NULL;
+		if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
+			value = argv[++i];
+		else if (strncmp(argv[i], "--config=", 9) == 0)
+			value = argv[i] + 9;
+		if (value && value[0] != '/') {
+			fputs("gpuhook: --config must be an absolute path\n", stderr);
+			return 2;
+		}
+	}
 	if (!plain_hook_invocation(argc, argv))
 		return hand_off(argv + 1, NULL);
 	struct buf state;

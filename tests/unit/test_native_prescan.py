@@ -231,3 +231,22 @@ def test_hot_path_containers(native, tmp_path, case, env, extra, exits):
     (tmp_path / "config.json").write_text(json.dumps(spec))
     state = state_for(str(tmp_path), annotations=spec["annotations"])
     assert check(native, state, (tmp_path / "config.json").read_bytes()) == exits, case
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["python3", "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart"],
+        ["PYTHON", "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart", "--config", "gpuhook.toml"],
+        ["PYTHON", "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart", "--config=./gpuhook.toml"],
+    ],
+)
+def test_a_relative_interpreter_or_config_path_is_refused_with_exit_2(native, argv):
+    binary, recorder = native
+    argv = [recorder if a == "PYTHON" else a for a in argv]
+    if os.path.exists(recorder + ".argv"):
+        os.unlink(recorder + ".argv")
+    done = subprocess.run([binary, *argv], input=b"{}", capture_output=True, timeout=10)
+    assert done.returncode == 2
+    assert done.stderr.count(b"\n") == 1 and b"absolute path" in done.stderr
+    assert not os.path.exists(recorder + ".argv")
