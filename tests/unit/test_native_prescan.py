@@ -31,7 +31,7 @@ def native(tmp_path_factory):
     binary = build.build(str(out))
     # The Python hook's stand-in: records its stdin and arguments, exits HANDED_OFF.
     recorder = out / "python3"
-    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nprintf "%s\\n" "$@" > "$0.argv"\nexit {HANDED_OFF}\n')
+    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nprintf "%s\\n" "$@" > "$0.argv"\nenv > "$0.env"\nexit {HANDED_OFF}\n')
     recorder.chmod(0o755)
     return binary, str(recorder)
 
@@ -250,3 +250,47 @@ def test_a_relative_interpreter_or_config_path_is_refused_with_exit_2(native, ar
     assert done.returncode == 2
     assert done.stderr.count(b"\n") == 1 and b"absolute path" in done.stderr
     assert not os.path.exists(recorder + ".argv")
+
+
+def test_the_python_hook_gets_a_clean_environment(native, tmp_path):
+    binary, recorder = native
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUHOOK_CONFIG": "/etc/gpuhook/config.toml",
+        "GPUHOOK_DOCKER_DATA_ROOT": "/var/lib/docker",
+        "LD_PRELOAD": "/tmp/evil.so",
+        "PYTHONPATH": "/tmp/evil",
+        "PYTHONSTARTUP": "/tmp/evil.py",
+    }
+    done = subprocess.run([binary, recorder, "/x/other.py"], input=b"{}", env=env, capture_output=True, timeout=10)
+    assert done.returncode == HANDED_OFF
+    got = dict(line.split("=", 1) for line in open(recorder + ".env").read().splitlines() if "=" in line)
+    for name in ("PATH", "GPUHOOK_CONFIG", "GPUHOOK_DOCKER_DATA_ROOT"):
+        assert got[name] == env[name]
+    for name in ("LD_PRELOAD", "PYTHONPATH", "PYTHONSTARTUP"):
+        assert name not in got
+
+
+@pytest.mark.parametrize(
+    "envp",
+    [
+        [b"GPUHOOK_CONFIG=/a.toml", b"GPUHOOK_CONFIG=/b.toml"],
+        [b"GPUHOOK_CONFIG=relative.toml"],
+    ],
+)
+def test_gpuhook_config_twice_or_relative_is_refused_with_exit_2(native, envp):
+    binary, recorder = native
+    # libc's execve takes the environment as a list, duplicates included (a dict cannot).
+    envs = [b"PATH=/usr/bin:/bin", *envp]
+    script = (
+        "import ctypes,sys; libc = ctypes.CDLL(None, use_errno=True); A = ctypes.c_char_p * 8; "
+        "argv = A(*[a.encode() for a in sys.argv[1:]], None); "
+        f"envp = A(*{envs!r}, None); "
+        "libc.execve(sys.argv[1].encode(), argv, envp); sys.exit(99)"
+    )
+    done = subprocess.run(
+        ["python3", "-c", script, binary, recorder, "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart"],
+        input=b"{}", capture_output=True, timeout=10,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count(b"\n") == 1 and b"GPUHOOK_CONFIG" in done.stderr
