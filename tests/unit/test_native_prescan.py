@@ -31,7 +31,7 @@ def native(tmp_path_factory):
     binary = build.build(str(out))
     # The Python hook's stand-in: records its stdin and arguments, exits HANDED_OFF.
     recorder = out / "python3"
-    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nprintf "%s\\n" "$@" > "$0.argv"\nenv > "$0.env"\nexit {HANDED_OFF}\n')
+    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nprintf "%s\\n" "$@" > "$0.argv"\nenv > "$0.env"\nls /proc/$$/fd > "$0.fds"\nexit {HANDED_OFF}\n')
     recorder.chmod(0o755)
     return binary, str(recorder)
 
@@ -294,3 +294,16 @@ def test_gpuhook_config_twice_or_relative_is_refused_with_exit_2(native, envp):
     )
     assert done.returncode == 2
     assert done.stderr.count(b"\n") == 1 and b"GPUHOOK_CONFIG" in done.stderr
+
+
+def test_no_inherited_descriptor_reaches_the_python_hook(native):
+    binary, recorder = native
+    read_end, write_end = os.pipe()
+    os.dup2(read_end, 37)
+    try:
+        done = subprocess.run([binary, recorder, "/x/other.py"], input=b"{}", pass_fds=(37,), timeout=10)
+    finally:
+        for fd in (37, read_end, write_end):
+            os.close(fd)
+    assert done.returncode == HANDED_OFF
+    assert "37" not in open(recorder + ".fds").read().split()
