@@ -243,7 +243,7 @@ static int plain_hook_invocation(int argc, char **argv)
  * may carry LD_PRELOAD, PYTHONPATH, PYTHONSTARTUP... that would run code in a root process. */
 static const char *const KEPT_VARIABLES[] = {"PATH=", "GPUHOOK_CONFIG=", "GPUHOOK_DOCKER_DATA_ROOT="};
 #define KEPT_COUNT (sizeof KEPT_VARIABLES / sizeof KEPT_VARIABLES[0])
-static char *clean_environment[KEPT_COUNT + 1];
+static char *clean_environment[KEPT_COUNT + 2];  /* + FRONT_ENVIRONMENT */
 
 /* Fill clean_environment with the first of each kept variable. Returns 2 with one line on
  * stderr for GPUHOOK_CONFIG set twice (which one wins differs between readers) or relative. */
@@ -272,6 +272,7 @@ static int keep_environment(void)
 				clean_environment[n++] = *e;
 		}
 	}
+	clean_environment[n++] = (char *)FRONT_ENVIRONMENT;  /* the protocol entry.check_front expects */
 	clean_environment[n] = NULL;
 	return 0;
 }

@@ -269,6 +269,36 @@ def test_the_python_hook_gets_a_clean_environment(native, tmp_path):
         assert got[name] == env[name]
     for name in ("LD_PRELOAD", "PYTHONPATH", "PYTHONSTARTUP"):
         assert name not in got
+    assert got[prescan.FRONT_VARIABLE] == str(prescan.FRONT_PROTOCOL)
+
+
+def test_the_runtime_cannot_set_the_front_protocol(native):
+    binary, recorder = native
+    env = {"PATH": "/usr/bin:/bin", prescan.FRONT_VARIABLE: "999"}
+    done = subprocess.run([binary, recorder, "/x/other.py"], input=b"{}", env=env, timeout=10)
+    assert done.returncode == HANDED_OFF
+    lines = open(recorder + ".env").read().splitlines()
+    assert [line for line in lines if line.startswith(prescan.FRONT_VARIABLE + "=")] == [
+        f"{prescan.FRONT_VARIABLE}={prescan.FRONT_PROTOCOL}"
+    ]
+
+
+def test_python_refuses_a_front_of_another_protocol_and_says_reinstall(monkeypatch, capsys):
+    import posix
+
+    monkeypatch.setitem(posix.environ, prescan.FRONT_VARIABLE.encode(), str(prescan.FRONT_PROTOCOL + 1).encode())
+    with pytest.raises(SystemExit) as stop:
+        entry.main(["prestart"])
+    assert stop.value.code == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reinstall" in err
+
+
+def test_python_accepts_its_own_front_protocol(monkeypatch):
+    import posix
+
+    monkeypatch.setitem(posix.environ, prescan.FRONT_VARIABLE.encode(), str(prescan.FRONT_PROTOCOL).encode())
+    assert entry.check_front(prescan) is None
 
 
 @pytest.mark.parametrize(
