@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     if args and args[0] in HOOK_STAGES:
         from gpuhook import prescan
 
+        check_front(prescan)
         parsed = prescan.split_hook_args(args)
         if parsed is not None:
             sys.exit(run_stage(*parsed))
@@ -30,6 +31,17 @@ def main(argv: list[str] | None = None) -> None:
     from gpuhook.cli import main as cli_main
 
     cli_main(args)
+
+
+def check_front(prescan) -> None:
+    """Exit 4 (a host problem) when a native front of another protocol version ran this hook."""
+    import posix
+
+    front = posix.environ.get(prescan.FRONT_VARIABLE.encode())
+    if front is not None and front != str(prescan.FRONT_PROTOCOL).encode():
+        print("gpuhook: the installed native front does not match this gpuhook version: "
+              "reinstall gpuhook (gpuhook install)", file=sys.stderr)
+        sys.exit(4)
 
 
 def run_stage(stage: str, config_path: str | None) -> int:

@@ -26,6 +26,11 @@ _VISIBLE = b'"NVIDIA_VISIBLE_DEVICES='
 # Bounds on what the hook reads at all; the full parser reports anything larger.
 MAX_STATE_BYTES = 4 << 20
 MAX_CONFIG_BYTES = 64 << 20
+# The native front (native/prescan.c) runs this hook with FRONT_VARIABLE=FRONT_PROTOCOL in its
+# environment; both come from here at build time. A front built from another gpuhook (an
+# upgrade that left the old binary registered) is refused: entry.check_front.
+FRONT_VARIABLE = "GPUHOOK_FRONT_PROTOCOL"
+FRONT_PROTOCOL = 1
 _S_IFMT, _S_IFREG = 0o170000, 0o100000
 
 

@@ -40,6 +40,7 @@ def header() -> str:
         f"#define MAX_CONFIG_BYTES {prescan.MAX_CONFIG_BYTES}u",
         "static const char *const HOOK_STAGES[] = {" + ", ".join(c_string(s.encode()) for s in entry.HOOK_STAGES) + "};",
         f"#define STAGE_COUNT {len(entry.HOOK_STAGES)}u",
+        f"#define FRONT_ENVIRONMENT {c_string(f'{prescan.FRONT_VARIABLE}={prescan.FRONT_PROTOCOL}'.encode())}",
         "",
     ])
 

@@ -26,9 +26,12 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "markers.h"
+
+extern char **environ;
 
 struct buf {
 	unsigned char *data;
@@ -236,6 +239,44 @@ static int plain_hook_invocation(int argc, char **argv)
 	return 1;
 }
 
+/* The only variables the Python hook is given (docs/security.md): the runtime's environment
+ * may carry LD_PRELOAD, PYTHONPATH, PYTHONSTARTUP... that would run code in a root process. */
+static const char *const KEPT_VARIABLES[] = {"PATH=", "GPUHOOK_CONFIG=", "GPUHOOK_DOCKER_DATA_ROOT="};
+#define KEPT_COUNT (sizeof KEPT_VARIABLES / sizeof KEPT_VARIABLES[0])
+static char *clean_environment[KEPT_COUNT + 2];  /* + FRONT_ENVIRONMENT */
+
+/* Fill clean_environment with the first of each kept variable. Returns 2 with one line on
+ * stderr for GPUHOOK_CONFIG set twice (which one wins differs between readers) or relative. */
+static int keep_environment(void)
+{
+	size_t n = 0, configs = 0;
+	for (char **e = environ; *e; e++) {
+		for (size_t k = 0; k < KEPT_COUNT; k++) {
+			size_t len = strlen(KEPT_VARIABLES[k]);
+			if (strncmp(*e, KEPT_VARIABLES[k], len) != 0)
+				continue;
+			if (k == 1) {
+				if (++configs > 1) {
+					fputs("gpuhook: GPUHOOK_CONFIG is set more than once in the environment\n", stderr);
+					return 2;
+				}
+				if ((*e)[len] != '\0' && (*e)[len] != '/') {
+					fputs("gpuhook: GPUHOOK_CONFIG must be an absolute path\n", stderr);
+					return 2;
+				}
+			}
+			int seen = 0;
+			for (size_t i = 0; i < n; i++)
+				seen |= strncmp(clean_environment[i], KEPT_VARIABLES[k], len) == 0;
+			if (!seen)
+				clean_environment[n++] = *e;
+		}
+	}
+	clean_environment[n++] = (char *)FRONT_ENVIRONMENT;  /* the protocol entry.check_front expects */
+	clean_environment[n] = NULL;
+	return 0;
+}
+
 /* Run the Python hook; with `state`, on a memfd holding exactly those bytes as its stdin. */
 static int hand_off(char **python, const struct buf *state)
 {
@@ -256,7 +297,11 @@ static int hand_off(char **python, const struct buf *state)
 			goto fail;
 		close(fd);
 	}
-	execv(python[0], python);
+	/* Nothing the runtime left open reaches the Python hook (runc passes its own fds on). */
+	if (syscall(SYS_close_range, 3U, ~0U, 0U) != 0)
+		for (int fd = 3; fd < 1024; fd++)
+			close(fd);
+	execve(python[0], python, clean_environment);
 fail:
 	fprintf(stderr, "gpuhook: cannot start the hook %s: %s\n", python[0], strerror(errno));
 	return 4;  /* gpuhook/errors.py: a host problem */
@@ -267,6 +312,26 @@ int main(int argc, char **argv)
 	if (argc < 2) {
 		fputs("gpuhook: usage: gpuhook-prescan PYTHON ARGS... (the hook's Python command)\n", stderr);
 		return 2;
+	}
+	int refused = keep_environment();
+	if (refused)
+		return refused;
+	/* A relative interpreter or config path would be resolved against whatever working
+	 * directory the runtime gave the hook (the bundle, which the image may shape): refuse. */
+	if (argv[1][0] != '/') {
+		fputs("gpuhook: the hook's interpreter must be an absolute path\n", stderr);
+		return 2;
+	}
+	for (int i = 2; i < argc; i++) {
+		const char *value = NULL;
+		if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
+			value = argv[++i];
+		else if (strncmp(argv[i], "--config=", 9) == 0)
+			value = argv[i] + 9;
+		if (value && value[0] != '/') {
+			fputs("gpuhook: --config must be an absolute path\n", stderr);
+			return 2;
+		}
 	}
 	if (!plain_hook_invocation(argc, argv))
 		return hand_off(argv + 1, NULL);

@@ -31,7 +31,7 @@ def native(tmp_path_factory):
     binary = build.build(str(out))
     # The Python hook's stand-in: records its stdin and arguments, exits HANDED_OFF.
     recorder = out / "python3"
-    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nprintf "%s\\n" "$@" > "$0.argv"\nexit {HANDED_OFF}\n')
+    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nprintf "%s\\n" "$@" > "$0.argv"\nenv > "$0.env"\nls /proc/$$/fd > "$0.fds"\nexit {HANDED_OFF}\n')
     recorder.chmod(0o755)
     return binary, str(recorder)
 
@@ -231,3 +231,109 @@ def test_hot_path_containers(native, tmp_path, case, env, extra, exits):
     (tmp_path / "config.json").write_text(json.dumps(spec))
     state = state_for(str(tmp_path), annotations=spec["annotations"])
     assert check(native, state, (tmp_path / "config.json").read_bytes()) == exits, case
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["python3", "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart"],
+        ["PYTHON", "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart", "--config", "gpuhook.toml"],
+        ["PYTHON", "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart", "--config=./gpuhook.toml"],
+    ],
+)
+def test_a_relative_interpreter_or_config_path_is_refused_with_exit_2(native, argv):
+    binary, recorder = native
+    argv = [recorder if a == "PYTHON" else a for a in argv]
+    if os.path.exists(recorder + ".argv"):
+        os.unlink(recorder + ".argv")
+    done = subprocess.run([binary, *argv], input=b"{}", capture_output=True, timeout=10)
+    assert done.returncode == 2
+    assert done.stderr.count(b"\n") == 1 and b"absolute path" in done.stderr
+    assert not os.path.exists(recorder + ".argv")
+
+
+def test_the_python_hook_gets_a_clean_environment(native, tmp_path):
+    binary, recorder = native
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUHOOK_CONFIG": "/etc/gpuhook/config.toml",
+        "GPUHOOK_DOCKER_DATA_ROOT": "/var/lib/docker",
+        "LD_PRELOAD": "/tmp/evil.so",
+        "PYTHONPATH": "/tmp/evil",
+        "PYTHONSTARTUP": "/tmp/evil.py",
+    }
+    done = subprocess.run([binary, recorder, "/x/other.py"], input=b"{}", env=env, capture_output=True, timeout=10)
+    assert done.returncode == HANDED_OFF
+    got = dict(line.split("=", 1) for line in open(recorder + ".env").read().splitlines() if "=" in line)
+    for name in ("PATH", "GPUHOOK_CONFIG", "GPUHOOK_DOCKER_DATA_ROOT"):
+        assert got[name] == env[name]
+    for name in ("LD_PRELOAD", "PYTHONPATH", "PYTHONSTARTUP"):
+        assert name not in got
+    assert got[prescan.FRONT_VARIABLE] == str(prescan.FRONT_PROTOCOL)
+
+
+def test_the_runtime_cannot_set_the_front_protocol(native):
+    binary, recorder = native
+    env = {"PATH": "/usr/bin:/bin", prescan.FRONT_VARIABLE: "999"}
+    done = subprocess.run([binary, recorder, "/x/other.py"], input=b"{}", env=env, timeout=10)
+    assert done.returncode == HANDED_OFF
+    lines = open(recorder + ".env").read().splitlines()
+    assert [line for line in lines if line.startswith(prescan.FRONT_VARIABLE + "=")] == [
+        f"{prescan.FRONT_VARIABLE}={prescan.FRONT_PROTOCOL}"
+    ]
+
+
+def test_python_refuses_a_front_of_another_protocol_and_says_reinstall(monkeypatch, capsys):
+    import posix
+
+    monkeypatch.setitem(posix.environ, prescan.FRONT_VARIABLE.encode(), str(prescan.FRONT_PROTOCOL + 1).encode())
+    with pytest.raises(SystemExit) as stop:
+        entry.main(["prestart"])
+    assert stop.value.code == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reinstall" in err
+
+
+def test_python_accepts_its_own_front_protocol(monkeypatch):
+    import posix
+
+    monkeypatch.setitem(posix.environ, prescan.FRONT_VARIABLE.encode(), str(prescan.FRONT_PROTOCOL).encode())
+    assert entry.check_front(prescan) is None
+
+
+@pytest.mark.parametrize(
+    "envp",
+    [
+        [b"GPUHOOK_CONFIG=/a.toml", b"GPUHOOK_CONFIG=/b.toml"],
+        [b"GPUHOOK_CONFIG=relative.toml"],
+    ],
+)
+def test_gpuhook_config_twice_or_relative_is_refused_with_exit_2(native, envp):
+    binary, recorder = native
+    # libc's execve takes the environment as a list, duplicates included (a dict cannot).
+    envs = [b"PATH=/usr/bin:/bin", *envp]
+    script = (
+        "import ctypes,sys; libc = ctypes.CDLL(None, use_errno=True); A = ctypes.c_char_p * 8; "
+        "argv = A(*[a.encode() for a in sys.argv[1:]], None); "
+        f"envp = A(*{envs!r}, None); "
+        "libc.execve(sys.argv[1].encode(), argv, envp); sys.exit(99)"
+    )
+    done = subprocess.run(
+        ["python3", "-c", script, binary, recorder, "/usr/lib/python3/dist-packages/gpuhook/launch.py", "prestart"],
+        input=b"{}", capture_output=True, timeout=10,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count(b"\n") == 1 and b"GPUHOOK_CONFIG" in done.stderr
+
+
+def test_no_inherited_descriptor_reaches_the_python_hook(native):
+    binary, recorder = native
+    read_end, write_end = os.pipe()
+    os.dup2(read_end, 37)
+    try:
+        done = subprocess.run([binary, recorder, "/x/other.py"], input=b"{}", pass_fds=(37,), timeout=10)
+    finally:
+        for fd in (37, read_end, write_end):
+            os.close(fd)
+    assert done.returncode == HANDED_OFF
+    assert "37" not in open(recorder + ".fds").read().split()
