@@ -142,3 +142,38 @@ def test_registrations_whose_launcher_is_gone_fail_and_none_warns(sim_host, tmp_
     _, _, checks = doctor(write_config(tmp_path / "c.toml", values), "--host-root", str(root))
     assert checks["runtimes"] == {"name": "runtimes", "status": "ok", "hint": None,
                                   "summary": "podman (/etc/containers/oci/hooks.d/gpuhook.json)"}
+
+
+def test_containerds_base_spec_is_read_as_containerd_reads_its_config(sim_host, tmp_path):
+    """The runc table of the file's config version, parsed as TOML: a commented-out line or
+    another runtime's base spec is not gpuhook's registration, a trailing comment is no part
+    of the path (versions 2, 3 and 4)."""
+    root = tmp_path / "node"
+    values = sim_values(sim_host, tmp_path)
+    os.makedirs(root / os.path.dirname(sys.executable).lstrip("/"))
+    os.symlink(sys.executable, root / sys.executable.lstrip("/"))
+    os.makedirs(root / "opt/gpuhook/gpuhook")
+    (root / "opt/gpuhook/gpuhook/launch.py").write_text("")
+
+    def spec(launcher):
+        return json.dumps({"hooks": {"prestart": [
+            {"path": sys.executable, "args": [sys.executable, "-I", "-S", launcher, "prestart"]}]}})
+
+    os.makedirs(root / "etc/containerd")
+    (root / "etc/containerd/gpuhook.json").write_text(spec("/opt/gpuhook/gpuhook/launch.py"))
+    (root / "etc/containerd/stale.json").write_text(spec("/opt/gone/gpuhook/launch.py"))
+    tables = {2: 'plugins."io.containerd.grpc.v1.cri".containerd.runtimes',
+              3: "plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes",
+              4: "plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes"}
+    for version, table in tables.items():
+        (root / "etc/containerd/config.toml").write_text(
+            f"version = {version}\n"
+            '# base_runtime_spec = "/etc/containerd/stale.json"\n'
+            f"[{table}.kata]\n"
+            '  base_runtime_spec = "/etc/containerd/stale.json"\n'
+            f"[{table}.runc]\n"
+            '  runtime_type = "io.containerd.runc.v2"\n'
+            '  base_runtime_spec = "/etc/containerd/gpuhook.json"  # added by gpuhook\n')
+        _, _, checks = doctor(write_config(tmp_path / "c.toml", values), "--host-root", str(root))
+        assert checks["runtimes"]["status"] == "ok", (version, checks["runtimes"])
+        assert checks["runtimes"]["summary"] == "containerd (base spec /etc/containerd/gpuhook.json)"
