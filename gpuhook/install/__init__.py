@@ -205,6 +205,19 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
     return plan_bundle(bundle, hook)
 
 
+def _node_registrations(root: str) -> list:
+    """The node paths where `install --host-root` registers the copied package: the hooks.d
+    files of podman and CRI-O and containerd's base spec."""
+    found = [CONTAINERD_SPEC]
+    for directory in (ADMIN_HOOKS_DIR, PACKAGE_HOOKS_DIR):
+        try:
+            names = sorted(os.listdir(hostroot.host_path(root, directory)))
+        except OSError:
+            continue
+        found += [f"{directory}/{name}" for name in names if name.endswith(".json")]
+    return found
+
+
 def plan_uninstall(target: str, bundle: str | None = None, hooks_dir: str | None = None,
                    spec_path: str | None = None, containerd_config: str | None = None,
                    bin_dir: str | None = None, host_root: str | None = None) -> InstallPlan:
@@ -218,6 +231,10 @@ def plan_uninstall(target: str, bundle: str | None = None, hooks_dir: str | None
         else:
             plan = plan_containerd_removal(hostroot.host_path(root, spec_path or CONTAINERD_SPEC),
                                            hostroot.host_path(root, containerd_config or CONTAINERD_CONFIG))
+        users = hostroot.lib_users(root, _node_registrations(root), plan.changes)
+        if users:
+            return InstallPlan(plan.changes, plan.notes + (
+                f"{hostroot.HOST_LIB} kept: still used by {', '.join(users)} (uninstall that too to remove it)",))
         return InstallPlan(plan.changes + tuple(hostroot.removal_changes(root)), plan.notes)
     if target in ("podman", "crio"):
         return plan_hooks_d_removal(target, hooks_dir or default_hooks_dir(target))

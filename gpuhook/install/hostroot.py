@@ -103,3 +103,17 @@ def removal_changes(root: str) -> list:
             if old is not None:
                 changes.append(FileChange(path, old, None))
     return changes
+
+
+def lib_users(root: str, registrations: list, changes) -> list:
+    """Which of `registrations` (node paths of files that may register gpuhook) still run the
+    copied package once `changes` are made: the files it may not be taken from."""
+    after = {change.path: change.new for change in changes}
+    users = []
+    for path in registrations:
+        full = host_path(root, path)
+        text = after[full] if full in after else _read_text(full)
+        if text is not None and f"{HOST_LIB}/gpuhook/launch.py" in text:
+            users.append(path)
+    return users
+

@@ -85,3 +85,19 @@ def test_a_node_without_a_usable_python_is_refused_before_anything_is_written(tm
                        check=False)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert tree(root) == before
+
+
+@pytest.mark.parametrize("first,second", [("crio", "containerd"), ("containerd", "crio")])
+def test_the_copied_package_stays_while_another_registration_uses_it(tmp_path, first, second):
+    root = node(tmp_path)
+    before = tree(root)
+    extra = {"containerd": ["--base-spec", str(tmp_path / "base.json")], "crio": []}
+    for target in (first, second):
+        gpuhook_cli("install", target, "--host-root", root, *extra[target])
+    launcher = f"{root}/opt/gpuhook/lib/gpuhook/launch.py"
+    done = gpuhook_cli("uninstall", first, "--host-root", root)
+    assert os.path.isfile(launcher), "removed while the other runtime still runs it"
+    assert "/opt/gpuhook/lib kept: still used by" in done.stdout
+    gpuhook_cli("uninstall", second, "--host-root", root)
+    after = {k: v for k, v in tree(root).items() if "__pycache__" not in k}
+    assert after == before
