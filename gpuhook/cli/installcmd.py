@@ -56,8 +56,8 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
 @HOOKS_DIR
 @click.option("--annotated", is_flag=True, help=(
     "podman, crio: run the hook (both stages) only for containers with a CDI annotation naming "
-    "a device of an NVIDIA kind (cdi.k8s.io/...: nvidia.com/gpu, k8s.device-plugin.nvidia.com/gpu, "
-    "a DRA claim); containers that ask by environment variable or volume mount "
+    "a device of an NVIDIA kind or of gpuhook's own (cdi.k8s.io/...: nvidia.com/gpu, "
+    "k8s.device-plugin.nvidia.com/gpu, a DRA claim, gpuhook.example/gpu); containers that ask by environment variable or volume mount "
     "get no GPU."))
 @OUTPUT
 @CONTAINERD_CONFIG

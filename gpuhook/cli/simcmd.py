@@ -68,4 +68,19 @@ def simulate(directory, gpus, driver_version, cuda_version, model, brand, mig, n
             click.echo(f"    MIG {gpu['index']}:{device['index']}  {device['uuid']}  {device['profile']}  "
                        f"GI {device['gpu_instance_id']} CI {device['compute_instance_id']}")
     click.echo(f"NVML state (edit to inject faults): {built['nvml_state']}")
-    click.echo(f"use it with: GPUHOOK_CONFIG={built['config']} gpuhook list")
+    click.echo(f"use it with: GPUHOOK_CONFIG={built['config']} {_this_command()} list")
+
+
+def _this_command() -> str:
+    """How to run this gpuhook again from any directory: the console script next to this
+    interpreter (.venv/bin/gpuhook after scripts/setup, /usr/bin/gpuhook from a package),
+    else the interpreter with -m."""
+    import os
+    import shlex
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "gpuhook")
+    if os.access(script, os.X_OK):
+        return shlex.quote(script)
+    return f"{shlex.quote(sys.executable)} -m gpuhook"
+

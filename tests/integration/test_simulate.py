@@ -142,6 +142,11 @@ def test_the_command_line(tmp_path):
     assert "driver 550.54.15 (CUDA 12.6)" in done.stdout
     assert f"MIG 1:1  {built['gpus'][1]['mig_devices'][1]['uuid']}  1g.10gb  GI 2 CI 0" in done.stdout
     assert f"NVML state (edit to inject faults): {directory}/nvml.json" in done.stdout
+    # The hint runs as printed, from another directory, with only a minimal PATH.
+    hint = next(line for line in done.stdout.splitlines() if line.startswith("use it with: "))
+    listed = subprocess.run(["sh", "-c", hint.removeprefix("use it with: ")], capture_output=True, text=True,
+                            timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin"})
+    assert listed.returncode == 0 and built["gpus"][0]["uuid"] in listed.stdout, listed.stderr
     state = simnvml.load(f"{directory}/nvml.json")
     assert (state["cuda_version"], state["call_latency_ms"], state["gpus"][0]["brand"]) == ("12.6", 5, "geforce")
     bad = subprocess.run([sys.executable, "-m", "gpuhook", "simulate", str(tmp_path / "other"), "--mig", "x"],
