@@ -100,12 +100,15 @@ class GpuResult(record("GpuResult", "uuid status outcomes problems fixed blocked
         return self.status in OK_STATUSES
 
     def failure(self) -> str:
-        """The first remaining problem as "<check> check: <evidence>; <why not repaired>"."""
+        """The first remaining problem as "<check> check: <evidence>; <why not repaired>", and
+        the other checks that failed by name."""
         if not self.problems:
             return ""
         first = self.problems[0]
         why = self.blocked.get(first.remedy, "")
-        return f"{first.check.value} check: {first.evidence}" + (f"; {why}" if why else "")
+        others = list(dict.fromkeys(p.check.value for p in self.problems[1:] if p.check != first.check))
+        also = f" (also failed: {', '.join(others)})" if others else ""
+        return f"{first.check.value} check: {first.evidence}" + (f"; {why}" if why else "") + also
 
     def as_dict(self) -> dict:
         return {

@@ -313,7 +313,7 @@ def test_check_without_repair_changes_nothing(config, sim, nvml_state, container
     report = engine.check([gpu(sim, 0)], config)
     assert not report.ok and report.gpus[0].actions == ()
     assert [f.check.value for f in report.gpus[0].problems] == ["processes", "ecc"]
-    assert report.gpus[0].failure().endswith("; not repaired (check only)")
+    assert report.gpus[0].failure().endswith("; not repaired (check only) (also failed: ecc)")  # every failed check named
     assert alive(orphan) and gpu_state(nvml_state, 0)["reset_count"] == 0
 
 
