@@ -293,17 +293,26 @@ def resolve(spec, state_annotations: dict, config) -> Request:
                                f"unset {', '.join(refused)}, or use NVIDIA's toolkit for this container")
         from gpuhook.request import requirements as reqs
 
-        request = request._replace(requirements=reqs.collect(spec.env), **_features(spec.env, request.notes))
+        honoured = spec.privileged or config.accept_env_when_unprivileged
+        request = request._replace(requirements=reqs.collect(spec.env),
+                                   **_features(spec.env, request.notes, honoured))
     return request
 
 
-def _features(env: dict, notes: tuple) -> dict:
+def _features(env: dict, notes: tuple, honoured: bool) -> dict:
     """The `features` (and notes) of FEATURES variables: only the exact value "enabled" turns
-    one on, as in NVIDIA's toolkit; any other value that is not off is named in a note."""
+    one on, as in NVIDIA's toolkit; any other value that is not off is named in a note. They
+    come from the image's environment, so they enable nothing where that environment is not
+    honoured (`honoured` false: an unprivileged container under accept-env-when-unprivileged
+    = false), whatever channel granted the GPUs."""
     features, more = [], []
     for name, feature in FEATURES.items():
         value = env.get(name, "")
-        if value == FEATURE_ON:
+        if not honoured and value.strip().lower() not in OFF_VALUES:
+            shown = value if value == FEATURE_ON else repr(value[:40])
+            more.append(f"{name}={shown} ignored: the image's environment is not honoured "
+                        f"(accept-env-when-unprivileged = false)")
+        elif value == FEATURE_ON:
             features.append(feature)
         elif value.strip().lower() not in OFF_VALUES:
             more.append(f"{name}={value[:40]!r} ignored: only {name}={FEATURE_ON} turns it on (as NVIDIA's toolkit)")

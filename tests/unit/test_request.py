@@ -209,6 +209,25 @@ def test_optional_devices_without_a_gpu_request_are_not_gpuhooks_business():
     assert r.empty and r.features == ()
 
 
+STRICT = {"accept-env-when-unprivileged": False}
+
+
+@pytest.mark.parametrize("request_env,mounts", [
+    (["NVIDIA_VISIBLE_DEVICES=0"], []),  # the environment's request itself is refused ...
+    ([], [vm(2)]),  # ... and a grant from another channel does not make the image's variables honoured
+])
+def test_optional_devices_from_an_environment_the_policy_does_not_honour_enable_nothing(request_env, mounts):
+    env = request_env + ["NVIDIA_NVSWITCH=enabled", "NVIDIA_GDRCOPY=enabled"]
+    r = resolve(spec(env, mounts=mounts), **STRICT)
+    assert r.features == ()
+    for name in ("NVIDIA_NVSWITCH", "NVIDIA_GDRCOPY"):
+        if mounts:  # an empty request says nothing about optional devices (see above)
+            assert (f"{name}=enabled ignored: the image's environment is not honoured "
+                    f"(accept-env-when-unprivileged = false)") in r.notes
+    assert resolve(spec(env, mounts=mounts, privileged=True), **STRICT).features == ("nvswitch", "gdrcopy")
+    assert resolve(spec(env, mounts=mounts)).features == ("nvswitch", "gdrcopy")
+
+
 def test_every_refused_variable_is_named_in_one_line():
     with pytest.raises(RequestError) as caught:
         resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_GDS=enabled", "NVIDIA_IMEX_CHANNELS=0",
