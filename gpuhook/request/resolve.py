@@ -13,7 +13,8 @@ Channels, in order of trust (docs/requests.md has the whole table):
    after resolving CDI; policy ``accept-runtime-devices``): they are the grant, and the
    environment only says that the container wants the driver;
 4. the environment: ``NVIDIA_VISIBLE_DEVICES`` (and the legacy-image rule), which any image
-   can set. It is honoured from unprivileged containers only while
+   can set. It is honoured from unprivileged containers (privileged: CAP_SYS_ADMIN in the
+   bounding set and device rules allowing every device, oci.Spec.privileged) only while
    ``accept-env-when-unprivileged`` is true, like NVIDIA's default.
 
 An orchestrator's grant (1, 2 or 3) is never widened by the environment: when one is
@@ -388,7 +389,7 @@ def _resolve(spec, state_annotations: dict, config) -> Request:
         return _with_mig_capabilities(request, spec)
     if not spec.privileged and not config.accept_env_when_unprivileged:
         notes.append(
-            "NVIDIA_VISIBLE_DEVICES ignored: container is unprivileged (no CAP_SYS_ADMIN) and "
+            "NVIDIA_VISIBLE_DEVICES ignored: container is unprivileged (not CAP_SYS_ADMIN with every device allowed) and "
             "accept-env-when-unprivileged = false"
         )
         return _nothing(notes)
@@ -405,6 +406,6 @@ def _with_mig_capabilities(request: Request, spec) -> Request:
             continue
         if not spec.privileged:
             raise RequestError(f"{name} is only honoured for privileged containers (CAP_SYS_ADMIN in the "
-                               f"bounding set); this one is not")
+                               f"bounding set and every device allowed); this one is not")
         found[field] = ("all",) if "all" in ids else tuple(ids)
     return request._replace(**found) if found else request

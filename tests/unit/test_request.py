@@ -16,9 +16,12 @@ GPUS = tuple(Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", i, f"0000:{
 
 
 def spec(env=(), mounts=(), annotations=None, privileged=False):
+    """`privileged` as docker --privileged: CAP_SYS_ADMIN and device rules allowing everything;
+    "cap-add" CAP_SYS_ADMIN alone (--cap-add SYS_ADMIN), under docker's deny-all."""
     caps = ["CAP_CHOWN"] + (["CAP_SYS_ADMIN"] if privileged else [])
+    rules = [{"allow": privileged is True, "access": "rwm"}]
     doc = {"root": {"path": "rootfs"}, "process": {"env": list(env), "capabilities": {"bounding": caps}},
-           "mounts": list(mounts)}
+           "mounts": list(mounts), "linux": {"resources": {"devices": rules}}}
     if annotations:
         doc["annotations"] = annotations
     return oci.parse_spec(json.dumps(doc).encode(), "/bundle")
@@ -81,6 +84,18 @@ def test_legacy_image_gets_every_capability():
 def test_unknown_capability_is_refused_with_the_known_list():
     with pytest.raises(RequestError, match=r"unknown driver capability 'gpu'.*compute"):
         resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,gpu"]))
+
+
+def test_cap_sys_admin_without_every_device_allowed_is_no_privileged_container():
+    """docker --cap-add SYS_ADMIN keeps the runtime's device policy: the environment policy and
+    the privileged-only variables apply to it as to any unprivileged container."""
+    strict = {"accept-env-when-unprivileged": False}
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"], privileged="cap-add"), **strict)
+    assert r.empty and "unprivileged" in r.notes[0]
+    with pytest.raises(RequestError, match="only honoured for privileged containers"):
+        resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_MIG_CONFIG_DEVICES=all"], privileged="cap-add"))
+    assert resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_MIG_CONFIG_DEVICES=all"],
+                        privileged=True)).mig_config == ("all",)
 
 
 def test_unprivileged_env_request_is_ignored_when_policy_forbids_it():
