@@ -64,7 +64,8 @@ KEYS = (
          "dynamic linker when driver-root is /, else in the driver root's ld cache. A simulated "
          "host sets its own."),
     _key("accept-env-when-unprivileged", "bool", True,
-         "Honour NVIDIA_VISIBLE_DEVICES from containers without CAP_SYS_ADMIN. Unsafe on shared "
+         "Honour NVIDIA_VISIBLE_DEVICES (and NVIDIA_NVSWITCH, NVIDIA_GDRCOPY) from unprivileged containers "
+         "(privileged: CAP_SYS_ADMIN in the bounding set and every device allowed). Unsafe on shared "
          "clusters: any image that sets NVIDIA_VISIBLE_DEVICES=all gets every GPU, bypassing the "
          "scheduler. Set false where the device plugin uses volume mounts or CDI."),
     _key("accept-volume-mounts", "bool", True,

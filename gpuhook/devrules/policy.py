@@ -54,6 +54,23 @@ class RuntimeRules:
                          for r in self.rules)
         self._runc = _emulate(self.rules) if self.valid else None
 
+    def allows_everything(self) -> bool:
+        """True if the rules open every device with every letter in both readings, as runc's
+        privileged containers (docker and podman --privileged write ``allow a *:* rwm``): the
+        last ``a`` rule is that allow, and only allow rules follow it. runc's emulator resets
+        to allow-all there and an allow then changes nothing; crun's program reaches it for
+        any access no later allow already decided. Anything less (no such rule, a deny after
+        it, fewer letters or numbered majors) is not everything."""
+        if not self.valid:
+            return False
+        last = max((i for i, r in enumerate(self.rules) if r.type == "a"), default=None)
+        if last is None:
+            return False
+        rule = self.rules[last]
+        return (rule.allow and rule.major == WILDCARD and rule.minor == WILDCARD
+                and is_subset(ACCESS_ORDER, rule.access)
+                and all(later.allow for later in self.rules[last + 1:]))
+
     def allows(self, device: DeviceRule) -> bool:
         """True if every runtime allows the access set `device.access` (all of it at once,
         as one open(2) asks) on the device `device` names."""

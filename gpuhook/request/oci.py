@@ -9,6 +9,7 @@ unusable with a message that names the field and what was wrong with it.
 import errno
 
 from gpuhook import fastjson
+from gpuhook.devrules.policy import RuntimeRules
 from gpuhook.errors import InputError
 from gpuhook.kernel.files import read_regular_file
 from gpuhook.prescan import MAX_CONFIG_BYTES, MAX_STATE_BYTES  # the fast path's limits, one each
@@ -41,8 +42,14 @@ class Spec(record("Spec", "rootfs env mounts annotations bounding_caps namespace
 
     @property
     def privileged(self) -> bool:
-        """NVIDIA's definition: CAP_SYS_ADMIN is in the bounding set."""
-        return "CAP_SYS_ADMIN" in self.bounding_caps
+        """A privileged container as runc's runtimes make one (docker and podman --privileged):
+        CAP_SYS_ADMIN in the bounding set (NVIDIA's whole definition) AND device rules that
+        allow every device (gpuhook.devrules.policy.RuntimeRules.allows_everything). A container
+        that was only given CAP_SYS_ADMIN (--cap-add SYS_ADMIN) keeps the runtime's device
+        policy, so it gets none of the exemptions (docs/requests.md)."""
+        if "CAP_SYS_ADMIN" not in self.bounding_caps:
+            return False
+        return RuntimeRules(self.device_rules).allows_everything()
 
 
 class Mount(record("Mount", "destination source type options")):

@@ -13,7 +13,8 @@ Channels, in order of trust (docs/requests.md has the whole table):
    after resolving CDI; policy ``accept-runtime-devices``): they are the grant, and the
    environment only says that the container wants the driver;
 4. the environment: ``NVIDIA_VISIBLE_DEVICES`` (and the legacy-image rule), which any image
-   can set. It is honoured from unprivileged containers only while
+   can set. It is honoured from unprivileged containers (privileged: CAP_SYS_ADMIN in the
+   bounding set and device rules allowing every device, oci.Spec.privileged) only while
    ``accept-env-when-unprivileged`` is true, like NVIDIA's default.
 
 An orchestrator's grant (1, 2 or 3) is never widened by the environment: when one is
@@ -293,17 +294,26 @@ def resolve(spec, state_annotations: dict, config) -> Request:
                                f"unset {', '.join(refused)}, or use NVIDIA's toolkit for this container")
         from gpuhook.request import requirements as reqs
 
-        request = request._replace(requirements=reqs.collect(spec.env), **_features(spec.env, request.notes))
+        honoured = spec.privileged or config.accept_env_when_unprivileged
+        request = request._replace(requirements=reqs.collect(spec.env),
+                                   **_features(spec.env, request.notes, honoured))
     return request
 
 
-def _features(env: dict, notes: tuple) -> dict:
+def _features(env: dict, notes: tuple, honoured: bool) -> dict:
     """The `features` (and notes) of FEATURES variables: only the exact value "enabled" turns
-    one on, as in NVIDIA's toolkit; any other value that is not off is named in a note."""
+    one on, as in NVIDIA's toolkit; any other value that is not off is named in a note. They
+    come from the image's environment, so they enable nothing where that environment is not
+    honoured (`honoured` false: an unprivileged container under accept-env-when-unprivileged
+    = false), whatever channel granted the GPUs."""
     features, more = [], []
     for name, feature in FEATURES.items():
         value = env.get(name, "")
-        if value == FEATURE_ON:
+        if not honoured and value.strip().lower() not in OFF_VALUES:
+            shown = value if value == FEATURE_ON else repr(value[:40])
+            more.append(f"{name}={shown} ignored: the image's environment is not honoured "
+                        f"(accept-env-when-unprivileged = false)")
+        elif value == FEATURE_ON:
             features.append(feature)
         elif value.strip().lower() not in OFF_VALUES:
             more.append(f"{name}={value[:40]!r} ignored: only {name}={FEATURE_ON} turns it on (as NVIDIA's toolkit)")
@@ -379,7 +389,7 @@ def _resolve(spec, state_annotations: dict, config) -> Request:
         return _with_mig_capabilities(request, spec)
     if not spec.privileged and not config.accept_env_when_unprivileged:
         notes.append(
-            "NVIDIA_VISIBLE_DEVICES ignored: container is unprivileged (no CAP_SYS_ADMIN) and "
+            "NVIDIA_VISIBLE_DEVICES ignored: container is unprivileged (not CAP_SYS_ADMIN with every device allowed) and "
             "accept-env-when-unprivileged = false"
         )
         return _nothing(notes)
@@ -396,6 +406,6 @@ def _with_mig_capabilities(request: Request, spec) -> Request:
             continue
         if not spec.privileged:
             raise RequestError(f"{name} is only honoured for privileged containers (CAP_SYS_ADMIN in the "
-                               f"bounding set); this one is not")
+                               f"bounding set and every device allowed); this one is not")
         found[field] = ("all",) if "all" in ids else tuple(ids)
     return request._replace(**found) if found else request

@@ -87,6 +87,8 @@ def write_bundle(path: str, spec: dict, args: list, env=(), mounts=(), annotatio
     caps = spec["process"]["capabilities"]
     for kind in ("bounding", "effective", "permitted"):
         caps[kind] = sorted(set(caps.get(kind, [])) | extra)
+    if privileged:  # as docker --privileged: every device allowed (gpuhook's Spec.privileged)
+        spec.setdefault("linux", {}).setdefault("resources", {})["devices"] = [{"allow": True, "access": "rwm"}]
     spec["mounts"] = spec.get("mounts", []) + list(mounts)
     if annotations:
         spec["annotations"] = dict(annotations)

@@ -144,6 +144,21 @@ def test_unprivileged_env_request_is_refused_by_policy_but_privileged_is_served(
     assert gpu_nodes(result.probes()) == {"/dev/nvidia0"}
 
 
+def test_cap_sys_admin_alone_is_not_a_privileged_container(gpus):
+    """--cap-add SYS_ADMIN keeps runc's deny-all device rules: the environment policy applies
+    to it as to any unprivileged container (docs/requests.md, Precedence)."""
+    def cap_add_sys_admin(spec):
+        caps = spec["process"]["capabilities"]
+        for kind in ("bounding", "effective", "permitted"):
+            caps[kind] = sorted(set(caps.get(kind, [])) | {"CAP_SYS_ADMIN"})
+
+    gpus.configure(**{"accept-env-when-unprivileged": False})
+    result = gpus.run("cap-add", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=cap_add_sys_admin)
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == set()
+    assert "unprivileged" in " ".join(gpus.log_lines()[-1]["notes"])
+
+
 def test_missing_gpu_fails_the_start_with_one_line_naming_the_real_gpus(gpus):
     result = gpus.run("missing", env=["NVIDIA_VISIBLE_DEVICES=0,7"])
     assert result.returncode != 0

@@ -36,8 +36,11 @@ DENY_ALL = {"allow": False, "access": "rwm"}
 
 def spec(env=(), mounts=(), annotations=None, privileged=False, devices=(), rules=None):
     """A parsed config.json. `rules` (linux.resources.devices) default to what containerd and
-    CRI-O write for the `devices` they inject: deny everything, then allow each node rwm."""
+    CRI-O write for the `devices` they inject: deny everything, then allow each node rwm; for
+    a `privileged` container, docker --privileged's allow-all ("cap-add": CAP_SYS_ADMIN alone)."""
     caps = ["CAP_CHOWN"] + (["CAP_SYS_ADMIN"] if privileged else [])
+    if rules is None and privileged is True:
+        rules = [{"allow": True, "access": "rwm"}]
     if rules is None:
         rules = [DENY_ALL] + [{"allow": True, "type": "c", "major": d["major"], "minor": d["minor"], "access": "rwm"}
                               for d in devices]
@@ -120,6 +123,14 @@ def test_nodes_the_runtime_injected_are_the_grant():
 def test_runtime_nodes_do_not_bind_a_privileged_container():
     devices = [node(f"/dev/nvidia{i}", 195, i) for i in range(4)]
     assert resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"], devices=devices, privileged=True)).ids == ("0",)
+
+
+def test_runtime_nodes_bind_a_container_that_only_has_cap_sys_admin():
+    """CAP_SYS_ADMIN alone (a CDI grant of GPU 1 to a pod that also added SYS_ADMIN) is no
+    privileged container: its runtime nodes are its grant, and the image's `all` cannot
+    widen it to every GPU."""
+    r = resolve(spec(ALL, devices=[node("/dev/nvidia1", 195, 1)], privileged="cap-add"))
+    assert r.channel == request_resolve.RUNTIME_DEVICES and chosen(r) == [1]
 
 
 def test_runtime_nodes_the_policy_refuses_are_not_replaced_by_the_environment():

@@ -53,6 +53,25 @@ def test_the_letters_a_grant_may_keep(rules, gpu2, gpu3):
     assert policy.grantable(char_device(195, 3, "rw")).access == gpu3
 
 
+@pytest.mark.parametrize("rules,everything", [
+    ([rule("a")], True),  # docker and podman --privileged
+    ([DENY_ALL, rule("a")], True),  # a default deny-all in front resets
+    ([rule("a"), rule("c 195:0 rw")], True),  # a later allow changes nothing
+    ([], False),
+    ([DENY_ALL], False),
+    ([DENY_ALL, rule("c *:* rwm"), rule("b *:* rwm")], False),  # not runc's privileged shape
+    ([rule("a"), DENY_ALL], False),
+    ([rule("a"), deny("c 195:0 w")], False),  # a deny after it takes something away
+    ([DENY_ALL, CgroupRule(True, "a", 195, -1, "rwm")], False),  # numbered: crun opens one major only
+    ([DENY_ALL, CgroupRule(True, "a", -1, -1, "rw")], False),  # no m
+    ([rule("a"), CgroupRule(True, "x", 1, 1, "r")], False),  # a rule runc refuses
+])
+def test_allows_everything_is_runcs_privileged_shape(rules, everything):
+    assert RuntimeRules(rules).allows_everything() is everything
+    if everything:  # and it agrees with what both readings allow
+        assert RuntimeRules(rules).grantable(char_device(1, 7, "rwm")).access == "rwm"
+
+
 def test_an_a_rule_with_numbers_is_read_as_each_runtime_reads_it():
     """runc: any "a" rule resets to allow-all; crun's program checks its major. Both must
     allow, so only major 195 is opened."""

@@ -100,11 +100,31 @@ def test_spec_env_last_entry_wins_and_odd_entries_are_skipped():
     assert s.env == {"A": "2", "B": "c=d"}
 
 
-def test_privileged_means_cap_sys_admin_in_the_bounding_set():
+# docker and podman --privileged (podman 4, as root, writes exactly this; --cap-add SYS_ADMIN
+# gets [{"allow": false, "access": "rwm"}] instead).
+PRIVILEGED_RULES = {"resources": {"devices": [{"allow": True, "access": "rwm"}]}}
+
+
+def test_privileged_means_cap_sys_admin_in_the_bounding_set_and_every_device_allowed():
     caps = {"bounding": ["CAP_SYS_ADMIN"], "effective": []}
-    assert oci.parse_spec(config(process={"capabilities": caps}), "/b").privileged
-    caps = {"bounding": [], "effective": ["CAP_SYS_ADMIN"]}
-    assert not oci.parse_spec(config(process={"capabilities": caps}), "/b").privileged
+    assert oci.parse_spec(config(process={"capabilities": caps}, linux=PRIVILEGED_RULES), "/b").privileged
+    # A deny-all in front (a runtime's default) changes nothing.
+    reset = {"resources": {"devices": [{"allow": False, "access": "rwm"}, {"allow": True, "access": "rwm"}]}}
+    assert oci.parse_spec(config(process={"capabilities": caps}, linux=reset), "/b").privileged
+    effective_only = {"bounding": [], "effective": ["CAP_SYS_ADMIN"]}
+    assert not oci.parse_spec(config(process={"capabilities": effective_only}, linux=PRIVILEGED_RULES),
+                              "/b").privileged
+
+
+@pytest.mark.parametrize("linux", [
+    {},  # no device rules: the runtime's default deny
+    {"resources": {"devices": [{"allow": False, "access": "rwm"}]}},  # docker --cap-add SYS_ADMIN
+    {"resources": {"devices": [{"allow": False, "access": "rwm"},
+                               {"allow": True, "type": "c", "major": 195, "minor": 0, "access": "rw"}]}},
+])
+def test_cap_sys_admin_alone_is_not_privileged(linux):
+    caps = {"bounding": ["CAP_SYS_ADMIN"], "effective": ["CAP_SYS_ADMIN"]}
+    assert not oci.parse_spec(config(process={"capabilities": caps}, linux=linux), "/b").privileged
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -16,9 +16,12 @@ GPUS = tuple(Gpu(i, f"GPU-{i}aaaaaaa-0000-0000-0000-00000000000{i}", i, f"0000:{
 
 
 def spec(env=(), mounts=(), annotations=None, privileged=False):
+    """`privileged` as docker --privileged: CAP_SYS_ADMIN and device rules allowing everything;
+    "cap-add" CAP_SYS_ADMIN alone (--cap-add SYS_ADMIN), under docker's deny-all."""
     caps = ["CAP_CHOWN"] + (["CAP_SYS_ADMIN"] if privileged else [])
+    rules = [{"allow": privileged is True, "access": "rwm"}]
     doc = {"root": {"path": "rootfs"}, "process": {"env": list(env), "capabilities": {"bounding": caps}},
-           "mounts": list(mounts)}
+           "mounts": list(mounts), "linux": {"resources": {"devices": rules}}}
     if annotations:
         doc["annotations"] = annotations
     return oci.parse_spec(json.dumps(doc).encode(), "/bundle")
@@ -81,6 +84,18 @@ def test_legacy_image_gets_every_capability():
 def test_unknown_capability_is_refused_with_the_known_list():
     with pytest.raises(RequestError, match=r"unknown driver capability 'gpu'.*compute"):
         resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,gpu"]))
+
+
+def test_cap_sys_admin_without_every_device_allowed_is_no_privileged_container():
+    """docker --cap-add SYS_ADMIN keeps the runtime's device policy: the environment policy and
+    the privileged-only variables apply to it as to any unprivileged container."""
+    strict = {"accept-env-when-unprivileged": False}
+    r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=all"], privileged="cap-add"), **strict)
+    assert r.empty and "unprivileged" in r.notes[0]
+    with pytest.raises(RequestError, match="only honoured for privileged containers"):
+        resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_MIG_CONFIG_DEVICES=all"], privileged="cap-add"))
+    assert resolve(spec(["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_MIG_CONFIG_DEVICES=all"],
+                        privileged=True)).mig_config == ("all",)
 
 
 def test_unprivileged_env_request_is_ignored_when_policy_forbids_it():
@@ -207,6 +222,25 @@ def test_another_value_of_an_optional_device_variable_is_named_in_a_note_not_ena
 def test_optional_devices_without_a_gpu_request_are_not_gpuhooks_business():
     r = resolve(spec(["NVIDIA_GDRCOPY=enabled", "NVIDIA_NVSWITCH=enabled"]))
     assert r.empty and r.features == ()
+
+
+STRICT = {"accept-env-when-unprivileged": False}
+
+
+@pytest.mark.parametrize("request_env,mounts", [
+    (["NVIDIA_VISIBLE_DEVICES=0"], []),  # the environment's request itself is refused ...
+    ([], [vm(2)]),  # ... and a grant from another channel does not make the image's variables honoured
+])
+def test_optional_devices_from_an_environment_the_policy_does_not_honour_enable_nothing(request_env, mounts):
+    env = request_env + ["NVIDIA_NVSWITCH=enabled", "NVIDIA_GDRCOPY=enabled"]
+    r = resolve(spec(env, mounts=mounts), **STRICT)
+    assert r.features == ()
+    for name in ("NVIDIA_NVSWITCH", "NVIDIA_GDRCOPY"):
+        if mounts:  # an empty request says nothing about optional devices (see above)
+            assert (f"{name}=enabled ignored: the image's environment is not honoured "
+                    f"(accept-env-when-unprivileged = false)") in r.notes
+    assert resolve(spec(env, mounts=mounts, privileged=True), **STRICT).features == ("nvswitch", "gdrcopy")
+    assert resolve(spec(env, mounts=mounts)).features == ("nvswitch", "gdrcopy")
 
 
 def test_every_refused_variable_is_named_in_one_line():
