@@ -56,7 +56,13 @@ class Mounts:
         for target, fd in reversed(self.made):
             try:
                 if fd >= 0:  # the mount itself, even if something moved it since
-                    linux.umount2(linux.fd_path(fd), linux.MNT_DETACH)
+                    try:
+                        linux.umount2(linux.fd_path(fd), linux.MNT_DETACH)
+                    except OSError as err:
+                        # EINVAL for the root of a mount held by fd: it is attached nowhere
+                        # any more (detached by the runtime, or with a parent): nothing to undo.
+                        if err.errno != errno.EINVAL:
+                            raise
                 else:
                     found = paths.open_in_root(root, target, os.O_PATH, follow_final=False)
                     try:

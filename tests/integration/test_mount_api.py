@@ -69,3 +69,25 @@ def test_bind_mount_gets_its_flags_and_is_undone(tmp_path, new_api):
     else:
         assert any("cannot unmount /usr/lib64/libcuda.so.1" in p for p in out["problems"])
     assert host_mounts() == before
+
+
+def test_a_mount_already_gone_counts_as_undone(tmp_path):
+    """Undo after something else detached gpuhook's mount (the runtime tearing down a failed
+    start, a lazy unmount of a parent): nothing is left to take back, so no problem is
+    reported and the failed start's one line names the real cause, not a false cleanup failure."""
+    require_root_tools("unshare")
+    source = tmp_path / "libcuda.so.550"
+    source.write_text("the host's library\n")
+    root = tmp_path / "rootfs"
+    (root / "usr").mkdir(parents=True)
+    before = host_mounts()
+    script = SCRIPT.format(repo=REPO, root=str(root), source=str(source), new_api=True).replace(
+        'os.rename(root + "/usr/lib64", root + "/usr/lib64.moved")   # something moves it before undo',
+        'from gpuhook.kernel import linux; linux.umount2(root + "/usr/lib64/libcuda.so.1", linux.MNT_DETACH)')
+    assert "umount2" in script
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["after"] == [] and out["problems"] == []
+    assert host_mounts() == before
