@@ -79,18 +79,26 @@ class RuntimeRules:
         return _runc_allows(self._runc, device) and _crun_v2_allows(self.rules, device)
 
     def denied(self, wanted: DeviceRule) -> str:
-        """The letters of `wanted.access` the runtime's rules EXPLICITLY deny: each one they do
-        not allow (alone) while a deny rule naming the device's major (``c 195:0``,
-        ``c 195:*``) takes it. "" when none. A blanket deny (``a``, or a ``*`` major) is every
-        runtime's default, which a GPU request exists to add to; a deny of this very device
-        is the runtime (or its user) saying no, and granting it would widen what the runtime
-        allowed: on cgroup v1 an allow of the device removes the runtime's deny exception
-        from an allow-all cgroup, on v2 a program that allows it lets it through."""
-        named = "".join(rule.access for rule in self.rules
-                        if not rule.allow and rule.type == wanted.type and rule.major == wanted.major
-                        and rule.minor in (WILDCARD, wanted.minor))
-        return "".join(c for c in wanted.access
-                       if c in named and not self.allows(wanted.with_access(c)))
+        """The letters of `wanted.access` the runtime's rules EXPLICITLY deny: "" when none.
+
+        A deny is explicit when it names a number (``c 195:0``, ``c 195:*``, ``c *:0``,
+        ``a 195:0``) and matches the device: only a deny of every device (``a``, ``c *:*``)
+        is the default a GPU request exists to add to. Where such a deny matches, every letter
+        the rules do not allow is the runtime (or its user) saying no, and so is the whole
+        access when the rules refuse it together though they allow each letter alone (crun's
+        v2 program matches a rule only if it holds the whole access). Granting any of it would
+        widen what the runtime allowed: on cgroup v1 an allow of the device removes the
+        runtime's deny exception from an allow-all cgroup, on v2 a program that allows it lets
+        it through."""
+        if not any(not rule.allow and (rule.major != WILDCARD or rule.minor != WILDCARD)
+                   and rule.type in ("a", wanted.type) and rule.major in (WILDCARD, wanted.major)
+                   and rule.minor in (WILDCARD, wanted.minor) and set(rule.access or "rwm") & set(wanted.access)
+                   for rule in self.rules):
+            return ""
+        letters = "".join(c for c in wanted.access if not self.allows(wanted.with_access(c)))
+        if not letters and wanted.access and not self.allows(wanted):
+            letters = wanted.access
+        return letters
 
     def grantable(self, wanted: DeviceRule) -> DeviceRule:
         """`wanted` cut down to the letters the runtime already allows, so that an allow rule

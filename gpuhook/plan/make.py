@@ -185,9 +185,10 @@ def _cgroup_rules(nodes, spec, selection, cap_names, inventory, notes: list) -> 
 def _refuse_runtime_denials(rules, nodes, spec) -> None:
     """Refuse (exit 3) a request that needs a device the runtime's own rules explicitly deny
     (`deny c 195:0 rwm`, even after `allow a *:* rwm`): granting it would widen what the
-    runtime allowed (docs/security.md). Blanket denials (`a`, a `*` major) are the default
-    every GPU grant adds to and are left to gpuhook.devrules.policy's narrowing."""
-    if not any(not r.allow and r.type in ("b", "c") and r.major >= 0 for r in spec.device_rules):
+    runtime allowed (docs/security.md). Denials of every device (`a`, `c *:*`) are the default
+    every GPU grant adds to and are left to gpuhook.devrules.policy's narrowing; any deny that
+    names a number (`c *:1` included) is explicit (RuntimeRules.denied)."""
+    if not any(not r.allow and (r.major >= 0 or r.minor >= 0) for r in spec.device_rules):
         return
     from gpuhook.devrules.policy import RuntimeRules
 

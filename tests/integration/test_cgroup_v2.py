@@ -690,3 +690,24 @@ def test_a_node_the_runtime_explicitly_denies_is_refused_never_granted(v2ns, bed
     assert p["/dev/nvidia1"]["read"] == "ENXIO" and p["/dev/nvidia1"]["write"] == "ENXIO", p["/dev/nvidia1"]
     assert not p["/dev/nvidia0"]["exists"]
     assert p["/gpu0"]["read"] == "EPERM" and p["/gpu0"]["write"] == "EPERM", p["/gpu0"]
+
+
+def test_a_deny_that_names_only_the_minor_is_explicit_too(v2ns, bed, gpus):
+    """attack4 F1: `allow a *:* rwm; deny c *:<GPU 1's minor> rwm` denies GPU 1 by number. A
+    request for GPU 1 is refused (exit 3), never a program that opens what runc shut."""
+    nvidia, minor1 = gpus.sim["majors"]["nvidia"], gpus.sim["gpus"][1]["minor"]
+
+    def deny_minor1(spec):
+        spec["linux"]["resources"]["devices"] = [
+            {"allow": True, "access": "rwm"},
+            {"allow": False, "type": "c", "minor": minor1, "access": "rwm"}]
+
+    def image_gpu1(rootfs):
+        os.mknod(rootfs + "/gpu1", 0o666 | stat.S_IFCHR, os.makedev(nvidia, minor1))
+
+    result = gpus.run(unique("v2-denied-minor1"), env=["NVIDIA_VISIBLE_DEVICES=1"], edit=deny_minor1,
+                      rootfs_setup=image_gpu1, paths=["/gpu1"])
+    assert result.returncode != 0 and "exit status 3" in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    # The first node the rule shuts is named: GPU 1, or a control node of that minor (nvidia-uvm-tools).
+    assert f":{minor1} rw" in line and "device rules deny" in line, line

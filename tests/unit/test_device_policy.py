@@ -133,6 +133,12 @@ def test_a_wildcard_rule_covers_only_what_it_matches_and_holds():
     ([DENY_ALL, rule("c 195:* rw"), deny("c 195:0 rwm")], "rw", ""),
     ([DENY_ALL, deny("c 195:0 rwm")], "rw", ""),  # named, though deny-all already said it
     ([rule("a"), deny("c 195:0 m")], "", ""),  # gpuhook never asks for m
+    # attack4 F1: a deny with a wildcard major, or of type a, that names the minor is explicit too.
+    ([rule("a"), deny("c *:0 rwm")], "rw", ""),
+    ([rule("a"), deny("c *:1 w")], "", "w"),
+    ([rule("a"), deny("a 195:0 rwm")], "rw", ""),
+    # attack4 F1c: each letter allowed alone, the pair refused together (crun's v2 program).
+    ([rule("a"), deny("c 195:0 rw"), rule("c 195:0 r"), rule("c 195:0 w")], "rw", ""),
     # Blanket denials are the default a GPU request adds to: nothing explicit.
     ([], "", ""),
     ([DENY_ALL], "", ""),
