@@ -188,7 +188,9 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, ne
         devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)  # ldconfig's stdin; no /dev in there
         top = _readonly_copy(rootfs, root_fd, info, new_mount_api, own_mounts)
         out_fd, out_dir = _output_dir(top)
-        _verify(top, info, rootfs.rstrip("/"), out_dir, own_mounts)
+        # The copy's path as the mount table shows it: root.path as written may pass through
+        # a symlink (runc refuses that, other runtimes need not).
+        _verify(top, info, os.readlink(linux.fd_path(top)).rstrip("/"), out_dir, own_mounts)
         os.fchdir(top)
         linux.pivot_root(".", ".")
         linux.umount2(".", linux.MNT_DETACH)

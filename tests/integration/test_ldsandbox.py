@@ -53,3 +53,23 @@ def test_the_sandbox_builds_a_cache_and_leaves_nothing_behind(tmp_path, new_api)
     assert host_mounts() == before
     # the sandbox's own namespace died with it: the caller's table shows none of its mounts
     assert not [p for p in out["mounts_after"] if p.startswith(str(root)) and p not in (str(root), f"{root}/proc")]
+
+
+def test_a_rootfs_path_through_a_symlink_gets_its_cache(tmp_path):
+    """attack4 N1: root.path as written may pass through a symlinked directory (runc refuses
+    that; another runtime need not). The sandbox compares the mount table with the path the
+    kernel resolved, so the start is not refused for a writable mount that is its own output."""
+    require_root_tools("unshare", "ldconfig")
+    real = tmp_path / "real" / "rootfs"
+    for d in ("etc", "proc", "dev", "usr/lib64", "tmp"):
+        (real / d).mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    root = tmp_path / "link" / "rootfs"
+    before = host_mounts()
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
+                           SCRIPT.format(repo=REPO, root=str(root), new_api=True)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out.get("magic") == "glibc-ld.so.cache1.1", out
+    assert host_mounts() == before
