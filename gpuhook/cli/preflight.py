@@ -336,7 +336,7 @@ def _nvml(config, inventory) -> HostCheck:
 def _runtimes(config, root: str) -> HostCheck:
     """Where gpuhook is registered (what `gpuhook install` writes), and whether each
     registration's interpreter and launcher exist."""
-    from gpuhook.install import common, docker
+    from gpuhook.install import common, containerd, docker
 
     top = root.rstrip("/")
     found, broken = [], []
@@ -353,7 +353,7 @@ def _runtimes(config, root: str) -> HostCheck:
         for name, doc in _json_files(top + directory):
             if isinstance(doc, dict) and common.is_gpuhook_entry(doc.get("hook")):
                 check_entry(doc["hook"], f"{who} ({directory}/{name})")
-    spec_path = _containerd_base_spec(_read_text(top + common.CONTAINERD_CONFIG))
+    spec_path = containerd.configured_base_spec(_read_text(top + common.CONTAINERD_CONFIG))
     if spec_path:
         spec = _load_json(_read_text(top + spec_path))
         if isinstance(spec, dict) and common.has_gpuhook(spec):
@@ -373,29 +373,6 @@ def _runtimes(config, root: str) -> HostCheck:
         return HostCheck("runtimes", WARN, "gpuhook is registered with no runtime here",
                      "gpuhook install podman|crio|containerd|docker, or gpuhook cdi generate")
     return HostCheck("runtimes", OK, "; ".join(found))
-
-
-def _containerd_base_spec(text: str) -> str | None:
-    """The base spec CRI's runc runtime uses, as containerd reads its config.toml: parsed as
-    TOML, from the runc table of the file's config version (2, 3 or 4), so a commented-out line,
-    another runtime's table or a trailing comment is never taken for it. None when there is
-    none or the file is not one gpuhook can read."""
-    import tomllib
-
-    from gpuhook.install import containerd
-
-    if not text:
-        return None
-    try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
-        return None
-    version = doc.get("version", 1) if doc else None
-    if type(version) is not int or version not in containerd.RUNC_TABLE_PATHS:
-        return None
-    runc = containerd._runc_table(doc, version)
-    path = runc.get("base_runtime_spec") if runc else None
-    return path if isinstance(path, str) and path.startswith("/") else None
 
 
 def _read_text(path: str) -> str:

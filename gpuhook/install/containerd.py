@@ -94,6 +94,23 @@ def _runc_table(doc: dict, version: int = 2) -> dict | None:
     return node if isinstance(node, dict) else None
 
 
+def configured_base_spec(text: str) -> str | None:
+    """The base spec CRI's runc runtime uses, as containerd reads its config.toml: from the
+    runc table of the file's config version, so a commented-out line, another runtime's table
+    or a trailing comment is never taken for it. None when there is none, or for a file that
+    is not valid TOML of a version gpuhook knows (`gpuhook doctor` reads it this way)."""
+    try:
+        doc = _parse_toml(text, "config.toml")
+    except InstallError:
+        return None
+    version = doc.get("version", 1)
+    if type(version) is not int or version not in RUNC_TABLE_PATHS:
+        return None
+    runc = _runc_table(doc, version)
+    path = runc.get("base_runtime_spec") if runc else None
+    return path if isinstance(path, str) and path.startswith("/") else None
+
+
 def _table_header(line: str) -> tuple | None:
     """The key path of a TOML table header line (`[a."b".c]  # x`), None for other lines."""
     text = line.strip()
