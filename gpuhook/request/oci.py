@@ -111,19 +111,20 @@ class _Differential(ValueError):
 
 def _unambiguous_object(pairs: list) -> dict:
     doc = {}
+    fields = set()  # the Go-folded names of the fields met in this object
     for key, value in pairs:
         if key in doc:
             raise _Differential(f"member {key[:64]!r} appears twice")
-        exact = _FIELDS.get(go_fold(key))
-        if exact is not None and key != exact:
-            if exact in doc or any(go_fold(k) == go_fold(exact) for k in doc):
+        fold = go_fold(key)
+        exact = _FIELDS.get(fold)
+        if exact is not None:
+            if fold in fields:
                 raise _Differential(f"member {key[:64]!r} appears twice (names are matched case-insensitively "
-                                 f"by the runtime)")
-            raise _Differential(f"member {key[:64]!r} is not runtime-spec's {exact!r}; runtimes disagree on "
-                             f"such a name (runc reads it as {exact!r}, crun ignores it)")
-        if exact is not None and any(k != key and go_fold(k) == go_fold(key) for k in doc):
-            raise _Differential(f"member {key[:64]!r} appears twice (names are matched case-insensitively "
-                             f"by the runtime)")
+                                    f"by the runtime)")
+            if key != exact:
+                raise _Differential(f"member {key[:64]!r} is not runtime-spec's {exact!r}; runtimes disagree on "
+                                    f"such a name (runc reads it as {exact!r}, crun ignores it)")
+            fields.add(fold)
         doc[key] = value
     return doc
 
