@@ -83,4 +83,3 @@ def _this_command() -> str:
     if os.access(script, os.X_OK):
         return shlex.quote(script)
     return f"{shlex.quote(sys.executable)} -m gpuhook"
-

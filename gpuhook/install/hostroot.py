@@ -116,4 +116,3 @@ def lib_users(root: str, registrations: list, changes) -> list:
         if text is not None and f"{HOST_LIB}/gpuhook/launch.py" in text:
             users.append(path)
     return users
-

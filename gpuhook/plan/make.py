@@ -188,9 +188,7 @@ def _refuse_runtime_denials(rules, nodes, spec) -> None:
     runtime allowed (docs/security.md). Denials of every device (`a`, `c *:*`) are the default
     every GPU grant adds to and are left to gpuhook.devrules.policy's narrowing; any deny that
     names a number (`c *:1` included) is explicit (RuntimeRules.denied)."""
-    if not any(not r.allow and (r.major >= 0 or r.minor >= 0) for r in spec.device_rules):
-        return
-    from gpuhook.devrules.policy import RuntimeRules
+    from gpuhook.devrules.policy import RuntimeRules  # loaded already (gpuhook.request.resolve)
 
     runtime = RuntimeRules(spec.device_rules)
     paths = {(n.major, n.minor): n.path for n in nodes}
