@@ -41,26 +41,38 @@ try:
     out["write"] = "OK"
 except OSError as err:
     out["write"] = err.strerror
-os.rename(root + "/usr/lib64", root + "/usr/lib64.moved")   # something moves it before undo
+{before_undo}
 out["problems"] = work.undo()
 out["after"] = mounts()
 print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("new_api", [True, False], ids=["open_tree+move_mount", "mount+remount"])
-def test_bind_mount_gets_its_flags_and_is_undone(tmp_path, new_api):
+MOVE_IT = 'os.rename(root + "/usr/lib64", root + "/usr/lib64.moved")'
+DETACH_IT = 'from gpuhook.kernel import linux; linux.umount2(root + "/usr/lib64/libcuda.so.1", linux.MNT_DETACH)'
+
+
+def bind_then_undo(tmp_path, new_api: bool, before_undo: str) -> dict:
+    """Bind a host "library" into a fresh rootfs in a private mount namespace, run
+    `before_undo` (Python, in the script), undo; what the script saw. The host's mount table
+    must be unchanged."""
     require_root_tools("unshare")
     source = tmp_path / "libcuda.so.550"
     source.write_text("the host's library\n")
     root = tmp_path / "rootfs"
     (root / "usr").mkdir(parents=True)
     before = host_mounts()
-    script = SCRIPT.format(repo=REPO, root=str(root), source=str(source), new_api=new_api)
+    script = SCRIPT.format(repo=REPO, root=str(root), source=str(source), new_api=new_api, before_undo=before_undo)
     done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", script],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    assert host_mounts() == before
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("new_api", [True, False], ids=["open_tree+move_mount", "mount+remount"])
+def test_bind_mount_gets_its_flags_and_is_undone(tmp_path, new_api):
+    out = bind_then_undo(tmp_path, new_api, MOVE_IT)  # something moves it before undo
     (point, options), = out["mounted"]
     assert point.endswith("/usr/lib64/libcuda.so.1") and options.startswith("ro,nosuid,nodev")
     assert out["content"] == "the host's library\n" and out["write"] == "Read-only file system"
@@ -68,26 +80,11 @@ def test_bind_mount_gets_its_flags_and_is_undone(tmp_path, new_api):
         assert out["after"] == [] and not any("unmount" in p for p in out["problems"])
     else:
         assert any("cannot unmount /usr/lib64/libcuda.so.1" in p for p in out["problems"])
-    assert host_mounts() == before
 
 
 def test_a_mount_already_gone_counts_as_undone(tmp_path):
     """Undo after something else detached gpuhook's mount (the runtime tearing down a failed
     start, a lazy unmount of a parent): nothing is left to take back, so no problem is
     reported and the failed start's one line names the real cause, not a false cleanup failure."""
-    require_root_tools("unshare")
-    source = tmp_path / "libcuda.so.550"
-    source.write_text("the host's library\n")
-    root = tmp_path / "rootfs"
-    (root / "usr").mkdir(parents=True)
-    before = host_mounts()
-    script = SCRIPT.format(repo=REPO, root=str(root), source=str(source), new_api=True).replace(
-        'os.rename(root + "/usr/lib64", root + "/usr/lib64.moved")   # something moves it before undo',
-        'from gpuhook.kernel import linux; linux.umount2(root + "/usr/lib64/libcuda.so.1", linux.MNT_DETACH)')
-    assert "umount2" in script
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", script],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
-    assert out["after"] == [] and out["problems"] == []
-    assert host_mounts() == before
+    out = bind_then_undo(tmp_path, True, DETACH_IT)
+    assert out["mounted"] and out["after"] == [] and out["problems"] == []
