@@ -32,6 +32,18 @@ print(json.dumps(out))
 """
 
 
+def sandbox_in_private_namespace(root, new_api: bool) -> dict:
+    """Run SCRIPT over `root` in a private mount namespace; what it reported. The host's
+    mount table must be unchanged."""
+    before = host_mounts()
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
+                           SCRIPT.format(repo=REPO, root=str(root), new_api=new_api)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert host_mounts() == before
+    return json.loads(done.stdout)
+
+
 @pytest.mark.parametrize("new_api", [True, False], ids=["open_tree+mount_setattr", "mount+remount"])
 def test_the_sandbox_builds_a_cache_and_leaves_nothing_behind(tmp_path, new_api):
     require_root_tools("unshare", "ldconfig")
@@ -42,15 +54,9 @@ def test_the_sandbox_builds_a_cache_and_leaves_nothing_behind(tmp_path, new_api)
     (root / "var" / "cache" / "ldconfig").symlink_to(f"/proc/1/root{tmp_path}/host")
     (tmp_path / "host").mkdir()
     (tmp_path / "host" / "secret.conf").write_text("x=HOSTSECRET\n")
-    before = host_mounts()
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
-                           SCRIPT.format(repo=REPO, root=str(root), new_api=new_api)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sandbox_in_private_namespace(root, new_api)
     assert out.get("magic") == "glibc-ld.so.cache1.1", out
     assert sorted(p.name for p in (tmp_path / "host").iterdir()) == ["secret.conf"]  # no aux-cache
-    assert host_mounts() == before
     # the sandbox's own namespace died with it: the caller's table shows none of its mounts
     assert not [p for p in out["mounts_after"] if p.startswith(str(root)) and p not in (str(root), f"{root}/proc")]
 
@@ -65,11 +71,5 @@ def test_a_rootfs_path_through_a_symlink_gets_its_cache(tmp_path):
         (real / d).mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "real")
     root = tmp_path / "link" / "rootfs"
-    before = host_mounts()
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
-                           SCRIPT.format(repo=REPO, root=str(root), new_api=True)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sandbox_in_private_namespace(root, True)
     assert out.get("magic") == "glibc-ld.so.cache1.1", out
-    assert host_mounts() == before
