@@ -664,50 +664,51 @@ def test_cgroup_show_from_the_hosts_namespace_finds_the_v2_programs(v2ns, bed, g
         assert shown["mode"] == "v2" and len(shown["programs"]) == 1
 
 
+def denied_after_allow_all(gpus, deny: dict, index: int):
+    """Runtime rules `allow a *:* rwm` then `deny`, the image shipping a node for GPU `index`
+    at /gpu outside the runtime's /dev: (rule editor, rootfs setup) for gpus.run."""
+    nvidia, minor = gpus.sim["majors"]["nvidia"], gpus.sim["gpus"][index]["minor"]
+
+    def edit(spec):
+        spec["linux"]["resources"]["devices"] = [{"allow": True, "access": "rwm"}, {"allow": False, **deny}]
+
+    def image_node(rootfs):
+        os.mknod(rootfs + "/gpu", 0o666 | stat.S_IFCHR, os.makedev(nvidia, minor))
+
+    return edit, image_node
+
+
+def refused_line(result) -> str:
+    assert result.returncode != 0 and "exit status 3" in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    return line
+
+
 def test_a_node_the_runtime_explicitly_denies_is_refused_never_granted(v2ns, bed, gpus):
     """Issue 23, G1 on pure v2: runc's program allows every device but GPU 0. A request for
     GPU 0 fails the start (exit 3, one line) instead of a program that opens it; a request
     for GPU 1 is served and GPU 0 stays shut."""
     nvidia, minor0 = gpus.sim["majors"]["nvidia"], gpus.sim["gpus"][0]["minor"]
-
-    def deny_gpu0(spec):
-        spec["linux"]["resources"]["devices"] = [
-            {"allow": True, "access": "rwm"},
-            {"allow": False, "type": "c", "major": nvidia, "minor": minor0, "access": "rwm"}]
-
-    def image_gpu0(rootfs):  # the image ships the node outside the runtime's /dev
-        os.mknod(rootfs + "/gpu0", 0o666 | stat.S_IFCHR, os.makedev(nvidia, minor0))
-
-    result = gpus.run(unique("v2-denied-gpu0"), env=["NVIDIA_VISIBLE_DEVICES=0"], edit=deny_gpu0,
-                      rootfs_setup=image_gpu0, paths=["/gpu0"])
-    assert result.returncode != 0 and "exit status 3" in result.stderr, result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    edit, image_gpu0 = denied_after_allow_all(gpus, {"type": "c", "major": nvidia, "minor": minor0,
+                                                     "access": "rwm"}, 0)
+    line = refused_line(gpus.run(unique("v2-denied-gpu0"), env=["NVIDIA_VISIBLE_DEVICES=0"], edit=edit,
+                                 rootfs_setup=image_gpu0, paths=["/gpu"]))
     assert f"c {nvidia}:{minor0}" in line and "deny" in line, line
-    result = gpus.run(unique("v2-denied-gpu0-asks-gpu1"), env=["NVIDIA_VISIBLE_DEVICES=1"], edit=deny_gpu0,
-                      rootfs_setup=image_gpu0, paths=["/gpu0"])
+    result = gpus.run(unique("v2-denied-gpu0-asks-gpu1"), env=["NVIDIA_VISIBLE_DEVICES=1"], edit=edit,
+                      rootfs_setup=image_gpu0, paths=["/gpu"])
     assert result.returncode == 0, result.stderr
     p = result.probes()
     assert p["/dev/nvidia1"]["read"] == "ENXIO" and p["/dev/nvidia1"]["write"] == "ENXIO", p["/dev/nvidia1"]
     assert not p["/dev/nvidia0"]["exists"]
-    assert p["/gpu0"]["read"] == "EPERM" and p["/gpu0"]["write"] == "EPERM", p["/gpu0"]
+    assert p["/gpu"]["read"] == "EPERM" and p["/gpu"]["write"] == "EPERM", p["/gpu"]
 
 
 def test_a_deny_that_names_only_the_minor_is_explicit_too(v2ns, bed, gpus):
     """attack4 F1: `allow a *:* rwm; deny c *:<GPU 1's minor> rwm` denies GPU 1 by number. A
     request for GPU 1 is refused (exit 3), never a program that opens what runc shut."""
-    nvidia, minor1 = gpus.sim["majors"]["nvidia"], gpus.sim["gpus"][1]["minor"]
-
-    def deny_minor1(spec):
-        spec["linux"]["resources"]["devices"] = [
-            {"allow": True, "access": "rwm"},
-            {"allow": False, "type": "c", "minor": minor1, "access": "rwm"}]
-
-    def image_gpu1(rootfs):
-        os.mknod(rootfs + "/gpu1", 0o666 | stat.S_IFCHR, os.makedev(nvidia, minor1))
-
-    result = gpus.run(unique("v2-denied-minor1"), env=["NVIDIA_VISIBLE_DEVICES=1"], edit=deny_minor1,
-                      rootfs_setup=image_gpu1, paths=["/gpu1"])
-    assert result.returncode != 0 and "exit status 3" in result.stderr, result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if "gpuhook:" in line]
+    minor1 = gpus.sim["gpus"][1]["minor"]
+    edit, image_gpu1 = denied_after_allow_all(gpus, {"type": "c", "minor": minor1, "access": "rwm"}, 1)
+    line = refused_line(gpus.run(unique("v2-denied-minor1"), env=["NVIDIA_VISIBLE_DEVICES=1"], edit=edit,
+                                 rootfs_setup=image_gpu1, paths=["/gpu"]))
     # The first node the rule shuts is named: GPU 1, or a control node of that minor (nvidia-uvm-tools).
     assert f":{minor1} rw" in line and "device rules deny" in line, line
