@@ -371,9 +371,9 @@ class Plugin:
                 self.devices.set(ident, result.ok, "" if result.ok else result.failure())
 
     def _recheck_loop(self) -> None:
-        while not self.stop.is_set():
+        # run() checked every GPU just before serving: the loop's first check is one period on.
+        while not self.stop.wait(self.config.plugin.recheck_seconds):
             self.recheck()
-            self.stop.wait(self.config.plugin.recheck_seconds)
 
     def serve(self) -> None:
         from concurrent import futures

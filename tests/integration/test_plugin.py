@@ -119,8 +119,10 @@ def cluster(sim, tmp_path):
 @pytest.fixture
 def quiet_cluster(sim, tmp_path):
     """A cluster whose plugin re-checks its GPUs only once, at its start: a device's health
-    then changes only through the call under test."""
+    then changes only through the call under test. Yielded once the plugin's health daemon
+    listens, so nothing of the start still writes state files."""
     with running_plugin(sim, tmp_path, 3600) as state:
+        assert wait(lambda: os.path.exists(f"{state['state_dir']}/health.sock")), "the health daemon never listened"
         yield state
 
 
