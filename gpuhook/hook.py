@@ -168,8 +168,16 @@ def prestart(state, spec, config, deadline: float, log: dict | None = None, back
     leftovers.reap(config.state_dir, {} if log is None else log, rootfs=plan.rootfs)
     if backstop is not None:
         backstop.phase = "applying"
-    names = journal.k8s_names({**spec.annotations, **state.annotations})
+    names = _k8s_names(spec, state)
     return plan, apply.run(plan, state, config, deadline, names, {} if log is None else log)
+
+
+def _k8s_names(spec, state) -> dict:
+    """The Kubernetes names of the container for the log and the registry; none from a podman
+    spec, whose annotations the image may have written (oci.Spec.from_podman)."""
+    if spec.from_podman:
+        return {}
+    return journal.k8s_names({**spec.annotations, **state.annotations})
 
 
 def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, log: dict,
@@ -188,7 +196,7 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
     try:
         spec = oci.parse_spec(spec_bytes if spec_bytes is not None else oci.read_config_bytes(state.bundle),
                               state.bundle)
-        log.update(journal.k8s_names({**spec.annotations, **state.annotations}))
+        log.update(_k8s_names(spec, state))
     except GpuhookError:
         log.update(journal.k8s_names(state.annotations))
     from gpuhook.apply import grants, leftovers
@@ -222,7 +230,7 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
             poststop(state_bytes, spec_bytes, config, deadline, log, base_dir)
         else:
             state, spec = read_container(state_bytes, spec_bytes, base_dir)
-            log.update(container=state.id, **journal.k8s_names({**spec.annotations, **state.annotations}))
+            log.update(container=state.id, **_k8s_names(spec, state))
             docker_root = os.environ.get("GPUHOOK_DOCKER_DATA_ROOT")  # set by the Docker launcher only
             if docker_root:
                 from gpuhook.request import dockerd

@@ -41,6 +41,9 @@ def k8s_names(annotations: dict) -> dict:
         "pod_uid": ("io.kubernetes.pod.uid", "io.kubernetes.cri.sandbox-uid"),
     }
     found = {}
+    if annotations.get("io.container.manager") == "libpod" or any(k.startswith("io.podman.annotations.")
+                                                                   for k in annotations):
+        return found  # podman's: the image may have written them (gpuhook.request.oci.Spec.from_podman)
     for name, candidates in keys.items():
         for key in candidates:
             if annotations.get(key):

@@ -52,6 +52,26 @@ class Spec(record("Spec", "rootfs env mounts annotations bounding_caps namespace
         return RuntimeRules(self.device_rules).allows_everything()
 
 
+    @property
+    def from_podman(self) -> bool:
+        """Whether podman made this spec. podman (4.3 on Debian 12, up to 4.5.0) copies the
+        image's manifest annotations into the spec, so there any annotation is as hostile as
+        the image's environment: an image can add `cdi.k8s.io/...` or `io.kubernetes.pod.name`
+        and even replace `io.container.manager`. What it cannot do is remove podman's own marks:
+        the `io.podman.annotations.*` keys and the `/run/.containerenv` bind mount
+        (docs/requests.md, docs/runtime-facts.md). No other runtime writes either."""
+        if self.annotations.get("io.container.manager") == "libpod":
+            return True
+        if any(key.startswith("io.podman.annotations.") for key in self.annotations):
+            return True
+        return any(m.destination.rstrip("/") == "/run/.containerenv" for m in self.mounts)
+
+    def runtime_annotations(self) -> dict:
+        """The annotations only the runtime or the orchestrator can have written: all of them,
+        except in a podman spec, where the image may have written any (from_podman)."""
+        return {} if self.from_podman else self.annotations
+
+
 class Mount(record("Mount", "destination source type options")):
     __slots__ = ()
 

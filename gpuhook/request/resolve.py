@@ -336,6 +336,12 @@ def _resolve(spec, state_annotations: dict, config) -> Request:
                                   "accept-cdi-annotations")):
         if not grant.found:
             continue
+        if grant.where != "volume mounts" and spec.from_podman:
+            why = _image_annotation_refused(spec, config, notes)
+            if why:
+                notes.append(f"CDI annotations ignored: podman copies the image's annotations into the spec, "
+                             f"so they count only as the image's environment does, and {why}")
+                continue
         if not accepted:
             ignored.append(f"{grant.where} ({key} = false)")
             continue
@@ -394,6 +400,18 @@ def _resolve(spec, state_annotations: dict, config) -> Request:
         )
         return _nothing(notes)
     return _with_mig_capabilities(_as_request(env_ids, caps, channel, notes), spec)
+
+
+def _image_annotation_refused(spec, config, notes: list) -> str:
+    """Why a CDI annotation in a podman spec (oci.Spec.from_podman: it may be the image's) is no
+    grant, or "" when it is one. It is honoured where the image's environment is (privileged,
+    or accept-env-when-unprivileged), and never beside GPU nodes the runtime granted, which it
+    could only widen (`podman --device /dev/nvidia0` with an image saying nvidia.com/gpu=all)."""
+    if not spec.privileged and runtime_granted_nodes(spec, []):
+        return "the runtime granted GPU nodes in linux.devices"
+    if not spec.privileged and not config.accept_env_when_unprivileged:
+        return "the container is unprivileged and accept-env-when-unprivileged = false"
+    return ""
 
 
 def _with_mig_capabilities(request: Request, spec) -> Request:

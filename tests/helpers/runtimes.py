@@ -27,15 +27,19 @@ class PodmanGpus(GpuContainers):
         super().__init__(bed, sim, probe, workdir)
         self.podman = Podman(f"{self.workdir}/podman", hooks_dir)
 
-    def run(self, name, env=(), annotations=None, before="", paths=(), rootfs_setup=None, devices=()):
+    def run(self, name, env=(), annotations=None, before="", paths=(), rootfs_setup=None, devices=(),
+            image_annotations=None):
         """Start container `name` with podman; it runs `before` then probes NODE_PATHS + `paths`.
-        `devices` are podman --device values (HOST[:CONTAINER[:PERMISSIONS]])."""
+        `devices` are podman --device values (HOST[:CONTAINER[:PERMISSIONS]]). With
+        `image_annotations`, the container starts from an image of its rootfs whose manifest
+        carries them (its files then live in podman's storage, not at result.rootfs)."""
         script = f"{before}\n/bin/probe " + " ".join(NODE_PATHS + list(paths))
         rootfs = self.bed.rootfs(f"{self.workdir}/rootfs/{name}", files={"/bin/probe": self.probe})
         if rootfs_setup is not None:
             rootfs_setup(rootfs)
+        image = None if image_annotations is None else self.podman.image(rootfs, image_annotations)
         result = self.podman.run(rootfs, ["/bin/busybox", "sh", "-c", script], env=env, annotations=annotations,
-                                 devices=devices)
+                                 devices=devices, image=image)
         result.rootfs = rootfs
         return result
 
@@ -234,10 +238,56 @@ class Podman:
                     continue
         return found
 
-    def argv(self, rootfs: str, args: list, env=(), annotations=None, cap_add=(), devices=()) -> list:
-        """The `podman run --rm` command line for one container."""
-        argv = [self.podman, "--root", f"{self.workdir}/storage", "--runroot", self.runroot,
-                "--tmpdir", f"{self.workdir}/tmp", "--cgroup-manager", "cgroupfs", "--events-backend", "file",
+    def image(self, rootfs: str, annotations: dict) -> str:
+        """An image of `rootfs` whose OCI manifest carries `annotations`, pulled into this
+        podman's storage from an OCI layout; returns its id. podman up to 4.5 copies such
+        annotations into the container's spec, beside its own."""
+        import hashlib
+        import io
+        import tarfile
+
+        os.makedirs(self.workdir, exist_ok=True)
+        layout = tempfile.mkdtemp(prefix="image-", dir=self.workdir)
+        os.makedirs(f"{layout}/blobs/sha256")
+
+        def blob(data: bytes) -> dict:
+            digest = hashlib.sha256(data).hexdigest()
+            with open(f"{layout}/blobs/sha256/{digest}", "wb") as f:
+                f.write(data)
+            return {"digest": f"sha256:{digest}", "size": len(data)}
+
+        layer = io.BytesIO()
+        with tarfile.open(fileobj=layer, mode="w") as tar:
+            for name in sorted(os.listdir(rootfs)):
+                tar.add(os.path.join(rootfs, name), arcname=name)
+        layer = layer.getvalue()
+        config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Env": ["PATH=/bin"]},
+                             "rootfs": {"type": "layers",
+                                        "diff_ids": [f"sha256:{hashlib.sha256(layer).hexdigest()}"]}}).encode()
+        manifest = json.dumps({
+            "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **blob(config)},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **blob(layer)}],
+            "annotations": annotations}).encode()
+        with open(f"{layout}/index.json", "w") as f:
+            json.dump({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                                          **blob(manifest)}]}, f)
+        with open(f"{layout}/oci-layout", "w") as f:
+            json.dump({"imageLayoutVersion": "1.0.0"}, f)
+        done = subprocess.run([self.podman, *self._storage(), "pull", "-q", f"oci:{layout}"], env=RUN_ENV,
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, cwd="/")
+        shutil.rmtree(layout, ignore_errors=True)
+        if done.returncode != 0:
+            raise TestbedError(f"podman pull of an OCI layout failed: {done.stderr.strip()}")
+        return done.stdout.split()[-1]
+
+    def _storage(self) -> list:
+        return ["--root", f"{self.workdir}/storage", "--runroot", self.runroot, "--tmpdir", f"{self.workdir}/tmp"]
+
+    def argv(self, rootfs: str, args: list, env=(), annotations=None, cap_add=(), devices=(), image=None) -> list:
+        """The `podman run --rm` command line for one container: from `rootfs`, or from the
+        image `image` (an id from image()) when given."""
+        argv = [self.podman, *self._storage(), "--cgroup-manager", "cgroupfs", "--events-backend", "file",
                 "--runtime", self.runtime, "--hooks-dir", self.hooks_dir,
                 "run", "--rm", "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
         for cap in cap_add:
@@ -248,14 +298,14 @@ class Podman:
             argv += ["--env", item]
         for key, value in (annotations or {}).items():
             argv += ["--annotation", f"{key}={value}"]
-        return argv + ["--rootfs", rootfs, *args]
+        return argv + ([image] if image else ["--rootfs", rootfs]) + list(args)
 
     def run(self, rootfs: str, args: list, env=(), annotations=None, cap_add=("MKNOD",),
-            timeout: float = 120, devices=()) -> RunResult:
+            timeout: float = 120, devices=(), image=None) -> RunResult:
         """Run one container to completion (podman removes it); `cap_add` defaults to MKNOD
         because tests make device nodes inside and podman's default set lacks it."""
         try:
-            done = subprocess.run(self.argv(rootfs, args, env, annotations, cap_add, devices), env=RUN_ENV,
+            done = subprocess.run(self.argv(rootfs, args, env, annotations, cap_add, devices, image), env=RUN_ENV,
                                   capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd="/")
         except FileNotFoundError:
             raise TestbedError(f"{self.podman} is not installed (apt-get install podman)") from None

@@ -101,6 +101,39 @@ def test_a_gpu_podman_gave_read_only_stays_read_only(podman_gpus, policy):
     assert line["gpus"] == [podman_gpus.uuid(2)] and any(narrowed in note for note in line["notes"])
 
 
+IMAGE_ANNOTATIONS = {"cdi.k8s.io/image": "nvidia.com/gpu=all", "io.container.manager": "not-libpod",
+                     "io.kubernetes.pod.name": "someone-elses-pod"}
+
+
+def test_an_images_own_cdi_annotation_grants_nothing_its_environment_could_not(podman_gpus):
+    """podman (4.3 here, up to 4.5.0) copies an image's manifest annotations into the spec, so
+    an image could ask for every GPU with a CDI annotation where its NVIDIA_VISIBLE_DEVICES is
+    not honoured (strict policy), or widen the GPU podman --device gave. It even replaces
+    io.container.manager; podman's own marks stay and tell gpuhook whose spec it is."""
+    podman_gpus.configure(**STRICT_POLICY)
+    result = podman_gpus.run("image-cdi-strict", image_annotations=IMAGE_ANNOTATIONS)
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == set()
+
+    podman_gpus.configure()
+    host_node = f"{podman_gpus.sim['directory']}/dev/nvidia2"
+    result = podman_gpus.run("image-cdi-device", image_annotations=IMAGE_ANNOTATIONS,
+                             env=["NVIDIA_VISIBLE_DEVICES=all"], devices=[f"{host_node}:/dev/nvidia2:rw"])
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {"/dev/nvidia2"}
+    strict, line = log_records(podman_gpus, "prestart")
+    assert not strict["gpus"] and any("podman copies the image's annotations" in n for n in strict["notes"])
+    assert line["gpus"] == [podman_gpus.uuid(2)]
+    assert any("podman copies the image's annotations" in note for note in line["notes"]), line["notes"]
+    assert "pod" not in line  # nor do the image's Kubernetes names reach the log
+
+    # Where the image's environment counts (the default policy, no runtime grant), so does
+    # its annotation: it asks for nothing NVIDIA_VISIBLE_DEVICES=all could not.
+    result = podman_gpus.run("image-cdi-default", image_annotations=IMAGE_ANNOTATIONS)
+    assert result.returncode == 0, result.stderr
+    assert gpu_nodes(result.probes()) == {f"/dev/nvidia{i}" for i in range(4)}
+
+
 def test_podman_container_without_request_is_untouched(podman_gpus):
     result = podman_gpus.run("plain", env=["CUDA_HOME=/usr/local/cuda"])
     assert result.returncode == 0, result.stderr

@@ -271,3 +271,37 @@ def test_the_device_plugins_cdi_mount_of_gpuhooks_kind_is_a_grant():
 def test_other_kinds_are_left_to_other_tools(value):
     r = resolve(spec(["NVIDIA_VISIBLE_DEVICES=0"], annotations={"cdi.k8s.io/x": value}))
     assert r.channel == request_resolve.ENV and any("not an NVIDIA device" in note for note in r.notes)
+
+
+PODMAN_MARKS = [{"annotations": {"io.podman.annotations.autoremove": "TRUE", "io.container.manager": "someone"}},
+                {"annotations": {"io.container.manager": "libpod"}},
+                {"mounts": [{"destination": "/run/.containerenv", "source": "/x/containerenv", "type": "bind"}]}]
+
+
+@pytest.mark.parametrize("mark", PODMAN_MARKS, ids=["podman-annotation-keys", "manager-libpod", "containerenv"])
+def test_a_cdi_annotation_in_a_podman_spec_counts_only_as_the_images_environment(mark):
+    """podman (to 4.5.0) copies the image's manifest annotations into the spec; any one of its
+    own marks makes the spec podman's (the image can replace io.container.manager, not drop
+    the others)."""
+    annotations = {"cdi.k8s.io/image": "nvidia.com/gpu=all", **mark.get("annotations", {})}
+    s = spec(mounts=mark.get("mounts", ()), annotations=annotations)
+    assert s.from_podman and s.runtime_annotations() == {}
+    strict = resolve(s, **STRICT)
+    assert strict.empty and any("podman copies the image's annotations" in n for n in strict.notes)
+    assert resolve(s).wants == request_resolve.ALL  # where its NVIDIA_VISIBLE_DEVICES=all would count too
+    privileged = spec(mounts=mark.get("mounts", ()), annotations=annotations, privileged=True)
+    assert resolve(privileged, **STRICT).wants == request_resolve.ALL
+
+
+def test_a_spec_without_podmans_marks_keeps_its_annotations_as_the_runtimes():
+    s = spec(annotations={"cdi.k8s.io/x": "nvidia.com/gpu=1", "io.container.manager": "cri-o"})
+    assert not s.from_podman and s.runtime_annotations() == s.annotations
+    assert resolve(s, **STRICT).ids == ("1",)
+
+
+def test_podman_annotations_name_no_kubernetes_pod():
+    from gpuhook import journal
+
+    names = {"io.kubernetes.pod.name": "p", "io.kubernetes.pod.namespace": "n"}
+    assert journal.k8s_names(names) == {"pod": "p", "namespace": "n"}
+    assert journal.k8s_names({**names, "io.podman.annotations.init": "FALSE"}) == {}
