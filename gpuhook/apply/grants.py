@@ -7,15 +7,20 @@ the rules outlive the container they were written for, and the other container k
 it was never granted (docs/security.md, "shared cgroups"). So every v1 grant is recorded in
 <state-dir>/grants/<id>@<pid>-<start_time>.json (root only, like the health registry):
 
-    {"format": 1, "id": "...", "pid": 4242, "start_time": 123456, "boot_id": "...",
-     "directory": "/sys/fs/cgroup/devices/...", "planned": ["c 195:0 rw", ...],
-     "added": ["c 195:0 rw", ...]}
+    {"format": 2, "id": "...", "pid": 4242, "start_time": 123456, "boot_id": "...",
+     "directory": "/sys/fs/cgroup/devices/...", "cgroup": [dev, inode],
+     "planned": ["c 195:0 rw", ...], "added": ["c 195:0 rw", ...]}
 
 `planned` is every rule the container was to have, `added` only what the cgroup lacked
-(gpuhook.apply.cgroup.v1.grant). At poststop, whatever the health mode, `release` denies `added`
-again once the container's init is gone (pid and start time, as in gpuhook.health.registry)
-and its cgroup still exists, except for devices that another live container's grant in the
-same cgroup planned. A poststop naming a live container changes nothing.
+(gpuhook.apply.cgroup.v1.grant), `cgroup` the devices cgroup's identity when it was granted.
+At poststop, whatever the health mode, `release` denies `added` again once the container's
+init is gone (pid and start time, as in gpuhook.health.registry) and its cgroup still exists
+as the same cgroup (path AND inode: a cgroup removed with the container and made again at
+its path by someone else is another cgroup, whose rules are not ours), except for the access
+letters that another live container's grant in the same cgroup planned for that device
+(`to_take_back`: exactly the letters, so a container planned `r` keeps `r`, never the `w` of
+the one that stopped). A poststop naming a live container changes nothing. Format-1 entries
+(no `cgroup`) are taken back by path as before.
 
 What this does not know: device access that a *runtime* gave a container sharing the cgroup
 after gpuhook's grant. Taking back our rule then takes that access away too. A shared cgroup
@@ -30,7 +35,8 @@ from gpuhook.kernel import files
 from gpuhook.kernel import procstat
 from gpuhook.devrules.devices import parse_v1_line
 
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)  # read; 1 has no cgroup identity
 MAX_ENTRIES = 4096  # bound on the directory scan; the directory lives in /run (tmpfs)
 
 
@@ -41,7 +47,7 @@ def grants_dir(state_dir: str) -> str:
 class Grant:
     """One recorded grant (see the module docstring)."""
 
-    __slots__ = ("id", "pid", "start_time", "boot_id", "directory", "planned", "added", "path")
+    __slots__ = ("id", "pid", "start_time", "boot_id", "directory", "cgroup", "planned", "added", "path")
 
     def __init__(self, doc: dict, path: str = ""):
         self.id = str(doc["id"])
@@ -49,12 +55,28 @@ class Grant:
         self.start_time = int(doc["start_time"])
         self.boot_id = str(doc["boot_id"])
         self.directory = str(doc["directory"])
+        ident = doc.get("cgroup")
+        self.cgroup = None if ident is None else (int(ident[0]), int(ident[1]))
         self.planned = [parse_v1_line(str(line)) for line in doc["planned"]]
         self.added = [parse_v1_line(str(line)) for line in doc["added"]]
         self.path = path
 
     def alive(self) -> bool:
         return procstat.is_alive(self.pid, self.start_time)
+
+    def same_cgroup(self) -> bool:
+        """Whether the cgroup it was granted in still exists, as that cgroup: at its path with
+        its identity (a format-1 entry knows only the path)."""
+        identity = _identity(self.directory)
+        return identity is not None and (self.cgroup is None or identity == self.cgroup)
+
+
+def _identity(directory: str):
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def save(state_dir: str, container_id: str, pid: int, directory: str, planned, added) -> str:
@@ -63,9 +85,12 @@ def save(state_dir: str, container_id: str, pid: int, directory: str, planned, a
     stat = procstat.read_stat(pid)
     if stat is None or stat.zombie:
         raise LookupError(f"container init pid {pid} is not readable")
+    identity = _identity(directory)
+    if identity is None:
+        raise LookupError(f"devices cgroup {directory} is not readable")
     path = f"{grants_dir(state_dir)}/{procstat.entry_name(container_id)}@{pid}-{stat.start_time}.json"
     statefiles.write_atomic(path, {"format": FORMAT, "id": container_id, "pid": pid, "start_time": stat.start_time,
-                              "boot_id": files.boot_id(), "directory": directory,
+                              "boot_id": files.boot_id(), "directory": directory, "cgroup": list(identity),
                               "planned": [rule.v1_line() for rule in planned],
                               "added": [rule.v1_line() for rule in added]})
     return path
@@ -84,7 +109,7 @@ def _load(state_dir: str) -> list:
         path = f"{directory}/{name}"
         doc = files.read(path, limit=1 << 20)
         try:
-            if doc is None or doc["format"] != FORMAT:
+            if doc is None or doc["format"] not in FORMATS:
                 continue
             grant = Grant(doc, path)
         except (KeyError, TypeError, ValueError, AttributeError):
@@ -117,15 +142,13 @@ def release(state_dir: str, container_id: str) -> str:
         if grant.alive():
             decisions.append(f"grant kept: container init pid {grant.pid} is still running")
             continue
-        if not os.path.isdir(grant.directory):
+        if not grant.same_cgroup():
             _forget(grant)
             decisions.append("cgroup removed with the container")
             continue
-        # A device another live container in this cgroup was granted stays allowed.
-        kept = {(rule.type, rule.major, rule.minor)
-                for other in everything if other is not grant and other.directory == grant.directory
-                and other.alive() for rule in other.planned}
-        revoke = [rule for rule in grant.added if rule.access and (rule.type, rule.major, rule.minor) not in kept]
+        others = [other for other in everything if other is not grant and other.directory == grant.directory
+                  and other.same_cgroup() and other.alive()]
+        revoke = to_take_back(grant, others)
         problems = v1.revoke(grant.directory, revoke)
         if problems:
             decisions.append("grant not taken back: " + "; ".join(problems))
@@ -134,3 +157,21 @@ def release(state_dir: str, container_id: str) -> str:
         decisions.append(f"took back {len(revoke)} device rule(s) from the cgroup it shared" if revoke
                          else "cgroup shared: nothing of its grant to take back")
     return "; ".join(dict.fromkeys(decisions))
+
+
+def to_take_back(grant: Grant, others) -> list:
+    """The rules to deny of `grant.added`: each with exactly the access letters no grant in
+    `others` (live containers in the same cgroup) planned for that device. A letter another
+    container was granted stays; one it was not (the `w` of a container that planned `r`)
+    goes."""
+    kept: dict = {}
+    for other in others:
+        for rule in other.planned:
+            key = (rule.type, rule.major, rule.minor)
+            kept[key] = kept.get(key, "") + rule.access
+    revoke = []
+    for rule in grant.added:
+        letters = "".join(c for c in rule.access if c not in kept.get((rule.type, rule.major, rule.minor), ""))
+        if letters:
+            revoke.append(rule._replace(access=letters))
+    return revoke

@@ -30,13 +30,19 @@ class SharedCgroup(GpuContainers):
         super().__init__(bed, sim, probe, workdir)
         self.cgroup = f"/gpuhook-shared-{os.getpid()}-{os.path.basename(str(workdir))}"
 
-    def start(self, name, env=()) -> None:
-        hooks = {"prestart": [testbed.hook_entry(self.config, "prestart")],
-                 "poststop": [testbed.hook_entry(self.config, "poststop")]}
+    def start(self, name, env=(), stages=("prestart", "poststop"), allow=None) -> None:
+        """Start `name` detached in the shared cgroup, with gpuhook at `stages`; `allow` is a
+        device rule its runtime alone grants ("c 195:0 rw")."""
+        hooks = {stage: [testbed.hook_entry(self.config, stage)] for stage in stages}
         rootfs = self.bed.rootfs(f"{self.bed.workdir}/bundles/{name}/rootfs", files={"/bin/probe": self.probe})
 
         def shared(spec):
             spec["linux"]["cgroupsPath"] = self.cgroup
+            if allow:
+                kind, numbers, access = allow.split()
+                major, minor = numbers.split(":")
+                spec["linux"].setdefault("resources", {}).setdefault("devices", []).append(
+                    {"allow": True, "type": kind, "major": int(major), "minor": int(minor), "access": access})
 
         bundle = self.bed.bundle(name, ["/bin/busybox", "sleep", "600"], env=list(env), hooks=hooks,
                                  rootfs=rootfs, edit=shared)
@@ -123,3 +129,21 @@ def test_a_poststop_naming_a_live_container_takes_nothing(shared):
     assert shared.gpu0_from("a-gpu") == "ENXIO"
     (stop,) = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
     assert "still running" in stop["grants"]
+
+
+def test_a_cgroup_made_again_at_its_path_is_not_the_one_the_grant_was_made_in(shared):
+    """A's grant outlives A (no poststop ran: a runtime without one, or a poststop that comes
+    late), runc removed A's cgroup, and another container now lives at the same cgroupsPath
+    with GPU 0 from its own runtime. A's late poststop must not take that away: the path is
+    the same, the cgroup (its inode) is not."""
+    shared.start("a-gpu", ["NVIDIA_VISIBLE_DEVICES=0"], stages=("prestart",))
+    state = dict(shared.state("a-gpu"), ociVersion="1.0.2")
+    shared.delete("a-gpu")
+    assert not os.path.isdir(f"{V1_DEVICES}{shared.cgroup}")  # removed with A (A was alone in it)
+    shared.start("c-runtime", stages=(), allow="c 195:0 rw")
+    assert shared.gpu0_from("c-runtime") == "ENXIO"
+    done = run_hook_process(["poststop", "--config", shared.config], json.dumps(state).encode())
+    assert done.returncode == 0, done.stderr
+    assert shared.gpu0_from("c-runtime") == "ENXIO"  # its runtime's grant stays
+    (stop,) = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
+    assert stop["grants"] == "cgroup removed with the container"
