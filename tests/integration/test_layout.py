@@ -10,7 +10,7 @@ from conftest import REPO, require_root_tools
 
 def test_the_unit_tests_pass_as_an_unprivileged_user_with_nothing_skipped():
     require_root_tools("runuser")
-    done = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-m", "pytest", "tests/unit", "-q",
+    done = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-m", "pytest", "tests/unit", "-q", "-n", "2",
                            "-p", "no:cacheprovider", "-W", "ignore"],
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={"PATH": os.environ["PATH"], "HOME": "/tmp", "LANG": "C.UTF-8"})

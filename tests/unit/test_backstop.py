@@ -22,7 +22,7 @@ state = json.dumps({{"ociVersion": "1.0.2", "id": "held", "status": "creating", 
                     "bundle": "/nonexistent"}}).encode()
 code = hook.run_hook("prestart", state, {config!r})
 print("returned", code, flush=True)
-time.sleep(2)
+time.sleep(1.2)  # past the backstop's moment (deadline 0.5 s + grace 0.5 s)
 print("still alive", flush=True)
 """
 
