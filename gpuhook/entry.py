@@ -60,18 +60,22 @@ def run_stage(stage: str, config_path: str | None) -> int:
             if spec is not None and len(spec) <= prescan.MAX_CONFIG_BYTES \
                     and not prescan.may_request_gpu(state, spec):
                 return 0
+    spec = spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None
+    if stage == "poststop":  # no namespace worker at a stop: it neither plans nor mounts
+        from gpuhook.hook import run_hook
+
+        return run_hook(stage, state, config_path, spec)
     from gpuhook.apply import worker
 
-    if stage != "poststop":
-        # The namespace worker loads its modules on another core while this process plans
-        # (gpuhook.apply.worker); a start that needs none ends it unused.
-        try:
-            worker.start_early()
-        except OSError:
-            pass  # no fork now (EAGAIN, ENOMEM): apply forks it later, inside the hook's error boundary
+    # The namespace worker loads its modules on another core while this process plans
+    # (gpuhook.apply.worker); a start that needs none ends it unused.
+    try:
+        worker.start_early()
+    except OSError:
+        pass  # no fork now (EAGAIN, ENOMEM): apply forks it later, inside the hook's error boundary
     try:
         from gpuhook.hook import run_hook
 
-        return run_hook(stage, state, config_path, spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None)
+        return run_hook(stage, state, config_path, spec)
     finally:
         worker.discard()

@@ -22,9 +22,7 @@ import time
 from gpuhook import config as cfg
 from gpuhook import journal
 from gpuhook.request import oci
-from gpuhook.request import resolve as req
 from gpuhook.errors import INTERNAL_ERROR, DeadlineError, GpuhookError, InputError, from_os_error, printable
-from gpuhook.plan.make import empty_plan, make_plan
 
 BACKSTOP_GRACE = 0.6  # seconds past the deadline at which the backstop ends the hook itself
 FINAL_GRACE = 0.9  # ... and at which it ends it even when the main thread was writing its own line
@@ -131,7 +129,11 @@ class Backstop:
 
 def plan_start(state, spec, config) -> tuple:
     """(Plan, survey.Host or None) for one container: resolve the request, survey the host
-    once, plan. Changes nothing, not even gpuhook's caches."""
+    once, plan. Changes nothing, not even gpuhook's caches. (Imported here: a poststop plans
+    nothing and does not load them.)"""
+    from gpuhook.plan.make import empty_plan, make_plan
+    from gpuhook.request import resolve as req
+
     request = req.resolve(spec, state.annotations, config)
     if request.empty:
         return empty_plan(state, spec, request), None
