@@ -141,6 +141,21 @@ def version(node_root: str, binary: str) -> str:
     return fields[2]
 
 
+def _refuse_an_older_release(config_doc: dict, node_root: str, binary: str, address: str) -> None:
+    """Config versions 3 and 4 are containerd 2's (1.x reads 1 and 2 only): with none running,
+    a containerd 1.x found installed is not the release that will read this config, and its
+    default spec (ociVersion, masked paths) is another release's."""
+    wanted = config_doc.get("version")
+    if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 3:
+        return
+    release = version(node_root, binary)
+    if release.lstrip("v").split(".")[0] in ("0", "1"):
+        raise InstallError(f"the config is version {wanted} (containerd 2), but no containerd serves {address} and "
+                           f"the one installed at {binary} is {release}: its default spec is another release's",
+                           "start the containerd 2 that reads this config and run install again, or give its "
+                           "default spec (`ctr oci spec` of that release) with --base-spec FILE")
+
+
 def default_spec(config_doc: dict, node_root: str = "", proc: str = "/proc") -> DefaultSpec:
     """`ctr oci spec` of the containerd that serves the config's socket: the ctr beside its
     binary, or, when that dir has none, a ctr of the same release; with no containerd
@@ -157,6 +172,7 @@ def default_spec(config_doc: dict, node_root: str = "", proc: str = "/proc") -> 
             raise InstallError(f"no containerd serves {address} and none is installed in {':'.join(SEARCH_PATH)}",
                                "install containerd, or give its default spec with --base-spec FILE")
         where = f"{binary} (no containerd serves {address} now)"
+        _refuse_an_older_release(config_doc, node_root, binary, address)
     ctr = os.path.join(os.path.dirname(binary), "ctr")
     if _is_program(node_root, ctr):
         source = f"{ctr}, next to {where}"

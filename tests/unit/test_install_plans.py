@@ -623,6 +623,22 @@ def test_containerd_2_config_versions_3_and_4_are_edited_in_the_runtime_plugin_a
     assert open(paths["containerd_config"]).read() == text
 
 
+def test_a_containerd_2_config_never_takes_the_default_spec_of_an_installed_containerd_1(tmp_path):
+    """Found with a real containerd 2.3.4 built for a one-off check: with it stopped, install
+    took Debian's ctr 1.6 spec for a version-4 config (ociVersion 1.0.2-dev, no powercap mask)."""
+    require(shutil.which("containerd") is not None, "needs containerd")
+    release = subprocess.run(["containerd", "--version"], capture_output=True, text=True).stdout.split()[2]
+    require(release.lstrip("v").startswith("1."), "needs an installed containerd 1.x (Debian's)")
+    paths = containerd_paths(tmp_path)
+    write(paths["containerd_config"], f"version = 3\n[grpc]\n  address = '{tmp_path}/none.sock'\n")
+    before = snapshot(tmp_path)
+    done = gpuhook_cli("install", "containerd", "--output", paths["spec_path"], "--containerd-config",
+                       paths["containerd_config"], check=False)
+    one_line_error(done, f"the config is version 3 (containerd 2), but no containerd serves {tmp_path}/none.sock",
+                   "--base-spec FILE")
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("text,message,hint", [
     ("version = 5\n", "containerd config version 5: gpuhook edits versions 1, 2, 3, 4",
      "by hand to CRI's runc runtime table of config version 5"),
