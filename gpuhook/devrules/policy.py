@@ -78,6 +78,15 @@ class RuntimeRules:
             return False
         return _runc_allows(self._runc, device) and _crun_v2_allows(self.rules, device)
 
+    def names(self, device: DeviceRule) -> bool:
+        """True if a rule that names a number (not a rule for every device: ``a``, ``c *:*``)
+        matches `device`: the runtime (or its user: ``podman --device …:r``, a rule written
+        for the container) decided about this device, so its letters are final and a GPU
+        request may not add to them."""
+        return any((rule.major != WILDCARD or rule.minor != WILDCARD) and rule.type in ("a", device.type)
+                   and rule.major in (WILDCARD, device.major) and rule.minor in (WILDCARD, device.minor)
+                   for rule in self.rules)
+
     def denied(self, wanted: DeviceRule) -> str:
         """The letters of `wanted.access` the runtime's rules EXPLICITLY deny: "" when none.
 

@@ -174,12 +174,36 @@ def _driver_files(inventory, container, caps, notes: list) -> tuple:
 
 def _cgroup_rules(nodes, spec, selection, cap_names, inventory, notes: list) -> list:
     """One device rule per node ("rw"; "r" for the nvidia-caps nodes, which NVIDIA makes 0444
-    or 0400), kept within the runtime's own rules when the runtime made the grant."""
+    or 0400), kept within the runtime's own rules when the runtime made the grant, and for
+    every device the runtime's rules name, whatever the channel (_within_named_rules)."""
     caps_major = inventory.majors.get("nvidia-caps")
     rules = [char_device(n.major, n.minor, "r" if n.major == caps_major else "rw") for n in nodes]
     if selection.runtime_grant:
         rules = _within_runtime_rules(rules, spec, selection.gpus, cap_names, inventory, notes)
-    return rules
+    return _within_named_rules(rules, spec, notes)
+
+
+def _within_named_rules(rules: list, spec, notes: list) -> list:
+    """Never widen a device the runtime's rules name (RuntimeRules.names: `c 195:* r`,
+    `podman --device /dev/nvidia2:r`, a node given only `m`): its rule keeps only the letters
+    they allow, and is dropped when none is left (the node then opens with EPERM, as without
+    the hook). A GPU request exists to add what the runtime's default deny leaves out, never
+    what the runtime decided about that very device. Explicit denials are left whole here:
+    _refuse_runtime_denials refuses the start for them."""
+    from gpuhook.devrules.policy import RuntimeRules  # loaded already (gpuhook.request.resolve)
+
+    runtime = RuntimeRules(spec.device_rules)
+    kept = []
+    for rule in rules:
+        if runtime.names(rule) and not runtime.denied(rule):
+            narrowed = runtime.grantable(rule)
+            if narrowed.access != rule.access and len(notes) < 16:
+                notes.append(f"{rule.v1_line()} narrowed to the runtime's own rules for that device: "
+                             f"{narrowed.v1_line() if narrowed.access else 'not allowed'}")
+            rule = narrowed
+        if rule.access:
+            kept.append(rule)
+    return kept
 
 
 def _refuse_runtime_denials(rules, nodes, spec) -> None:

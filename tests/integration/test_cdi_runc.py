@@ -110,3 +110,31 @@ def test_runtime_nodes_the_policy_refuses_are_not_replaced_by_the_images_all(gpu
     assert not probes["/dev/nvidiactl"]["exists"]  # the hook added nothing
     (record,) = [r for r in gpus.log_lines() if r.get("container") == "runtime-devices-refused"]
     assert "NVIDIA_VISIBLE_DEVICES not honoured either" in record["notes"][-1]
+
+
+@pytest.mark.parametrize("channel", ["env", "cdi-annotation"])
+@pytest.mark.parametrize("minor,access", [("*", "r"), ("gpu", "m")], ids=["every-gpu-read-only", "this-gpu-mknod-only"])
+def test_a_gpu_the_runtimes_rules_name_keeps_exactly_their_letters_whatever_the_channel(gpus, channel, minor, access):
+    """Attacker findings A04, A10, A14: a runtime rule naming the GPU (`allow c 195:* r`, or `m`
+    alone as `podman --device …:m` writes it) with no node in linux.devices; the request comes
+    from the image's environment or a CDI annotation. gpuhook added `c 195:N rw`, so a GPU the
+    runtime opened read-only, or not at all, opened read-write. It keeps their letters now."""
+    require_root_tools("runc")
+    sim = gpus.sim
+    major, gpu_minor = sim["majors"]["nvidia"], sim["gpus"][1]["minor"]
+
+    def rule(spec):
+        spec["linux"].setdefault("resources", {}).setdefault("devices", []).append(
+            {"allow": True, "type": "c", "major": major, **({} if minor == "*" else {"minor": gpu_minor}),
+             "access": access})
+
+    request = ({"env": ["NVIDIA_VISIBLE_DEVICES=1"]} if channel == "env" else
+               {"env": [], "annotations": {"cdi.k8s.io/req": f"nvidia.com/gpu={gpus.uuid(1)}"}})
+    result = gpus.run(f"named-{channel}-{access}", edit=rule, **request)
+    assert result.returncode == 0, result.stderr
+    probes = result.probes()
+    assert probes["/dev/nvidia1"]["exists"]
+    assert probes["/dev/nvidia1"]["read"] == ("ENXIO" if "r" in access else "EPERM")
+    assert probes["/dev/nvidia1"]["write"] == "EPERM"
+    (record,) = [r for r in gpus.log_lines() if r.get("container") == f"named-{channel}-{access}"]
+    assert any("narrowed to the runtime's own rules for that device" in n for n in record["notes"]), record["notes"]

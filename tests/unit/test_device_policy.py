@@ -152,3 +152,17 @@ def test_the_letters_the_runtime_explicitly_denies(rules, gpu0, gpu1):
     policy = RuntimeRules(rules)
     assert policy.denied(char_device(195, 0, "rw")) == gpu0
     assert policy.denied(char_device(195, 1, "rw")) == gpu1
+
+
+@pytest.mark.parametrize("rules,named", [
+    ([rule("a", False)], False),                                   # the default deny every grant adds to
+    ([rule("a", False), rule("c *:* m")], False),                  # runc's mknod-everything default
+    ([rule("a", False), rule("c 195:* r")], True),                 # every GPU, read-only
+    ([rule("a", False), rule("c 195:1 m")], True),                 # podman --device ...:m
+    ([rule("a", False), rule("c 195:2 rw")], False),               # another GPU
+    ([rule("a", False), rule("c *:1 r")], True),                   # any major, this minor
+    ([rule("a", False), rule("b 195:1 rw")], False),               # a block device of that number
+    ([rule("a"), rule("c 195:1 rwm", False)], True),               # an explicit deny names it too
+])
+def test_a_rule_naming_a_number_of_the_device_is_the_runtimes_decision_about_it(rules, named):
+    assert RuntimeRules(rules).names(char_device(195, 1, "rw")) is named

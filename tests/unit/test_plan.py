@@ -218,3 +218,21 @@ def test_a_node_the_runtime_explicitly_denies_is_refused_not_granted():
     assert [g.index for g in plan.gpus] == [1] and "c 195:0" not in " ".join(r.v1_line() for r in plan.rules)
     with pytest.raises(RequestError, match="/dev/nvidiactl"):
         plan_for(["NVIDIA_VISIBLE_DEVICES=1"], linux=linux(255))
+
+
+@pytest.mark.parametrize("extra,kept", [
+    ({"type": "c", "major": 195, "access": "r"}, "c 195:3 r"),              # every GPU read-only
+    ({"type": "c", "major": 195, "minor": 3, "access": "m"}, None),          # mknod only: not opened
+    ({"type": "c", "major": 195, "minor": 255, "access": "r"}, None),        # another device: untouched
+])
+def test_a_gpu_the_runtimes_rules_name_is_never_widened_by_the_environment(extra, kept):
+    """Attacker findings A10/A14: a request from the environment (or any channel) never adds
+    letters to a device the runtime's rules name; one left with none is not granted."""
+    linux = {"resources": {"devices": [{"allow": False, "access": "rwm"}, {"allow": True, **extra}]}}
+    plan = plan_for(["NVIDIA_VISIBLE_DEVICES=1"], linux=linux)
+    gpu_rules = [r.v1_line() for r in plan.rules if (r.major, r.minor) == (195, 3)]
+    if extra.get("minor") == 255:
+        assert gpu_rules == ["c 195:3 rw"] and "c 195:255 r" in [r.v1_line() for r in plan.rules]
+    else:
+        assert gpu_rules == ([kept] if kept else [])
+        assert any("narrowed to the runtime's own rules for that device" in n for n in plan.notes)
