@@ -1,14 +1,16 @@
-"""Device access gpuhook wrote into a cgroup v1 devices cgroup, taken back once its container is gone.
+"""Device access gpuhook gave a container's cgroup, taken back once its container is gone.
 
-On cgroup v1 gpuhook adds allow rules to the container's devices cgroup (gpuhook.apply.cgroup.v1).
-A cgroup the container has to itself is removed with it, rules and all. But two containers
-can share one cgroup (one `cgroupsPath`; runc removes a cgroup only once it is empty): then
-the rules outlive the container they were written for, and the other container keeps a GPU
-it was never granted (docs/security.md, "shared cgroups"). So every v1 grant is recorded in
+gpuhook adds allow rules to the container's devices cgroup on v1 (gpuhook.apply.cgroup.v1),
+and allow blocks in front of the runtime's device program on v2 (gpuhook.apply.cgroup.v2).
+A cgroup the container has to itself is removed with it, rules, program and all. But two
+containers can share one cgroup (one `cgroupsPath`; runc removes a cgroup only once it is
+empty, and runc before 1.2 starts a container in a non-empty one): then the grant outlives the
+container it was made for, and the other container keeps a GPU it was never granted
+(docs/security.md, "shared cgroups"). So every grant is recorded in
 <state-dir>/grants/<id>@<pid>-<start_time>.json (root only, like the health registry):
 
     {"format": 2, "id": "...", "pid": 4242, "start_time": 123456, "boot_id": "...",
-     "directory": "/sys/fs/cgroup/devices/...", "cgroup": [dev, inode],
+     "mode": "v1", "directory": "/sys/fs/cgroup/devices/...", "cgroup": [dev, inode],
      "planned": ["c 195:0 rw", ...], "added": ["c 195:0 rw", ...]}
 
 `planned` is every rule the container was to have, `added` only what the cgroup lacked
@@ -20,7 +22,9 @@ its path by someone else is another cgroup, whose rules are not ours), except fo
 letters that another live container's grant in the same cgroup planned for that device
 (`to_take_back`: exactly the letters, so a container planned `r` keeps `r`, never the `w` of
 the one that stopped). A poststop naming a live container changes nothing. Format-1 entries
-(no `cgroup`) are taken back by path as before.
+(no `cgroup`) are taken back by path as before. On v2 (`mode` "v2") taking back rebuilds
+each gpuhook program of the cgroup without those letters (gpuhook.apply.cgroup.v2.take_back),
+the runtime's own program behind it unchanged.
 
 What this does not know: device access that a *runtime* gave a container sharing the cgroup
 after gpuhook's grant. Taking back our rule then takes that access away too. A shared cgroup
@@ -47,13 +51,14 @@ def grants_dir(state_dir: str) -> str:
 class Grant:
     """One recorded grant (see the module docstring)."""
 
-    __slots__ = ("id", "pid", "start_time", "boot_id", "directory", "cgroup", "planned", "added", "path")
+    __slots__ = ("id", "pid", "start_time", "boot_id", "mode", "directory", "cgroup", "planned", "added", "path")
 
     def __init__(self, doc: dict, path: str = ""):
         self.id = str(doc["id"])
         self.pid = int(doc["pid"])
         self.start_time = int(doc["start_time"])
         self.boot_id = str(doc["boot_id"])
+        self.mode = str(doc.get("mode", "v1"))
         self.directory = str(doc["directory"])
         ident = doc.get("cgroup")
         self.cgroup = None if ident is None else (int(ident[0]), int(ident[1]))
@@ -79,9 +84,9 @@ def _identity(directory: str):
     return st.st_dev, st.st_ino
 
 
-def save(state_dir: str, container_id: str, pid: int, directory: str, planned, added) -> str:
-    """Record a v1 grant made for the container whose init is `pid`; returns the entry's path.
-    Raises OSError (or LookupError when the init cannot be read)."""
+def save(state_dir: str, container_id: str, pid: int, directory: str, planned, added, mode: str = "v1") -> str:
+    """Record a grant (cgroup `mode` "v1" or "v2") made for the container whose init is `pid`;
+    returns the entry's path. Raises OSError (or LookupError when the init cannot be read)."""
     stat = procstat.read_stat(pid)
     if stat is None or stat.zombie:
         raise LookupError(f"container init pid {pid} is not readable")
@@ -90,7 +95,8 @@ def save(state_dir: str, container_id: str, pid: int, directory: str, planned, a
         raise LookupError(f"devices cgroup {directory} is not readable")
     path = f"{grants_dir(state_dir)}/{procstat.entry_name(container_id)}@{pid}-{stat.start_time}.json"
     statefiles.write_atomic(path, {"format": FORMAT, "id": container_id, "pid": pid, "start_time": stat.start_time,
-                              "boot_id": files.boot_id(), "directory": directory, "cgroup": list(identity),
+                              "boot_id": files.boot_id(), "mode": mode, "directory": directory,
+                              "cgroup": list(identity),
                               "planned": [rule.v1_line() for rule in planned],
                               "added": [rule.v1_line() for rule in added]})
     return path
@@ -128,15 +134,13 @@ def _forget(grant: Grant) -> None:
 def release(state_dir: str, container_id: str) -> str:
     """Take back what was granted to the stopped container `container_id` (every gone init
     recorded under that id); returns the decision for the log. Never raises."""
-    from gpuhook.apply.cgroup import v1
-
     try:
         everything = _load(state_dir)
     except OSError as err:
         return f"grants not read: {err.strerror or err}"
     mine = [grant for grant in everything if grant.id == container_id]
     if not mine:
-        return "no cgroup v1 grant recorded"
+        return "no cgroup grant recorded"
     decisions = []
     for grant in mine:
         if grant.alive():
@@ -147,9 +151,16 @@ def release(state_dir: str, container_id: str) -> str:
             decisions.append("cgroup removed with the container")
             continue
         others = [other for other in everything if other is not grant and other.directory == grant.directory
-                  and other.same_cgroup() and other.alive()]
+                  and other.mode == grant.mode and other.same_cgroup() and other.alive()]
         revoke = to_take_back(grant, others)
-        problems = v1.revoke(grant.directory, revoke)
+        if grant.mode == "v2":
+            from gpuhook.apply.cgroup import v2
+
+            problems = v2.take_back(grant.directory, revoke) if revoke else []
+        else:
+            from gpuhook.apply.cgroup import v1
+
+            problems = v1.revoke(grant.directory, revoke)
         if problems:
             decisions.append("grant not taken back: " + "; ".join(problems))
             continue  # kept: a later poststop of this id tries again

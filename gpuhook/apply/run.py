@@ -148,7 +148,7 @@ def run(plan, state, config, deadline: float, names: dict, log: dict) -> Applied
                 health.unregister(config, entry, log)
             raise
         # The grant record is written while the committed worker closes its files and exits.
-        if outcome.cgroup_mode == hierarchy.V1 and plan.rules:
+        if plan.rules and (outcome.cgroup_mode == hierarchy.V1 or len(outcome.rules_added)):
             _record_grant(plan, state, config, outcome, log)
     except BaseException as err:
         _settle_worker(pending.close(), plan, config, log, err)
@@ -181,14 +181,14 @@ def _settle_worker(worker, plan, config, log: dict, err: BaseException) -> None:
 
 
 def _record_grant(plan, state, config, outcome, log: dict) -> None:
-    """Remember a cgroup v1 grant, so poststop can take it back from a cgroup that outlives
-    the container (gpuhook.apply.grants). Best effort, like the health registry: the log says
-    when it failed."""
+    """Remember a cgroup grant (v1 rules, or what a v2 device program gained), so poststop
+    can take it back from a cgroup that outlives the container (gpuhook.apply.grants). Best
+    effort, like the health registry: the log says when it failed."""
     from gpuhook.apply import grants
 
     try:
         grants.save(config.state_dir, state.id, plan.pid, outcome.cgroup_directory, plan.rules,
-                      outcome.rules_added)
+                    list(outcome.rules_added), mode=outcome.cgroup_mode)
     except (OSError, LookupError) as err:
         log["grant_record"] = f"not recorded: {err}"
 

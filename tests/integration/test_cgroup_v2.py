@@ -712,3 +712,40 @@ def test_a_deny_that_names_only_the_minor_is_explicit_too(v2ns, bed, gpus):
                                  rootfs_setup=image_gpu1, paths=["/gpu"]))
     # The first node the rule shuts is named: GPU 1, or a control node of that minor (nvidia-uvm-tools).
     assert f":{minor1} rw" in line and "device rules deny" in line, line
+
+
+def test_a_gpu_granted_in_a_shared_cgroup_is_taken_back_from_the_program_at_poststop(v2ns, bed, gpus):
+    """Attacker finding A06: on v2, Y (no GPU, no hook) and X (GPU 0 through gpuhook) share one
+    cgroupsPath (runc before 1.2 only warns). gpuhook's program gave Y GPU 0 while X ran, and
+    kept giving it after X was deleted: the v1 take-back had no v2 counterpart. Poststop now
+    rebuilds the program without X's letters; runc's own rules behind them stay."""
+    sim = gpus.sim
+    path = f"/gpuhook-shared-{os.getpid()}"
+    nvidia, gpu0 = sim["majors"]["nvidia"], sim["gpus"][0]["minor"]
+
+    def shared(spec):
+        spec["linux"]["cgroupsPath"] = path
+
+    def hooked(spec):
+        shared(spec)
+        spec["hooks"] = {stage: [testbed.hook_entry(gpus.config, stage)] for stage in ("prestart", "poststop")}
+
+    y = Running(v2ns, bed, gpus, "shared-y", edit=shared)
+    x = Running(v2ns, bed, gpus, "shared-x", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=hooked)
+    try:
+        with y:
+            assert y.started.returncode == 0, y.output
+            y.mknod("/dev/g0", nvidia, gpu0)
+            assert y.probe("/dev/g0")["/dev/g0"]["read"] == "EPERM"
+            x.start()
+            assert x.started.returncode == 0, x.output
+            assert y.probe("/dev/g0")["/dev/g0"]["read"] == "ENXIO"  # the shared cgroup: Y has X's GPU while X runs
+            bed.delete(x.id)
+            probes = y.probe("/dev/g0", "/dev/null")
+            assert probes["/dev/g0"]["read"] == "EPERM"
+            assert probes["/dev/null"]["read"] == "OK"  # runc's own rules are still there
+            (stop,) = [r for r in gpus.log_lines() if r.get("stage") == "poststop"]
+            assert "took back" in stop["grants"], stop
+    finally:
+        bed.delete(x.id)
+        v2ns.run(["rmdir", f"/sys/fs/cgroup{path}"])

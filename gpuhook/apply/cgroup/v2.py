@@ -284,6 +284,65 @@ def revoke(directory: str, added) -> list:
     return problems
 
 
+def take_back(directory: str, rules) -> list:
+    """Take `rules` (letters of devices a stopped container was granted) out of every device
+    program of the cgroup at `directory` that gpuhook rebuilt: each is rebuilt again with its
+    prefix less those letters, in front of the same original program, and swapped in place
+    (gpuhook.apply.grants, for a cgroup that outlives its container). Returns problems, never
+    raises; a program that is no longer there needs nothing."""
+    from gpuhook.apply.cgroup import bpf
+
+    problems = []
+    try:
+        cgroup_fd = _open_cgroup(directory)
+    except ApplyError as err:
+        return [err.one_line()]
+    try:
+        try:
+            ids = bpf.query(cgroup_fd)
+        except OSError as err:
+            return [f"cannot list the device programs of {directory}: {err.strerror or err}"]
+        for prog_id in ids:
+            if _program_name(bpf, prog_id) != program.PROGRAM_NAME:
+                continue
+            problem = _take_back_one(bpf, cgroup_fd, directory, prog_id, rules)
+            if problem:
+                problems.append(problem)
+    finally:
+        _close(cgroup_fd)
+    return problems
+
+
+def _take_back_one(bpf, cgroup_fd: int, directory: str, prog_id: int, rules) -> str:
+    old_fd = new_fd = -1
+    try:
+        old_fd = bpf.open_program(prog_id)
+        insns = program.decode_bytes(bpf.program_info(old_fd).code)
+        program.check_rebuildable(insns)
+        prefix, original = program.split(insns)
+        ours = program.decode(prefix, stop=len(prefix)).rules if prefix else []
+        kept = []
+        for rule in ours:
+            gone = "".join(r.access for r in rules if r.same_device(rule))
+            letters = "".join(c for c in rule.access if c not in gone)
+            if letters:
+                kept.append(rule.with_access(letters))
+        if kept == list(ours):
+            return ""
+        new_fd = bpf.load(program.encode(program.prepend(kept, original)), program.PROGRAM_NAME)
+        bpf.swap(cgroup_fd, old_fd, new_fd, True)
+        return ""
+    except (program.ProgramError, bpf.VerifierError) as err:
+        return f"cannot rebuild device program {prog_id} of {directory}: {err}"
+    except OSError as err:
+        if err.errno == errno.ENOENT:
+            return ""  # detached meanwhile: nothing of it applies any more
+        return f"cannot take back from device program {prog_id} of {directory}: {err.strerror or err}"
+    finally:
+        _close(old_fd)
+        _close(new_fd)
+
+
 # --- reading, for `gpuhook cgroup show` ---------------------------------------------------
 
 class AttachedProgram(record("AttachedProgram", "id name tag inherited instructions ours rules error disassembly")):
