@@ -297,7 +297,19 @@ def resolve(spec, state_annotations: dict, config) -> Request:
         honoured = spec.privileged or config.accept_env_when_unprivileged
         request = request._replace(requirements=reqs.collect(spec.env),
                                    **_features(spec.env, request.notes, honoured))
+        if not honoured and NODE_CAPABILITY in request.capabilities:
+            # A capability that adds a device node (display: /dev/nvidia-modeset) is an
+            # optional device like FEATURES, from the same environment: not where it is not honoured.
+            request = request._replace(
+                capabilities=request.capabilities - {NODE_CAPABILITY},
+                notes=request.notes + (f"driver capability {NODE_CAPABILITY} ignored: it adds /dev/nvidia-modeset, "
+                                       f"and the image's environment is not honoured "
+                                       f"(accept-env-when-unprivileged = false)",))
     return request
+
+
+# The one driver capability that brings a device node of its own (driver.CONTROL_NODES).
+NODE_CAPABILITY = "display"
 
 
 def _features(env: dict, notes: tuple, honoured: bool) -> dict:

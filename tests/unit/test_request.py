@@ -305,3 +305,15 @@ def test_podman_annotations_name_no_kubernetes_pod():
     names = {"io.kubernetes.pod.name": "p", "io.kubernetes.pod.namespace": "n"}
     assert journal.k8s_names(names) == {"pod": "p", "namespace": "n"}
     assert journal.k8s_names({**names, "io.podman.annotations.init": "FALSE"}) == {}
+
+
+def test_a_capability_that_adds_a_device_node_is_not_taken_from_an_environment_the_policy_refuses():
+    """Attacker finding A13: under the strict policy, with a grant from the orchestrator, the
+    image's NVIDIA_DRIVER_CAPABILITIES=display still added /dev/nvidia-modeset."""
+    granted = spec(["NVIDIA_DRIVER_CAPABILITIES=display,compute"], mounts=[vm("1")])
+    strict = resolve(granted, **STRICT)
+    assert "display" not in strict.capabilities and "compute" in strict.capabilities
+    assert any("driver capability display ignored" in n for n in strict.notes)
+    assert "display" in resolve(granted).capabilities  # where the environment counts, it counts
+    assert "display" in resolve(spec(["NVIDIA_DRIVER_CAPABILITIES=display"], mounts=[vm("1")], privileged=True),
+                                 **STRICT).capabilities
