@@ -155,7 +155,9 @@ def _match_nodes(request: Request, gpus, migs_by_gpu: dict, inventory, have_fact
 
 
 def _available(gpus) -> str:
-    return ", ".join(f"{g.index} ({g.uuid})" for g in gpus) or "none"
+    """The host's GPUs for a start error, by index only: the error reaches whoever made the
+    container (a pod's events), and other GPUs' UUIDs are host data (`gpuhook list` shows them)."""
+    return ", ".join(str(g.index) for g in gpus) or "none"
 
 
 def _of(gpu, device):
@@ -182,7 +184,7 @@ def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bo
             for device in migs_by_gpu[gpu.uuid]:
                 if device.index == int(mig_index):
                     return _of(gpu, device)
-    here = ", ".join(f"{g.index}:{d.index} ({d.uuid})" for g, d in every) or "none"
+    here = ", ".join(f"{g.index}:{d.index}" for g, d in every) or "none"
     raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}) does not exist on this host; "
                        f"MIG devices here: {here}")
 

@@ -191,7 +191,10 @@ def test_missing_gpu_lists_the_real_ones(ident):
     r = resolve(spec([f"NVIDIA_VISIBLE_DEVICES={ident}"]))
     with pytest.raises(RequestError) as err:
         select.select(r, GPUS).gpus
-    assert "does not exist" in err.value.message and GPUS[3].uuid in err.value.message
+    # The host's GPUs by index: other GPUs' UUIDs are host data, and the error reaches the
+    # container's maker (attacker pass 5, A08).
+    assert "does not exist" in err.value.message and "GPUs here: 0, 1, 2, 3" in err.value.message
+    assert not any(gpu.uuid in err.value.message for gpu in GPUS)
 
 
 def test_cdi_annotations_ignored_by_policy():
