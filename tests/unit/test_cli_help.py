@@ -79,3 +79,17 @@ def test_poststop_is_described_as_what_it_does():
     text = gpuhook("poststop", "--help").stdout.decode()
     assert "stopped container" in text and "never fails" in " ".join(text.split())
     assert "--dry-run" not in text
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_doctor_refuses_a_host_root_that_is_no_directory(kind, tmp_path):
+    """`doctor --host-root /nonexistent` read nothing and said gpuhook was registered with no
+    runtime there: a host root that is not a directory is a usage error (exit 2, one line)."""
+    where = str(tmp_path / kind)
+    if kind == "file":
+        open(where, "w").close()
+    done = gpuhook("doctor", "--quick", "--host-root", where)
+    err = done.stderr.decode()
+    assert done.returncode == 2, (done.returncode, err)
+    assert err.count("\n") == 1 and err.startswith("gpuhook: ") and "--host-root" in err and where in err, err
+    assert done.stdout == b""
