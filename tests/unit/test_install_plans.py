@@ -219,6 +219,23 @@ def test_crio_and_admin_dir_notes_say_what_the_runtime_reads(tmp_path):
         assert f"{install.ADMIN_HOOKS_DIR}/{name} overrides the packaged {path} (same file name)" in plan.notes
 
 
+def test_podman_in_another_hooks_dir_is_told_to_be_given_that_dir(tmp_path):
+    """install podman --hooks-dir DIR said 'podman reads the hooks dir at every container start;
+    nothing to restart', but podman reads only its default dirs unless given DIR."""
+    hook = install.Hook(sys.executable, LAUNCHER)
+    other = str(tmp_path / "hooks.d")
+    notes = install.plan_hooks_d("podman", other, hook, package_hooks_dir=str(tmp_path / "share")).notes
+    assert not any("nothing to restart" in note for note in notes), notes
+    assert any(f"--hooks-dir {other}" in note and "containers.conf" in note for note in notes), notes
+    for default in (install.ADMIN_HOOKS_DIR, install.PACKAGE_HOOKS_DIR):
+        notes = install.plan_hooks_d("podman", default, hook).notes
+        assert "podman reads the hooks dir at every container start; nothing to restart" in notes, notes
+    # install --host-root writes under the node's root: what counts is the dir as podman sees it.
+    notes = install.plan_hooks_d("podman", str(tmp_path / "host" / "etc" / "containers" / "oci" / "hooks.d"), hook,
+                                 runtime_dir=install.ADMIN_HOOKS_DIR).notes
+    assert "podman reads the hooks dir at every container start; nothing to restart" in notes, notes
+
+
 def test_crio_installs_by_default_where_crio_reads_hooks_by_default():
     """CRI-O's default hooks_dir is /usr/share/containers/oci/hooks.d only; install crio used to
     write into /etc/containers/oci/hooks.d, which CRI-O never reads unless configured."""
