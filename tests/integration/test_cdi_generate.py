@@ -76,6 +76,17 @@ def test_yaml_output_is_the_same_spec(sim_host, tmp_path):
     assert yaml.safe_load(out.read_text()) == json.loads(generate(sim_host["config"]).stdout)
 
 
+@pytest.mark.parametrize("name", ["gpuhook.txt", "gpuhook", "gpuhook.json.tmp"])
+def test_an_output_runtimes_would_not_read_is_refused(sim_host, tmp_path, name):
+    """Runtimes read only *.json, *.yaml and *.yml from a CDI dir: --output gpuhook.txt was
+    written without a word and never used."""
+    out = tmp_path / name
+    done = generate(sim_host["config"], "--output", str(out))
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("gpuhook: --output ") and ".json" in done.stderr
+    assert done.stdout == "" and not out.exists() and os.listdir(tmp_path) == []
+
+
 def test_unknown_capabilities_are_one_line(sim_host):
     done = generate(sim_host["config"], "--capabilities", "compute,warp")
     assert done.returncode == 2 and done.stderr.startswith("gpuhook: --capabilities: unknown warp"), done.stderr
