@@ -60,7 +60,8 @@ class LazyGroup(click.Group):
              epilog="Exit codes: " + exit_code_text())
 @click.version_option(__version__, prog_name="gpuhook")
 @click.option("-v", "--verbose", is_flag=True,
-              help="Also print each decision-log line (what gpuhook decided and why) on stderr.")
+              help="Also print each decision-log line (what gpuhook decided and why) on stderr: the hook "
+                   "(prestart, createRuntime, poststop), check, prepare and plugin write them.")
 def cli(verbose):
     """gpuhook: an OCI runtime hook that gives containers their GPUs, checked and clean.
 
