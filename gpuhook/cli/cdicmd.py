@@ -16,7 +16,7 @@ def cdi():
     pass
 
 
-@cdi.command(name="generate", help=(
+@cdi.command(name="generate", short_help="Write a CDI spec for this host's GPUs with gpuhook as its hook.", help=(
     f"Write a CDI spec of gpuhook's own kind {CDI_KIND} for this host (podman run --device "
     f"{CDI_KIND}=1): one device per GPU (by index and UUID), per MIG device (GPU:MIG and MIG "
     "UUID) and `all`, with their device nodes, the driver files for --capabilities mounted "

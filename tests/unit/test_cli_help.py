@@ -35,6 +35,16 @@ def test_every_command_has_help(name):
     assert len(done.stdout.decode().splitlines()) > 3
 
 
+@pytest.mark.parametrize("group", ["cgroup", "cdi"])
+def test_group_listings_show_whole_sentences(group):
+    """`gpuhook cgroup --help` listed `show  Print the device rules in effect for a container: on
+    cgroup v1...`: click cuts a long help at 45 characters unless the command has a short_help."""
+    text = gpuhook(group, "--help").stdout.decode()
+    listing = text[text.index("Commands:"):]
+    assert "..." not in listing, listing
+    assert listing.rstrip().endswith("."), listing
+
+
 def test_version():
     assert gpuhook("--version").stdout.decode().startswith("gpuhook, version ")
 
