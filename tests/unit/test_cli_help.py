@@ -45,6 +45,24 @@ def test_group_listings_show_whole_sentences(group):
     assert listing.rstrip().endswith("."), listing
 
 
+def test_every_option_of_every_command_has_help():
+    """`simulate --driver-version` and `--model` showed in --help with no word of what they are."""
+    import click
+    from gpuhook.cli import cli
+
+    ctx = click.Context(cli)
+    bare = []
+
+    def walk(command, name):
+        if isinstance(command, click.Group):
+            for sub in command.list_commands(ctx):
+                walk(command.get_command(ctx, sub), f"{name} {sub}")
+        bare.extend(f"{name} {p.opts[0]}" for p in command.params if isinstance(p, click.Option) and not p.help)
+
+    walk(cli, "gpuhook")
+    assert bare == []
+
+
 def test_version():
     assert gpuhook("--version").stdout.decode().startswith("gpuhook, version ")
 
