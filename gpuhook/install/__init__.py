@@ -233,8 +233,10 @@ def plan_uninstall(target: str, bundle: str | None = None, hooks_dir: str | None
             plan = plan_hooks_d_removal(target, hostroot.host_path(root, given),
                                         runtime_dir=os.path.normpath("/" + given.lstrip("/")))
         else:
+            node_config = containerd_config or CONTAINERD_CONFIG
             plan = plan_containerd_removal(hostroot.host_path(root, spec_path or CONTAINERD_SPEC),
-                                           hostroot.host_path(root, containerd_config or CONTAINERD_CONFIG))
+                                           hostroot.host_path(root, node_config),
+                                           node_config=os.path.normpath("/" + node_config.lstrip("/")))
         users = hostroot.lib_users(root, _node_registrations(root), plan.changes)
         if users:
             return InstallPlan(plan.changes, plan.notes + (

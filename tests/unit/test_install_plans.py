@@ -503,6 +503,24 @@ def containerd_paths(tmp_path) -> dict:
             "containerd_config": str(tmp_path / "etc" / "config.toml"), "base_spec": base}
 
 
+def test_a_containerd_config_of_another_path_is_not_told_to_restart_the_systems_containerd(tmp_path):
+    """install containerd --containerd-config FILE said 'systemctl restart containerd', which
+    restarts the system's daemon, not the one that reads FILE."""
+    paths = containerd_paths(tmp_path)
+    config = paths["containerd_config"]
+    for notes in (install.plan_install("containerd", environ={}, **paths).notes,
+                  (apply_install("containerd", **paths) and
+                   install.plan_uninstall("containerd", spec_path=paths["spec_path"], containerd_config=config).notes)):
+        assert not any("systemctl" in note for note in notes), notes
+        assert any(note.startswith(f"restart the containerd that reads {config}") for note in notes), notes
+    from gpuhook.install import containerd
+
+    for installing in (True, False):
+        notes = containerd._containerd_notes(install.CONTAINERD_CONFIG, installing)
+        assert notes[0].startswith(f"restart containerd to load {install.CONTAINERD_CONFIG} "
+                                   "(systemctl restart containerd)"), notes
+
+
 @pytest.mark.parametrize("original,added_runtime_type", [
     (DEBIAN_CONFIG, True), (GENERATED_CONFIG, False), (HEADER_ONLY_CONFIG, False),
     (COMMENTS_ONLY_CONFIG, True), (None, True),
