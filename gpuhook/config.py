@@ -329,6 +329,8 @@ def from_mapping(data: dict, where: str = "config") -> Config:
 
 def _known(section: str) -> str:
     names = [k.name for k in KEYS if k.section == section]
+    if not section:  # the top level also holds the tables
+        names += [f"[{name}]" for name in sorted(_SECTIONS)]
     return "known keys: " + ", ".join(names)
 
 

@@ -113,6 +113,7 @@ class NvmlError(HostError):
         where = f" for GPU {gpu}" if gpu is not None else ""
         super().__init__(f"NVML {call}{where} failed: {reason}", hint)
         self.call = call
+        self.reason = reason
         self.gpu = gpu
         self.code = code
 

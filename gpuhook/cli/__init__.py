@@ -60,13 +60,19 @@ class LazyGroup(click.Group):
              epilog="Exit codes: " + exit_code_text())
 @click.version_option(__version__, prog_name="gpuhook")
 @click.option("-v", "--verbose", is_flag=True,
-              help="Also print each decision-log line (what gpuhook decided and why) on stderr.")
+              help="Also print each decision-log line (what gpuhook decided and why) on stderr: the hook "
+                   "(prestart, createRuntime, poststop), check, prepare and plugin write them.")
 def cli(verbose):
     """gpuhook: an OCI runtime hook that gives containers their GPUs, checked and clean.
 
-    Runtimes call `gpuhook prestart` with the container's OCI state on stdin. The other
-    commands are for people: dry runs, inventory, a simulated host and a demo. Shell
-    completion: eval "$(_GPUHOOK_COMPLETE=bash_source gpuhook)" (zsh_source, fish_source).
+    Runtimes call `gpuhook prestart` (or createRuntime) with the container's OCI state on
+    stdin, and `gpuhook poststop` after the container stopped. The other commands are for
+    people and services: register the hook with a runtime (install, uninstall) or write a CDI
+    spec for it (cdi generate); check and clean GPUs (check, prepare) and run the Kubernetes
+    device plugin or the health daemon (plugin); look at the host (list, config, doctor,
+    cgroup show) and at a start's plan (prestart --dry-run); try it all without a GPU
+    (simulate, demo). Shell completion: eval "$(_GPUHOOK_COMPLETE=bash_source gpuhook)"
+    (zsh_source, fish_source).
     """
     if verbose:
         from gpuhook import journal

@@ -16,7 +16,7 @@ def cdi():
     pass
 
 
-@cdi.command(name="generate", help=(
+@cdi.command(name="generate", short_help="Write a CDI spec for this host's GPUs with gpuhook as its hook.", help=(
     f"Write a CDI spec of gpuhook's own kind {CDI_KIND} for this host (podman run --device "
     f"{CDI_KIND}=1): one device per GPU (by index and UUID), per MIG device (GPU:MIG and MIG "
     "UUID) and `all`, with their device nodes, the driver files for --capabilities mounted "
@@ -25,7 +25,9 @@ def cdi():
     "/var/run/cdi (docs/cdi.md); it coexists with NVIDIA's nvidia.com/gpu spec. With --output, "
     "another spec of the same kind in that directory is refused (a runtime would refuse both)."))
 @CONFIG_OPTION
-@click.option("--output", metavar="FILE", help="Write the spec here (atomically, 0644) instead of stdout.")
+@click.option("--output", metavar="FILE",
+              help="Write the spec here (atomically, 0644) instead of stdout; its name ends in .json, .yaml or "
+                   ".yml (runtimes read no other).")
 @click.option("--format", "fmt", type=click.Choice(["json", "yaml"]), default=None,
               help="Spec format [default: from --output's suffix, else json].")
 @click.option("--capabilities", default=",".join(sorted(DEFAULT_CAPABILITIES)), show_default=True, metavar="LIST",
@@ -33,6 +35,11 @@ def cdi():
 @click.option("--python", metavar="PATH",
               help="Interpreter the runtime starts for the hook [default: the running one].")
 def generate(config_path, output, fmt, capabilities, python):
+    from gpuhook.discover.cdi import SUFFIXES
+
+    if output is not None and not output.endswith(SUFFIXES):
+        raise InputError(f"--output {output}: runtimes read only CDI specs named *.json, *.yaml or *.yml",
+                         "name the file gpuhook.json or gpuhook.yaml")
     config = cfg.load(config_path, os.environ)
     caps = tuple(c.strip() for c in capabilities.split(",") if c.strip())
     unknown = [c for c in caps if c not in CAPABILITIES]

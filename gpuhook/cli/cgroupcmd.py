@@ -12,7 +12,7 @@ def cgroup():
     pass
 
 
-@cgroup.command(name="show", help=(
+@cgroup.command(name="show", short_help="Print a container's device rules and whether systemd knows them.", help=(
     "Print the device rules in effect for a container: on cgroup v1 the cgroup's devices.list, "
     "on cgroup v2 every attached device program decoded into rules (first match wins; an "
     "access needs every program's allow). On v2 the rules gpuhook added are marked (v1 keeps "

@@ -27,6 +27,7 @@ MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
               help="Only the checks that read files (no NVML, no health daemon, no runtime configuration): "
                    "what `list` and `prestart --dry-run` warn with.")
 @click.option("--host-root", default="/", show_default=True, metavar="DIR",
+              type=click.Path(exists=True, file_okay=False),
               help="Read the runtimes' configuration under DIR (a node's root mounted into a DaemonSet pod).")
 def doctor(config_path, as_json, quick, host_root):
     from gpuhook.cli import preflight

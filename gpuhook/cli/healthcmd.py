@@ -53,7 +53,7 @@ def _mig_uuids(config) -> dict:
     return {mig.uuid.lower(): mig.uuid for gpu in facts.gpus.values() for mig in gpu.mig_devices}
 
 
-def render(report) -> str:
+def render(report, stamped: frozenset = frozenset(), allocation: str | None = None) -> str:
     lines = []
     for result in report.gpus:
         line = f"{result.uuid}  {result.status.value}  {result.seconds:.3f} s"
@@ -65,17 +65,31 @@ def render(report) -> str:
             line += f"  {result.failure()}"
         if result.users:
             line += "  used by: " + ", ".join(result.users)
+        if result.uuid in stamped:
+            line += f"  stamped for allocation {allocation}"
         lines.append(printable(line))  # pod names and evidence come from pods and processes
     for cut in report.cut_off:
         lines.append(printable(f"cut off: {cut.text()}"))
     return "\n".join(lines)
 
 
-def _show(report, as_json: bool) -> None:
+def _show(report, as_json: bool, stamped: frozenset = frozenset(), allocation: str | None = None) -> None:
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))
     else:
-        click.echo(render(report))
+        click.echo(render(report, stamped, allocation))
+
+
+def _stamped(report, config, allocation: str | None) -> frozenset:
+    """The GPUs of `report` that prepare left a stamp for `allocation` on (the healthy ones,
+    unless writing a stamp failed): read back, so the output never claims a stamp that is
+    not there."""
+    from gpuhook.health import store
+
+    if allocation is None:
+        return frozenset()
+    return frozenset(g.uuid for g in report.gpus
+                     if g.ok and os.path.isfile(store.stamp_path(config.state_dir, g.uuid, allocation)))
 
 
 @click.command(name="prepare", help=(
@@ -104,9 +118,9 @@ def prepare(config_path, devices, allocation, deadline_seconds, as_json):
     try:
         report = health.prepare(uuids, config, deadline_seconds, allocation)
     except (GpuUnhealthyError, HealthDeadlineError) as err:
-        _show(err.report, as_json)
+        _show(err.report, as_json, _stamped(err.report, config, allocation), allocation)
         raise
-    _show(report, as_json)
+    _show(report, as_json, _stamped(report, config, allocation), allocation)
 
 
 @click.command(name="check", help=(

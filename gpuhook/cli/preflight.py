@@ -15,7 +15,7 @@ import stat
 
 from gpuhook.discover import driverfiles, proc as discover_proc, survey, types
 from gpuhook import driver as gpuhook_driver
-from gpuhook.errors import GpuhookError
+from gpuhook.errors import GpuhookError, NvmlError
 from gpuhook.record import record
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -310,7 +310,9 @@ def _nvml(config, inventory) -> HostCheck:
             seen = session.inventory()
     except GpuhookError as err:
         why = "health checks fail every GPU start" if not off else "list, MIG and NVIDIA_REQUIRE_* need it"
-        return HostCheck("nvml", WARN if off else FAIL, f"NVML does not load: {err.one_line()}: {why}",
+        # The line already says NVML does not load: a load failure adds only its reason.
+        what = GpuhookError(err.reason, err.hint) if isinstance(err, NvmlError) and err.call == "load" else err
+        return HostCheck("nvml", WARN if off else FAIL, f"NVML does not load: {what.one_line()}: {why}",
                      "set nvml-library to the driver's libnvidia-ml.so.1")
     if inventory is not None and seen.driver_version != inventory.driver_version:
         return HostCheck("nvml", FAIL, f"NVML ({library}) is driver {seen.driver_version}, the kernel module "

@@ -27,10 +27,14 @@ def _parse_mig(values) -> dict:
 ))
 @click.argument("directory", metavar="DIR")
 @click.option("--gpus", default=2, show_default=True, help="Number of GPUs.")
-@click.option("--driver-version", default=host.DEFAULT_DRIVER_VERSION, show_default=True)
+@click.option("--driver-version", default=host.DEFAULT_DRIVER_VERSION, show_default=True, metavar="V",
+              help="NVIDIA driver version the host reports (/proc/driver/nvidia/version, NVML, the versioned "
+                   "library file names); the CUDA version follows its branch.")
 @click.option("--cuda-version", metavar="X.Y",
               help="CUDA version the simulated driver supports [default: the driver branch's, e.g. 12.4 for 550].")
-@click.option("--model", default=host.DEFAULT_MODEL, show_default=True)
+@click.option("--model", default=host.DEFAULT_MODEL, show_default=True, metavar="NAME",
+              help="Model name of every GPU (NVML's device name and /proc/driver/nvidia/gpus/*/information); a "
+                   "name only: the GPUs otherwise stay H100-like.")
 @click.option("--brand", default=host.DEFAULT_BRAND, show_default=True,
               help="NVML brand of every GPU, as NVIDIA_REQUIRE_* spells it (tesla, nvidia, geforce, ...).")
 @click.option("--mig", "mig", multiple=True, metavar="INDEX[=PROFILES]",

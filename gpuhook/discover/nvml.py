@@ -198,7 +198,7 @@ def _install_library(pynvml, path: str) -> None:
             library = ctypes.CDLL(path)
         except OSError as err:
             raise NvmlError("load", f"cannot load {path}: {err}", code=None,
-                            hint="is the NVIDIA driver installed? (config key nvml-library)") from err
+                            hint="is the NVIDIA driver installed? config key nvml-library names the library") from err
         pynvml.nvmlLib = library
         # Function pointers cached from a previous library would call into the old one.
         pynvml._nvmlGetFunctionPointer_cache.clear()

@@ -152,7 +152,9 @@ def _plan_on_node(target: str, root: str, hooks_dir, spec_path, containerd_confi
     at the node's paths under `root` (gpuhook.install.hostroot)."""
     hook = hostroot.node_hook(root, config_path, python)
     if target in ("podman", "crio"):
-        plan = plan_hooks_d(target, hostroot.host_path(root, hooks_dir or default_hooks_dir(target)), hook, annotated)
+        given = hooks_dir or default_hooks_dir(target)
+        plan = plan_hooks_d(target, hostroot.host_path(root, given), hook, annotated,
+                            runtime_dir=os.path.normpath("/" + given.lstrip("/")))
     else:
         plan = plan_containerd(hook, spec_path or CONTAINERD_SPEC, containerd_config or CONTAINERD_CONFIG, base_spec,
                                node_root=root)
@@ -227,10 +229,14 @@ def plan_uninstall(target: str, bundle: str | None = None, hooks_dir: str | None
     if host_root:
         root = os.path.abspath(host_root)
         if target in ("podman", "crio"):
-            plan = plan_hooks_d_removal(target, hostroot.host_path(root, hooks_dir or default_hooks_dir(target)))
+            given = hooks_dir or default_hooks_dir(target)
+            plan = plan_hooks_d_removal(target, hostroot.host_path(root, given),
+                                        runtime_dir=os.path.normpath("/" + given.lstrip("/")))
         else:
+            node_config = containerd_config or CONTAINERD_CONFIG
             plan = plan_containerd_removal(hostroot.host_path(root, spec_path or CONTAINERD_SPEC),
-                                           hostroot.host_path(root, containerd_config or CONTAINERD_CONFIG))
+                                           hostroot.host_path(root, node_config),
+                                           node_config=os.path.normpath("/" + node_config.lstrip("/")))
         users = hostroot.lib_users(root, _node_registrations(root), plan.changes)
         if users:
             return InstallPlan(plan.changes, plan.notes + (

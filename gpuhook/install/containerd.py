@@ -231,12 +231,18 @@ def unset_base_runtime_spec(text: str) -> str:
 
 
 def _containerd_notes(config_path: str, installing: bool) -> tuple:
+    """What to restart: `config_path` as the node's containerd names it. The system's unit
+    reads the default config; a config elsewhere belongs to another daemon (containerd
+    --config FILE), which `systemctl restart containerd` would not touch."""
+    if config_path == CONTAINERD_CONFIG:
+        restart = f"restart containerd to load {config_path} (systemctl restart containerd)"
+    else:
+        restart = f"restart the containerd that reads {config_path} to load it"
     if installing:
-        return (f"restart containerd to load {config_path} (systemctl restart containerd); the base spec "
-                "applies to containers started through CRI (Kubernetes)",
+        return (f"{restart}; the base spec applies to containers started through CRI (Kubernetes)",
                 "ctr and nerdctl do not use base_runtime_spec: start containers with `ctr run --config SPEC` "
                 "or register the hook in their spec")
-    return (f"restart containerd to load {config_path} (systemctl restart containerd)",)
+    return (restart,)
 
 
 # containerd's CRI reads CDI specs from these dirs unless the config names others (cdi_spec_dirs).
@@ -323,6 +329,7 @@ def plan_containerd(hook: Hook, spec_path: str = CONTAINERD_SPEC, config_path: s
     path, and the node's running containerd gives the default spec."""
     spec_value = os.path.abspath(spec_path)
     spec_path = os.path.join(node_root, spec_value.lstrip("/")) if node_root else spec_value
+    node_config = os.path.normpath("/" + config_path.lstrip("/")) if node_root else os.path.abspath(config_path)
     config_path = os.path.abspath(os.path.join(node_root, config_path.lstrip("/")) if node_root else config_path)
     old_config = _read_text(config_path)
     config_doc = _parse_toml(old_config or "", config_path)
@@ -352,12 +359,14 @@ def plan_containerd(hook: Hook, spec_path: str = CONTAINERD_SPEC, config_path: s
                      "first and does nothing, but register gpuhook one way only")
     # The spec first: the config must never point at a file that is not there yet.
     return InstallPlan((spec_change, FileChange(config_path, old_config, new_config, backup=backup)),
-                       tuple(notes) + _containerd_notes(config_path, installing=True))
+                       tuple(notes) + _containerd_notes(node_config, installing=True))
 
 
 def plan_containerd_removal(spec_path: str = CONTAINERD_SPEC,
-                            config_path: str = CONTAINERD_CONFIG) -> InstallPlan:
-    """Take back the config.toml lines and the base spec that plan_containerd added."""
+                            config_path: str = CONTAINERD_CONFIG, node_config: str | None = None) -> InstallPlan:
+    """Take back the config.toml lines and the base spec that plan_containerd added.
+    `node_config` is the config's path as the node's containerd names it, where that is not
+    `config_path` (uninstall --host-root)."""
     spec_path = os.path.abspath(spec_path)
     config_path = os.path.abspath(config_path)
     changes, notes = [], []
@@ -381,6 +390,7 @@ def plan_containerd_removal(spec_path: str = CONTAINERD_SPEC,
         notes += spec_notes
     if not changes:
         return InstallPlan((), (f"neither {config_path} nor {spec_path} carries gpuhook: nothing to remove",))
-    return InstallPlan(tuple(changes), tuple(notes) + _containerd_notes(config_path, installing=False))
+    return InstallPlan(tuple(changes), tuple(notes) + _containerd_notes(node_config or config_path,
+                                                                        installing=False))
 
 

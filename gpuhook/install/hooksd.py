@@ -27,12 +27,15 @@ def _hooks_d_is_ours(text: str) -> bool:
     return isinstance(doc, dict) and is_gpuhook_entry(doc.get("hook"))
 
 
-def _runtime_notes(target: str, paths: list, package_hooks_dir: str, installing: bool) -> list:
-    """What the runtime does with the hooks.d files at `paths` (all in one dir)."""
+def _runtime_notes(target: str, paths: list, package_hooks_dir: str, installing: bool,
+                   runtime_dir: str | None = None) -> list:
+    """What the runtime does with the hooks.d files at `paths` (all in one dir, which the
+    runtime sees as `runtime_dir` when given: install --host-root)."""
     notes = []
-    directory = os.path.dirname(paths[0])
+    written = os.path.dirname(paths[0])
+    directory = runtime_dir or written
     # The runtimes read both default dirs, the admin one overriding by file name.
-    if directory == ADMIN_HOOKS_DIR:
+    if written == ADMIN_HOOKS_DIR:
         for path in paths:
             packaged = os.path.join(package_hooks_dir, os.path.basename(path))
             if os.path.exists(packaged):
@@ -44,6 +47,10 @@ def _runtime_notes(target: str, paths: list, package_hooks_dir: str, installing:
     elif target == "crio" and installing:
         notes.append(f"CRI-O reads {directory} by default (crio.conf hooks_dir); it watches the dir, nothing "
                      "to restart")
+    elif installing and directory not in (ADMIN_HOOKS_DIR, package_hooks_dir):
+        notes.append(f"podman reads hooks only from {ADMIN_HOOKS_DIR} and {package_hooks_dir} unless given "
+                     f"another dir: run podman with --hooks-dir {directory}, or list {directory} in hooks_dir "
+                     "in containers.conf")
     elif installing:
         notes.append("podman reads the hooks dir at every container start; nothing to restart")
     return notes
@@ -56,9 +63,10 @@ def hooks_d_paths(hooks_dir: str) -> dict:
 
 
 def plan_hooks_d(target: str, hooks_dir: str, hook: Hook, annotated: bool = False,
-                 package_hooks_dir: str = PACKAGE_HOOKS_DIR) -> InstallPlan:
+                 package_hooks_dir: str = PACKAGE_HOOKS_DIR, runtime_dir: str | None = None) -> InstallPlan:
     """Write <hooks_dir>/gpuhook.json (prestart) and gpuhook-poststop.json (poststop) for
-    podman or CRI-O; each file that is not gpuhook's is backed up first."""
+    podman or CRI-O; each file that is not gpuhook's is backed up first. `runtime_dir` is
+    the dir as the runtime sees it, where that is not `hooks_dir` (install --host-root)."""
     changes, notes = [], []
     paths = hooks_d_paths(hooks_dir)
     for stage, path in paths.items():
@@ -68,12 +76,13 @@ def plan_hooks_d(target: str, hooks_dir: str, hook: Hook, annotated: bool = Fals
         changes.append(FileChange(path, old, new, backup=backup))
         if old is None and os.path.exists(path + BACKUP_SUFFIX):
             notes.append(f"{path + BACKUP_SUFFIX} is left from an earlier install; uninstall will restore it")
-    notes = _runtime_notes(target, list(paths.values()), package_hooks_dir, installing=True) + notes
+    notes = _runtime_notes(target, list(paths.values()), package_hooks_dir, installing=True,
+                           runtime_dir=runtime_dir) + notes
     return InstallPlan(tuple(changes), tuple(notes))
 
 
 def plan_hooks_d_removal(target: str, hooks_dir: str,
-                         package_hooks_dir: str = PACKAGE_HOOKS_DIR) -> InstallPlan:
+                         package_hooks_dir: str = PACKAGE_HOOKS_DIR, runtime_dir: str | None = None) -> InstallPlan:
     """Take back <hooks_dir>/gpuhook.json and gpuhook-poststop.json: restore the file each
     replaced, or delete it. A file of those names that does not run gpuhook stops the whole
     uninstall before anything changes; an absent one (an install older than the poststop
@@ -91,7 +100,7 @@ def plan_hooks_d_removal(target: str, hooks_dir: str,
         changes.append(FileChange(path, old, saved, drop_backup=backup if saved is not None else None))
         present.append(path)
     if present:
-        notes += _runtime_notes(target, present, package_hooks_dir, installing=False)
+        notes += _runtime_notes(target, present, package_hooks_dir, installing=False, runtime_dir=runtime_dir)
     return InstallPlan(tuple(changes), tuple(notes))
 
 

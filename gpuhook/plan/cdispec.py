@@ -121,7 +121,14 @@ def render(spec: dict, fmt: str = "json") -> str:
     if fmt == "yaml":
         import yaml
 
-        return yaml.safe_dump(spec, sort_keys=False)
+        class NoAliases(yaml.SafeDumper):
+            """Devices share edits (a MIG device's two names): write each in full, with no
+            &id001 anchors and *id001 aliases for a reader to chase."""
+
+            def ignore_aliases(self, data):
+                return True
+
+        return yaml.dump(spec, Dumper=NoAliases, sort_keys=False)
     import json
 
     return json.dumps(spec, indent=2) + "\n"

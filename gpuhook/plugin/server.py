@@ -424,12 +424,16 @@ class Plugin:
         health_thread.start()
         kubelet = os.path.join(self.dir, KUBELET_SOCKET)
         registered_with = None
+        waiting = False  # said so in the log, once for each time kubelet's socket is missing
         while not self.stop.is_set():
             if not os.path.exists(self.socket):
                 self.server.stop(0)
                 self.serve()
                 registered_with = None
             current = self._identity(kubelet)
+            if current is None and not waiting:
+                self._log("waiting for kubelet", kubelet=kubelet)
+            waiting = current is None
             if current is not None and current != registered_with:
                 try:
                     self.register()

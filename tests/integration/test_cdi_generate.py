@@ -76,6 +76,29 @@ def test_yaml_output_is_the_same_spec(sim_host, tmp_path):
     assert yaml.safe_load(out.read_text()) == json.loads(generate(sim_host["config"]).stdout)
 
 
+def test_yaml_output_has_no_anchors_or_aliases(mig_host, tmp_path):
+    """The spec shares edits between a device's names (1:1 and its MIG UUID): PyYAML wrote them
+    once with an anchor (&id001) and then as an alias (*id001), legal YAML that people (and
+    some tools) read badly. Each device now carries its own edits."""
+    out = tmp_path / "gpuhook.yaml"
+    done = generate(mig_host["config"], "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    assert "&id" not in text and "*id" not in text
+    assert yaml.safe_load(text) == json.loads(generate(mig_host["config"]).stdout)
+
+
+@pytest.mark.parametrize("name", ["gpuhook.txt", "gpuhook", "gpuhook.json.tmp"])
+def test_an_output_runtimes_would_not_read_is_refused(sim_host, tmp_path, name):
+    """Runtimes read only *.json, *.yaml and *.yml from a CDI dir: --output gpuhook.txt was
+    written without a word and never used."""
+    out = tmp_path / name
+    done = generate(sim_host["config"], "--output", str(out))
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("gpuhook: --output ") and ".json" in done.stderr
+    assert done.stdout == "" and not out.exists() and os.listdir(tmp_path) == []
+
+
 def test_unknown_capabilities_are_one_line(sim_host):
     done = generate(sim_host["config"], "--capabilities", "compute,warp")
     assert done.returncode == 2 and done.stderr.startswith("gpuhook: --capabilities: unknown warp"), done.stderr

@@ -177,3 +177,20 @@ def test_containerds_base_spec_is_read_as_containerd_reads_its_config(sim_host, 
         _, _, checks = doctor(write_config(tmp_path / "c.toml", values), "--host-root", str(root))
         assert checks["runtimes"]["status"] == "ok", (version, checks["runtimes"])
         assert checks["runtimes"]["summary"] == "containerd (base spec /etc/containerd/gpuhook.json)"
+
+
+def test_an_nvml_that_does_not_load_is_one_sentence(sim_host, tmp_path):
+    """The nvml line said `NVML does not load: NVML load failed: ...` and nested the hint's
+    parentheses: one sentence, the hint once, no parentheses inside parentheses."""
+    missing = tmp_path / "libnvidia-ml.so.1"
+    done, _, checks = doctor(write_config(tmp_path / "c.toml", {**sim_values(sim_host, tmp_path),
+                                                                 "nvml-library": str(missing)}))
+    assert done.returncode == 4
+    summary = checks["nvml"]["summary"]
+    assert checks["nvml"]["status"] == "fail"
+    assert summary.startswith(f"NVML does not load: cannot load {missing}: "), summary
+    assert summary.count("NVML") == 1 and "failed" not in summary
+    assert "(is the NVIDIA driver installed? config key nvml-library names the library)" in summary
+    assert summary.endswith(": health checks fail every GPU start")
+    inner = summary[summary.index("(") + 1:summary.rindex(")")]
+    assert "(" not in inner and ")" not in inner

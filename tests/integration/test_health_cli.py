@@ -94,6 +94,8 @@ def test_prepare_stamps_every_gpu_it_names_for_the_allocation(host):
     assert done.returncode == 0, done.stderr
     assert [line.split()[:2] for line in done.stdout.splitlines()] == \
            [[host["uuids"][2], "healthy"], [host["uuids"][0], "healthy"]]
+    # The text said nothing of the stamps, the one thing --allocation is for.
+    assert all(line.endswith(f"  stamped for allocation {TOKEN}") for line in done.stdout.splitlines()), done.stdout
     assert stamps(host) == sorted(f"{uuid}@{TOKEN}.json" for uuid in (host["uuids"][2], host["uuids"][0]))
     for uuid in (host["uuids"][2], host["uuids"][0]):
         assert not store.claim_stamp(host["state_dir"], uuid, 60, ["another-allocation-0000"]).fresh
@@ -108,6 +110,7 @@ def test_prepare_without_an_allocation_cleans_but_leaves_no_stamp(host):
     done = gpuhook(host, "prepare", "--devices", "1")
     assert done.returncode == 0, done.stderr
     assert resets(host, 1) == 1 and stamps(host) == []  # a stamp for no start would serve any start
+    assert "stamped" not in done.stdout
 
 
 def test_prepare_refuses_an_allocation_token_that_could_name_a_path(host):

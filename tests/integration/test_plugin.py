@@ -487,6 +487,43 @@ def test_the_plugin_registers_again_when_kubelet_restarts(cluster):
         assert len(first_devices(pb, stub)) == 4
 
 
+def test_a_plugin_waiting_for_kubelet_says_so_once_and_then_that_it_registered(sim, tmp_path):
+    """Without kubelet's socket the plugin printed and logged nothing: one 'waiting for
+    kubelet' record naming the socket, however long the wait, then one 'registered'."""
+    directory = tempfile.mkdtemp(prefix="gpuhook-dp-", dir="/tmp")
+    log = tmp_path / "gpuhook.log"
+    config = write_config(str(tmp_path / "config.toml"), sim_config_values(sim, str(log)),
+                          plugin={"recheck-seconds": 3600})
+    process = subprocess.Popen([sys.executable, "-m", "gpuhook", "plugin", "--config", config,
+                                "--device-plugin-dir", directory], cwd="/", stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    kubelet = None
+
+    def records(decision):
+        if not log.exists():
+            return []
+        return [r for r in map(json.loads, log.read_text().splitlines()) if r.get("decision") == decision]
+
+    try:
+        assert wait(lambda: records("waiting for kubelet")), "no 'waiting for kubelet' record"
+        time.sleep(2)  # four more turns of the plugin's loop without kubelet
+        waiting = records("waiting for kubelet")
+        assert len(waiting) == 1, waiting
+        assert waiting[0]["stage"] == "plugin" and waiting[0]["kubelet"] == f"{directory}/kubelet.sock"
+        kubelet = FakeKubelet(directory)
+        assert wait(lambda: kubelet.registrations and records("registered"))
+        time.sleep(1)
+        assert len(records("registered")) == 1 and len(records("waiting for kubelet")) == 1
+        assert process.poll() is None
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if kubelet is not None:
+            kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def test_sigterm_stops_serving_removes_the_socket_and_exits_0(cluster):
     process = cluster["process"]
     process.send_signal(signal.SIGTERM)

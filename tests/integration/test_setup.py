@@ -27,7 +27,7 @@ def test_setup_announces_each_step_it_takes_and_is_silent_when_nothing_is_missin
     first = subprocess.run([str(copy / "scripts" / "setup")], capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines() == [
-        "scripts/setup: 4/4 generating the device plugin's gRPC stubs from gpuhook/plugin/deviceplugin.proto",
+        "scripts/setup: 5/5 generating the device plugin's gRPC stubs from gpuhook/plugin/deviceplugin.proto",
         "scripts/setup: ready"], first.stdout
     assert (copy / "gpuhook" / "plugin" / "generated" / "deviceplugin_pb2_grpc.py").exists()
     again = subprocess.run([str(copy / "scripts" / "setup")], capture_output=True, text=True, env=env, timeout=300)

@@ -35,6 +35,34 @@ def test_every_command_has_help(name):
     assert len(done.stdout.decode().splitlines()) > 3
 
 
+@pytest.mark.parametrize("group", ["cgroup", "cdi"])
+def test_group_listings_show_whole_sentences(group):
+    """`gpuhook cgroup --help` listed `show  Print the device rules in effect for a container: on
+    cgroup v1...`: click cuts a long help at 45 characters unless the command has a short_help."""
+    text = gpuhook(group, "--help").stdout.decode()
+    listing = text[text.index("Commands:"):]
+    assert "..." not in listing, listing
+    assert listing.rstrip().endswith("."), listing
+
+
+def test_every_option_of_every_command_has_help():
+    """`simulate --driver-version` and `--model` showed in --help with no word of what they are."""
+    import click
+    from gpuhook.cli import cli
+
+    ctx = click.Context(cli)
+    bare = []
+
+    def walk(command, name):
+        if isinstance(command, click.Group):
+            for sub in command.list_commands(ctx):
+                walk(command.get_command(ctx, sub), f"{name} {sub}")
+        bare.extend(f"{name} {p.opts[0]}" for p in command.params if isinstance(p, click.Option) and not p.help)
+
+    walk(cli, "gpuhook")
+    assert bare == []
+
+
 def test_version():
     assert gpuhook("--version").stdout.decode().startswith("gpuhook, version ")
 
@@ -79,3 +107,17 @@ def test_poststop_is_described_as_what_it_does():
     text = gpuhook("poststop", "--help").stdout.decode()
     assert "stopped container" in text and "never fails" in " ".join(text.split())
     assert "--dry-run" not in text
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_doctor_refuses_a_host_root_that_is_no_directory(kind, tmp_path):
+    """`doctor --host-root /nonexistent` read nothing and said gpuhook was registered with no
+    runtime there: a host root that is not a directory is a usage error (exit 2, one line)."""
+    where = str(tmp_path / kind)
+    if kind == "file":
+        open(where, "w").close()
+    done = gpuhook("doctor", "--quick", "--host-root", where)
+    err = done.stderr.decode()
+    assert done.returncode == 2, (done.returncode, err)
+    assert err.count("\n") == 1 and err.startswith("gpuhook: ") and "--host-root" in err and where in err, err
+    assert done.stdout == b""

@@ -49,6 +49,16 @@ def test_bad_config_is_one_clear_error_naming_the_file(tmp_path, text, message):
     assert message in err.value.message and str(path) in err.value.message
 
 
+def test_an_unknown_top_level_key_lists_the_tables_too():
+    """A misspelt table such as [healh] listed only the plain keys, not [health] or [plugin]."""
+    with pytest.raises(ConfigError) as err:
+        cfg.from_mapping({"healh": {"mode": "off"}})
+    message = err.value.message
+    assert "unknown key 'healh'" in message
+    assert message.endswith(", [health], [plugin])"), message
+    assert "driver-root" in message and "mode" not in message.split("known keys: ")[1]
+
+
 def test_non_utf8_config(tmp_path):
     path = tmp_path / "c.toml"
     path.write_bytes(b"driver-root = '\xff'\n")

@@ -219,6 +219,23 @@ def test_crio_and_admin_dir_notes_say_what_the_runtime_reads(tmp_path):
         assert f"{install.ADMIN_HOOKS_DIR}/{name} overrides the packaged {path} (same file name)" in plan.notes
 
 
+def test_podman_in_another_hooks_dir_is_told_to_be_given_that_dir(tmp_path):
+    """install podman --hooks-dir DIR said 'podman reads the hooks dir at every container start;
+    nothing to restart', but podman reads only its default dirs unless given DIR."""
+    hook = install.Hook(sys.executable, LAUNCHER)
+    other = str(tmp_path / "hooks.d")
+    notes = install.plan_hooks_d("podman", other, hook, package_hooks_dir=str(tmp_path / "share")).notes
+    assert not any("nothing to restart" in note for note in notes), notes
+    assert any(f"--hooks-dir {other}" in note and "containers.conf" in note for note in notes), notes
+    for default in (install.ADMIN_HOOKS_DIR, install.PACKAGE_HOOKS_DIR):
+        notes = install.plan_hooks_d("podman", default, hook).notes
+        assert "podman reads the hooks dir at every container start; nothing to restart" in notes, notes
+    # install --host-root writes under the node's root: what counts is the dir as podman sees it.
+    notes = install.plan_hooks_d("podman", str(tmp_path / "host" / "etc" / "containers" / "oci" / "hooks.d"), hook,
+                                 runtime_dir=install.ADMIN_HOOKS_DIR).notes
+    assert "podman reads the hooks dir at every container start; nothing to restart" in notes, notes
+
+
 def test_crio_installs_by_default_where_crio_reads_hooks_by_default():
     """CRI-O's default hooks_dir is /usr/share/containers/oci/hooks.d only; install crio used to
     write into /etc/containers/oci/hooks.d, which CRI-O never reads unless configured."""
@@ -484,6 +501,24 @@ def containerd_paths(tmp_path) -> dict:
     base = write(tmp_path / "base.json", json.dumps(BASE_SPEC, indent=4) + "\n")
     return {"spec_path": str(tmp_path / "etc" / "gpuhook-base-spec.json"),
             "containerd_config": str(tmp_path / "etc" / "config.toml"), "base_spec": base}
+
+
+def test_a_containerd_config_of_another_path_is_not_told_to_restart_the_systems_containerd(tmp_path):
+    """install containerd --containerd-config FILE said 'systemctl restart containerd', which
+    restarts the system's daemon, not the one that reads FILE."""
+    paths = containerd_paths(tmp_path)
+    config = paths["containerd_config"]
+    for notes in (install.plan_install("containerd", environ={}, **paths).notes,
+                  (apply_install("containerd", **paths) and
+                   install.plan_uninstall("containerd", spec_path=paths["spec_path"], containerd_config=config).notes)):
+        assert not any("systemctl" in note for note in notes), notes
+        assert any(note.startswith(f"restart the containerd that reads {config}") for note in notes), notes
+    from gpuhook.install import containerd
+
+    for installing in (True, False):
+        notes = containerd._containerd_notes(install.CONTAINERD_CONFIG, installing)
+        assert notes[0].startswith(f"restart containerd to load {install.CONTAINERD_CONFIG} "
+                                   "(systemctl restart containerd)"), notes
 
 
 @pytest.mark.parametrize("original,added_runtime_type", [
