@@ -198,7 +198,9 @@ def main() -> None:
     patch(inventory, "ipc", "driverfiles.ipc")
     patch(select, "select", "select.select")
     patch(survey, "container_facts", "container.container_facts")
-    patch(hook, "make_plan", "plan.make_plan")
+    from gpuhook.plan import make as plan_make  # hook.plan_start imports it by name when it runs
+
+    patch(plan_make, "make_plan", "plan.make_plan")
     patch(statefiles, "write_caches", "statefiles.write_caches")
     patch(apply, "run", "apply.run (health, apply, records)")
     patch(apply, "begin", "apply.begin (order the worker, grant)")
