@@ -193,12 +193,19 @@ def _within_named_rules(rules: list, spec, notes: list) -> list:
     from gpuhook.devrules.policy import RuntimeRules  # loaded already (gpuhook.request.resolve)
 
     runtime = RuntimeRules(spec.device_rules)
+    return _narrowed(rules, runtime, lambda rule: runtime.names(rule) and not runtime.denied(rule),
+                     "the runtime's own rules for that device", notes)
+
+
+def _narrowed(rules, runtime, applies, whose: str, notes: list) -> list:
+    """`rules`, each one `applies` picks cut down to what `runtime` grants (noted as narrowed
+    to `whose`); a rule left with no letter is dropped."""
     kept = []
     for rule in rules:
-        if runtime.names(rule) and not runtime.denied(rule):
+        if applies(rule):
             narrowed = runtime.grantable(rule)
             if narrowed.access != rule.access and len(notes) < 16:
-                notes.append(f"{rule.v1_line()} narrowed to the runtime's own rules for that device: "
+                notes.append(f"{rule.v1_line()} narrowed to {whose}: "
                              f"{narrowed.v1_line() if narrowed.access else 'not allowed'}")
             rule = narrowed
         if rule.access:
@@ -267,18 +274,10 @@ def _within_runtime_rules(rules: list, spec, gpus, cap_names, inventory, notes: 
     nvidia, caps_major = inventory.majors["nvidia"], inventory.majors.get("nvidia-caps")
     granted = {(nvidia, gpu.minor) for gpu in gpus}
     granted |= {(caps_major, inventory.mig_minors.get(_minor_key(name))) for name in cap_names}
-    runtime = RuntimeRules(spec.device_rules)
-    kept = []
-    for rule in rules:
-        if (rule.major, rule.minor) in granted:
-            narrowed = runtime.grantable(rule)
-            if narrowed.access != rule.access and len(notes) < 16:
-                notes.append(f"{rule.v1_line()} narrowed to the runtime's own device rules: "
-                             f"{narrowed.v1_line() if narrowed.access else 'not allowed'}")
-            rule = narrowed
-        if rule.access:
-            kept.append(rule)
-    return kept
+    return _narrowed(rules, RuntimeRules(spec.device_rules), lambda rule: (rule.major, rule.minor) in granted,
+                     "the runtime's own device rules", notes)
+
+
 def runtime_dev_tmpfs(mounts) -> bool:
     """Whether the last mount the spec makes at /dev is a fresh tmpfs (not a bind of a host
     directory, which would be a volume)."""
