@@ -85,8 +85,8 @@ def select(request: Request, gpus, facts=None, inventory=None) -> Selection:
                     f"GPUs here: {_available(gpus)}"
                 )
             if gpu.uuid in migs_by_gpu:
-                devices = ", ".join(f"{gpu.index}:{d.index} ({d.uuid})" for d in migs_by_gpu[gpu.uuid]) or "none"
-                raise RequestError(f"GPU {gpu.index} ({gpu.uuid}) is in MIG mode: request its MIG devices, "
+                devices = ", ".join(f"{gpu.index}:{d.index}" for d in migs_by_gpu[gpu.uuid]) or "none"
+                raise RequestError(f"GPU {gpu.index} is in MIG mode: request its MIG devices, "
                                    f"not the whole GPU; MIG devices here: {devices}")
             if gpu not in whole:
                 whole.append(gpu)
@@ -180,7 +180,7 @@ def _match_mig(ident: str, gpus, migs_by_gpu: dict, channel: str, have_facts: bo
         if gpu is not None and mig_index.isdigit() and mig_index.isascii() and len(mig_index) <= MAX_INDEX_DIGITS:
             if gpu.uuid not in migs_by_gpu:
                 raise RequestError(f"requested MIG device {ident[:80]!r} ({channel}), but GPU {gpu.index} "
-                                   f"({gpu.uuid}) is not in MIG mode")
+                                   "is not in MIG mode")
             for device in migs_by_gpu[gpu.uuid]:
                 if device.index == int(mig_index):
                     return _of(gpu, device)
@@ -201,7 +201,7 @@ def _capability_gpus(ids, variable: str, gpus, parents) -> bool:
             raise RequestError(f"{variable} names GPU {ident[:80]!r}, which does not exist; GPUs here: "
                                f"{_available(gpus)}")
         if gpu not in parents:
-            raise RequestError(f"{variable} names GPU {gpu.index} ({gpu.uuid}), which the container does not get")
+            raise RequestError(f"{variable} names GPU {gpu.index}, which the container does not get")
     return True
 
 

@@ -84,7 +84,17 @@ def test_a_mig_mode_gpu_requested_whole_is_refused(mig, mig_host):
     result = mig.run("mig-whole", env=["NVIDIA_VISIBLE_DEVICES=1"])
     assert result.returncode != 0
     (line,) = [x for x in result.stderr.splitlines() if "gpuhook:" in x]
-    assert "is in MIG mode: request its MIG devices" in line and mig_host["gpus"][1]["mig_devices"][0]["uuid"] in line
+    assert "is in MIG mode: request its MIG devices" in line and "1:0" in line
+    # No UUID of the host's GPUs or MIG devices: the line reaches whoever made the container
+    # (attacker pass 6).
+    assert "GPU-" not in line and "MIG-" not in line
+
+
+def test_a_mig_device_of_a_gpu_not_in_mig_mode_is_named_without_uuids(mig):
+    result = mig.run("mig-not-mig", env=["NVIDIA_VISIBLE_DEVICES=0:0"])
+    assert result.returncode != 0
+    (line,) = [x for x in result.stderr.splitlines() if "gpuhook:" in x]
+    assert "is not in MIG mode" in line and "GPU-" not in line and "MIG-" not in line
 
 
 def test_unknown_mig_device_lists_the_real_ones(mig, mig_host):
