@@ -37,7 +37,7 @@ import os
 from gpuhook.apply import statefiles
 from gpuhook.kernel import files
 from gpuhook.kernel import procstat
-from gpuhook.devrules.devices import parse_v1_line
+from gpuhook.devrules.devices import parse_v1_line, without_letters
 
 FORMAT = 2
 FORMATS = (1, 2)  # read; 1 has no cgroup identity
@@ -51,7 +51,8 @@ def grants_dir(state_dir: str) -> str:
 class Grant:
     """One recorded grant (see the module docstring)."""
 
-    __slots__ = ("id", "pid", "start_time", "boot_id", "mode", "directory", "cgroup", "planned", "added", "path")
+    __slots__ = ("id", "pid", "start_time", "boot_id", "mode", "directory", "cgroup", "planned", "added", "path",
+                 "doc")
 
     def __init__(self, doc: dict, path: str = ""):
         self.id = str(doc["id"])
@@ -65,6 +66,7 @@ class Grant:
         self.planned = [parse_v1_line(str(line)) for line in doc["planned"]]
         self.added = [parse_v1_line(str(line)) for line in doc["added"]]
         self.path = path
+        self.doc = doc
 
     def alive(self) -> bool:
         return procstat.is_alive(self.pid, self.start_time)
@@ -133,56 +135,72 @@ def _forget(grant: Grant) -> None:
 
 def release(state_dir: str, container_id: str) -> str:
     """Take back what was granted to the stopped container `container_id` (every gone init
-    recorded under that id); returns the decision for the log. Never raises."""
+    recorded under that id), then what earlier stops had to leave to containers then alive
+    in the same cgroup or below and none alive needs now; returns the decision for the log.
+    Never raises."""
     try:
         everything = _load(state_dir)
     except OSError as err:
         return f"grants not read: {err.strerror or err}"
     mine = [grant for grant in everything if grant.id == container_id]
-    if not mine:
-        return "no cgroup grant recorded"
     decisions = []
     for grant in mine:
         if grant.alive():
             decisions.append(f"grant kept: container init pid {grant.pid} is still running")
-            continue
-        if not grant.same_cgroup():
-            _forget(grant)
-            decisions.append("cgroup removed with the container")
-            continue
-        others = [other for other in everything if other is not grant and other.directory == grant.directory
-                  and other.mode == grant.mode and other.same_cgroup() and other.alive()]
-        revoke = to_take_back(grant, others)
-        if grant.mode == "v2":
-            from gpuhook.apply.cgroup import v2
-
-            problems = v2.take_back(grant.directory, revoke) if revoke else []
         else:
-            from gpuhook.apply.cgroup import v1
-
-            problems = v1.revoke(grant.directory, revoke)
-        if problems:
-            decisions.append("grant not taken back: " + "; ".join(problems))
-            continue  # kept: a later poststop of this id tries again
-        _forget(grant)
-        decisions.append(f"took back {len(revoke)} device rule(s) from the cgroup it shared" if revoke
-                         else "cgroup shared: nothing of its grant to take back")
+            decisions.append(_settle(grant, everything))
+    # A stop that kept letters for a container alive then (one cgroup for two containers, a
+    # container in a cgroup below) left its record with them; whoever stops next takes back
+    # what nobody alive needs any more. Without this a grant could outlive every container
+    # it served: two starts at once in one cgroup find each other's rules, and the second
+    # records nothing as its own.
+    for grant in everything:
+        if grant.id != container_id and not grant.alive() and grant.doc.get("kept"):
+            decision = _settle(grant, everything)
+            if decision.startswith(("took back", "grant not taken back")):
+                decisions.append(f"{decision} (left by a container stopped earlier)")
+    if not decisions:
+        return "no cgroup grant recorded"
     return "; ".join(dict.fromkeys(decisions))
+
+
+def _settle(grant: Grant, everything: list) -> str:
+    """Take back `grant` (its container is gone) as far as no live container's grant in the
+    same cgroup or one below it needs its letters; keep the record with what is left."""
+    if not grant.same_cgroup():
+        _forget(grant)
+        return "cgroup removed with the container"
+    below = grant.directory.rstrip("/") + "/"
+    others = [other for other in everything if other is not grant and other.mode == grant.mode
+              and (other.directory == grant.directory or other.directory.startswith(below))
+              and other.alive() and other.same_cgroup()]
+    revoke = to_take_back(grant, others)
+    if grant.mode == "v2":
+        from gpuhook.apply.cgroup import v2
+
+        problems = v2.take_back(grant.directory, revoke) if revoke else []
+    else:
+        from gpuhook.apply.cgroup import v1
+
+        problems = v1.revoke(grant.directory, revoke)
+    if problems:
+        return "grant not taken back: " + "; ".join(problems)  # kept: a later poststop tries again
+    left = without_letters(grant.added, revoke)
+    took = f"took back {len(revoke)} device rule(s) from the cgroup it shared" if revoke else ""
+    if not left:
+        _forget(grant)
+        return took or "cgroup shared: nothing of its grant to take back"
+    try:
+        statefiles.write_atomic(grant.path, {**grant.doc, "added": [rule.v1_line() for rule in left], "kept": True})
+    except OSError as err:
+        return f"{took or 'nothing taken back'}; what live containers still need not recorded: {err.strerror or err}"
+    return (f"{took}; " if took else "") + (f"{len(left)} rule(s) kept while a container in that cgroup "
+                                            f"or below needs them")
 
 
 def to_take_back(grant: Grant, others) -> list:
     """The rules to deny of `grant.added`: each with exactly the access letters no grant in
-    `others` (live containers in the same cgroup) planned for that device. A letter another
-    container was granted stays; one it was not (the `w` of a container that planned `r`)
-    goes."""
-    kept: dict = {}
-    for other in others:
-        for rule in other.planned:
-            key = (rule.type, rule.major, rule.minor)
-            kept[key] = kept.get(key, "") + rule.access
-    revoke = []
-    for rule in grant.added:
-        letters = "".join(c for c in rule.access if c not in kept.get((rule.type, rule.major, rule.minor), ""))
-        if letters:
-            revoke.append(rule._replace(access=letters))
-    return revoke
+    `others` (live containers in the same cgroup or one below it) planned for that device. A
+    letter another container was granted stays; one it was not (the `w` of a container that
+    planned `r`) goes."""
+    return without_letters(grant.added, [rule for other in others for rule in other.planned])

@@ -110,3 +110,15 @@ def parse_v1_line(line: str, allow: bool = True) -> DeviceRule:
 
 def char_device(major: int, minor: int, access: str = "rw") -> DeviceRule:
     return DeviceRule("c", major, minor, access, True)
+
+
+def without_letters(rules, taken) -> list:
+    """`rules` less the access letters `taken` names for the same device (DeviceRule.same_device);
+    a rule left with no letter goes."""
+    left = []
+    for rule in rules:
+        gone = "".join(t.access for t in taken if t.same_device(rule))
+        letters = "".join(c for c in rule.access if c not in gone)
+        if letters:
+            left.append(rule.with_access(letters))
+    return left

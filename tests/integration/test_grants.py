@@ -30,10 +30,13 @@ class SharedCgroup(GpuContainers):
         super().__init__(bed, sim, probe, workdir)
         self.cgroup = f"/gpuhook-shared-{os.getpid()}-{os.path.basename(str(workdir))}"
 
-    def start(self, name, env=(), stages=("prestart", "poststop"), allow=None) -> None:
+    def start(self, name, env=(), stages=("prestart", "poststop"), allow=None, delay=0.0) -> None:
         """Start `name` detached in the shared cgroup, with gpuhook at `stages`; `allow` is a
-        device rule its runtime alone grants ("c 195:0 rw")."""
+        device rule its runtime alone grants ("c 195:0 rw"); `delay` seconds of a sleep hook
+        run before gpuhook's prestart (after runc has written the cgroup's rules)."""
         hooks = {stage: [testbed.hook_entry(self.config, stage)] for stage in stages}
+        if delay and "prestart" in hooks:
+            hooks["prestart"].insert(0, {"path": "/bin/sleep", "args": ["sleep", str(delay)]})
         rootfs = self.bed.rootfs(f"{self.bed.workdir}/bundles/{name}/rootfs", files={"/bin/probe": self.probe})
 
         def shared(spec):
@@ -147,3 +150,47 @@ def test_a_cgroup_made_again_at_its_path_is_not_the_one_the_grant_was_made_in(sh
     assert shared.gpu0_from("c-runtime") == "ENXIO"  # its runtime's grant stays
     (stop,) = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
     assert stop["grants"] == "cgroup removed with the container"
+
+
+def test_two_starts_at_once_leave_no_grant_behind(shared):
+    """Attacker pass 6: X and Z (GPU 0 each) start at once in the cgroup Y (no GPU) lives in.
+    runc writes Z's rules (resetting the cgroup) before X's hook grants, and Z's hook then
+    finds GPU 0 allowed already: it records nothing as its own. X's stop kept GPU 0 for Z and
+    forgot it; Z's stop had nothing to take back; Y kept GPU 0 for good. The sleep hooks fix
+    that order: X's gpuhook 1 s after its create, Z's create 0.3 s after X's, its gpuhook 1.5 s
+    after that."""
+    import threading
+
+    shared.start("y-nogpu")
+    x = threading.Thread(target=shared.start, args=("x-gpu", ["NVIDIA_VISIBLE_DEVICES=0"]), kwargs={"delay": 1})
+    x.start()
+    time.sleep(0.3)
+    shared.start("z-gpu", ["NVIDIA_VISIBLE_DEVICES=0"], delay=1.5)
+    x.join()
+    added = {r["container"]: r.get("rules_added") for r in shared.log_lines() if r.get("stage") == "prestart"}
+    assert added["x-gpu"] and not added["z-gpu"], added  # the order the test sets up
+    shared.delete("x-gpu")
+    assert shared.gpu0_from("z-gpu") == "ENXIO"  # Z still has its GPU
+    shared.delete("z-gpu")
+    assert shared.gpu0_from("y-nogpu") == "EPERM"
+    assert "c 195:0" not in shared.devices_list()
+    assert not [n for n in os.listdir(f"{shared.workdir}/run/grants") if n.startswith(("x-gpu@", "z-gpu@"))]
+
+
+def test_a_grant_a_container_in_a_cgroup_below_needs_stays_until_it_stops(shared):
+    """Attacker pass 6: X (GPU 0) in /P, Z (GPU 0) in /P/c. X's stop denied GPU 0 in /P, and
+    so to Z below it (v1 exceptions are hierarchical). It waits for Z now."""
+    shared.start("x-gpu", ["NVIDIA_VISIBLE_DEVICES=0"])
+    parent = shared.cgroup
+    shared.cgroup = f"{parent}/c"
+    try:
+        shared.start("z-gpu", ["NVIDIA_VISIBLE_DEVICES=0"])
+        shared.delete("x-gpu")
+        assert shared.gpu0_from("z-gpu") == "ENXIO"
+        shared.delete("z-gpu")
+    finally:
+        shared.cgroup = parent
+    x_stop, z_stop = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
+    assert "kept while a container in that cgroup or below needs them" in x_stop["grants"], x_stop
+    assert "left by a container stopped earlier" in z_stop["grants"], z_stop
+    assert not os.listdir(f"{shared.workdir}/run/grants")

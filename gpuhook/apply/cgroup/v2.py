@@ -17,6 +17,7 @@ import errno
 import os
 
 from gpuhook.devrules import program
+from gpuhook.devrules.devices import without_letters
 from gpuhook.errors import ApplyError, HostError, printable
 from gpuhook.record import record
 
@@ -321,12 +322,7 @@ def _take_back_one(bpf, cgroup_fd: int, directory: str, prog_id: int, rules) -> 
         program.check_rebuildable(insns)
         prefix, original = program.split(insns)
         ours = program.decode(prefix, stop=len(prefix)).rules if prefix else []
-        kept = []
-        for rule in ours:
-            gone = "".join(r.access for r in rules if r.same_device(rule))
-            letters = "".join(c for c in rule.access if c not in gone)
-            if letters:
-                kept.append(rule.with_access(letters))
+        kept = without_letters(ours, rules)
         if kept == list(ours):
             return ""
         new_fd = bpf.load(program.encode(program.prepend(kept, original)), program.PROGRAM_NAME)
