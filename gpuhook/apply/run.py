@@ -214,7 +214,16 @@ def begin(plan, deadline: float, pending: "Pending") -> "Pending":
         pending.worker.send_order(encode_order(
             plan, _identity(ns_fd), None if pending.user_fd is None else _identity(pending.user_fd), proc_files,
             deadline - CLEANUP_MARGIN))
-        pending.added = _grant(pending.place, plan.rules)
+        if plan.rules and _shares_the_runtimes_cgroup(pending.place):
+            # crun --cgroup-manager=disabled, podman --cgroups=disabled: the container lives in
+            # the cgroup of whoever started the runtime (a host service, another container).
+            # A grant there would open the GPUs to every process in it, so there is none: the
+            # container has the device access of that cgroup, as without the hook.
+            pending.notes.append("no cgroup grant: the container has no cgroup of its own (it runs in the "
+                                 "cgroup of the process that started the runtime, whose device rules are not "
+                                 "the container's to widen)")
+        else:
+            pending.added = _grant(pending.place, plan.rules)
         if pending.place.mode == hierarchy.V1 and plan.rules:
             from gpuhook.apply import grants  # noqa: F401 - loaded while the worker works (run records the grant)
     except BaseException as err:
@@ -234,6 +243,7 @@ class Pending:
         self.place = None
         self.added: list = []
         self.worker = None
+        self.notes: list = []
 
     def finish(self, deadline: float) -> Applied:
         """Wait for the worker's report and commit; raises after undoing both halves."""
@@ -243,7 +253,7 @@ class Pending:
             _undo_grant(self.place, self.added, err)
             raise
         self.worker.commit()
-        return Applied(self.place.mode, self.added, report.get("notes", []), report.get("steps", 0),
+        return Applied(self.place.mode, self.added, self.notes + report.get("notes", []), report.get("steps", 0),
                        report.get("ldconfig_output", ""), self.place.directory)
 
     def abort(self, deadline: float, err: BaseException) -> None:
@@ -275,6 +285,19 @@ def _add_undo_problems(err: BaseException, problems: list) -> None:
 def _identity(fd: int) -> tuple:
     st = os.fstat(fd)
     return (st.st_dev, st.st_ino)
+
+
+def _shares_the_runtimes_cgroup(place) -> bool:
+    """Whether the container's cgroup (its init's) is the one this hook runs in, which is the
+    runtime's: the runtime made none for the container. Compared by the directories' identity."""
+    try:
+        own = hierarchy.placement(os.getpid())
+        if own.mode != place.mode:
+            return False
+        mine, theirs = os.stat(own.directory), os.stat(place.directory)
+    except (OSError, GpuhookError):
+        return False
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 def _grant(place, rules) -> list:

@@ -104,3 +104,39 @@ def test_bundle_registered_with_gpuhook_install_runs_under_crun(crun_gpus):
     assert not os.path.exists(f"{bundle}/config.json.gpuhook-bak")
     with open(f"{bundle}/config.json") as f:
         assert "hooks" not in json.load(f)
+
+
+def test_a_container_without_a_cgroup_of_its_own_gets_no_grant_in_its_callers_cgroup(sim_host, probe, tmp_path):
+    """Attacker pass 6: `crun --cgroup-manager=disabled` (and `podman --cgroups=disabled`)
+    leave the container in the cgroup of whoever started crun, here a host service's devices
+    cgroup that denies GPUs. gpuhook wrote its allow rules there: every process of that
+    service could open GPU 0 while the container ran. The container now gets no grant (the
+    service's rules stay exactly as they were), with a note in the log."""
+    require_root_tools("crun", "unshare")
+    require(hybrid_cgroup_layout(), f"needs the hybrid cgroup layout (v1 devices controller, cgroup2 at {UNIFIED})")
+    service = f"/sys/fs/cgroup/devices/gpuhook-service-{os.getpid()}"
+    os.makedirs(service)
+    try:
+        for name, rule in (("deny", "a"), ("allow", "c *:* m"), ("allow", "b *:* m"), ("allow", "c 1:* rwm"),
+                           ("allow", "c 5:* rwm"), ("allow", "c 136:* rwm")):
+            with open(f"{service}/devices.{name}", "w") as f:
+                f.write(rule)
+        before = open(f"{service}/devices.list").read()
+        crun = tmp_path / "crun-no-cgroup"
+        crun.write_text('#!/bin/sh\nexec crun --cgroup-manager=disabled "$@"\n')
+        crun.chmod(0o755)
+        wrapper = ["sh", "-c", f'echo $$ > {service}/cgroup.procs && exec "$@"', "in-service", *CGROUP_V1_ONLY]
+        gpus = GpuContainers(testbed.Testbed(str(tmp_path / "bed"), runc=str(crun), wrapper=wrapper), sim_host,
+                             probe, tmp_path)
+        result = gpus.run("no-own-cgroup", env=["NVIDIA_VISIBLE_DEVICES=0"])
+        assert result.returncode == 0, result.stderr
+        assert result.probes()["/dev/nvidia0"]["read"] == "EPERM"  # the service's rules, as without the hook
+        assert open(f"{service}/devices.list").read() == before
+        (record,) = log_records(gpus, "prestart")
+        assert not record.get("rules_added") and any("no cgroup grant" in n for n in record["notes"]), record
+    finally:
+        with open(f"{service}/cgroup.procs") as f:
+            for pid in f.read().split():
+                with open("/sys/fs/cgroup/devices/cgroup.procs", "w") as root:
+                    root.write(pid)
+        os.rmdir(service)
