@@ -104,13 +104,19 @@ def save(state_dir: str, container_id: str, pid: int, directory: str, planned, a
     return path
 
 
-def _load(state_dir: str) -> list:
-    """Every readable entry of this boot; entries of another boot are removed."""
+def _load(state_dir: str, container_id: str | None = None) -> list:
+    """Every readable entry of this boot (at most MAX_ENTRIES, those of `container_id` first);
+    entries of another boot are removed."""
     directory = grants_dir(state_dir)
     try:
-        names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))[:MAX_ENTRIES]
+        names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))
     except OSError:
         return []
+    if len(names) > MAX_ENTRIES and container_id is not None:
+        # Bounded, but never at the cost of the stopping container's own entries.
+        own = procstat.entry_name(container_id) + "@"
+        names = [n for n in names if n.startswith(own)] + [n for n in names if not n.startswith(own)]
+    names = names[:MAX_ENTRIES]
     this_boot = files.boot_id()
     found = []
     for name in names:
@@ -139,7 +145,7 @@ def release(state_dir: str, container_id: str) -> str:
     in the same cgroup or below and none alive needs now; returns the decision for the log.
     Never raises."""
     try:
-        everything = _load(state_dir)
+        everything = _load(state_dir, container_id)
     except OSError as err:
         return f"grants not read: {err.strerror or err}"
     mine = [grant for grant in everything if grant.id == container_id]
@@ -149,13 +155,14 @@ def release(state_dir: str, container_id: str) -> str:
             decisions.append(f"grant kept: container init pid {grant.pid} is still running")
         else:
             decisions.append(_settle(grant, everything))
-    # A stop that kept letters for a container alive then (one cgroup for two containers, a
-    # container in a cgroup below) left its record with them; whoever stops next takes back
-    # what nobody alive needs any more. Without this a grant could outlive every container
-    # it served: two starts at once in one cgroup find each other's rules, and the second
-    # records nothing as its own.
+    # The grants of every other container that is gone: a stop that kept letters for a
+    # container alive then (one cgroup for two containers, a container in a cgroup below)
+    # left its record with them, and a container killed without its poststop left all of
+    # it; whoever stops next takes back what nobody alive needs any more. Without this a
+    # grant could outlive every container it served: two starts at once in one cgroup find
+    # each other's rules, and the second records nothing as its own.
     for grant in everything:
-        if grant.id != container_id and not grant.alive() and grant.doc.get("kept"):
+        if grant.id != container_id and not grant.alive():
             decision = _settle(grant, everything)
             if decision.startswith(("took back", "grant not taken back")):
                 decisions.append(f"{decision} (left by a container stopped earlier)")

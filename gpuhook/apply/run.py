@@ -148,7 +148,10 @@ def run(plan, state, config, deadline: float, names: dict, log: dict) -> Applied
                 health.unregister(config, entry, log)
             raise
         # The grant record is written while the committed worker closes its files and exits.
-        if plan.rules and (outcome.cgroup_mode == hierarchy.V1 or len(outcome.rules_added)):
+        # Every grant is recorded, also one that added nothing (what it planned keeps those
+        # letters for it when a container sharing its cgroup stops); a container that got no
+        # grant (no cgroup of its own) is not.
+        if plan.rules and outcome.cgroup_directory:
             _record_grant(plan, state, config, outcome, log)
     except BaseException as err:
         _settle_worker(pending.close(), plan, config, log, err)
@@ -214,7 +217,8 @@ def begin(plan, deadline: float, pending: "Pending") -> "Pending":
         pending.worker.send_order(encode_order(
             plan, _identity(ns_fd), None if pending.user_fd is None else _identity(pending.user_fd), proc_files,
             deadline - CLEANUP_MARGIN))
-        if plan.rules and _shares_the_runtimes_cgroup(pending.place):
+        pending.granted = not (plan.rules and _shares_the_runtimes_cgroup(pending.place))
+        if not pending.granted:
             # crun --cgroup-manager=disabled, podman --cgroups=disabled: the container lives in
             # the cgroup of whoever started the runtime (a host service, another container).
             # A grant there would open the GPUs to every process in it, so there is none: the
@@ -244,6 +248,7 @@ class Pending:
         self.added: list = []
         self.worker = None
         self.notes: list = []
+        self.granted = True
 
     def finish(self, deadline: float) -> Applied:
         """Wait for the worker's report and commit; raises after undoing both halves."""
@@ -254,7 +259,7 @@ class Pending:
             raise
         self.worker.commit()
         return Applied(self.place.mode, self.added, self.notes + report.get("notes", []), report.get("steps", 0),
-                       report.get("ldconfig_output", ""), self.place.directory)
+                       report.get("ldconfig_output", ""), self.place.directory if self.granted else "")
 
     def abort(self, deadline: float, err: BaseException) -> None:
         """Undo both halves while `err` unwinds; what could not be undone joins its hint."""

@@ -134,6 +134,9 @@ def test_a_container_without_a_cgroup_of_its_own_gets_no_grant_in_its_callers_cg
         assert open(f"{service}/devices.list").read() == before
         (record,) = log_records(gpus, "prestart")
         assert not record.get("rules_added") and any("no cgroup grant" in n for n in record["notes"]), record
+        # Nor a grant record: its planned rules would keep another container's grant in the
+        # service's cgroup alive for as long as this one runs (attacker pass 7).
+        assert not os.path.isdir(tmp_path / "run" / "grants") or not os.listdir(tmp_path / "run" / "grants")
     finally:
         with open(f"{service}/cgroup.procs") as f:
             for pid in f.read().split():

@@ -194,3 +194,26 @@ def test_a_grant_a_container_in_a_cgroup_below_needs_stays_until_it_stops(shared
     assert "kept while a container in that cgroup or below needs them" in x_stop["grants"], x_stop
     assert "left by a container stopped earlier" in z_stop["grants"], z_stop
     assert not os.listdir(f"{shared.workdir}/run/grants")
+
+
+def test_a_grant_whose_container_never_ran_its_poststop_goes_at_the_next_stop(shared):
+    """Attacker pass 7: X and Z (GPU 0 each) start at once in the cgroup Y (no GPU) lives in,
+    so Z records nothing as its own (see above); X is then deleted without a poststop (a
+    runtime that ran none). Z's stop took back nothing and X's rules stayed for good. The
+    next stop takes back what no live container needs, whoever's grant it was."""
+    import threading
+
+    shared.start("y-nogpu")
+    x = threading.Thread(target=shared.start, args=("x-gpu", ["NVIDIA_VISIBLE_DEVICES=0"]),
+                         kwargs={"delay": 1, "stages": ("prestart",)})
+    x.start()
+    time.sleep(0.3)
+    shared.start("z-gpu", ["NVIDIA_VISIBLE_DEVICES=0"], delay=1.5)
+    x.join()
+    shared.delete("x-gpu")
+    assert shared.gpu0_from("z-gpu") == "ENXIO"
+    shared.delete("z-gpu")
+    assert shared.gpu0_from("y-nogpu") == "EPERM"
+    (stop,) = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
+    assert "left by a container stopped earlier" in stop["grants"], stop
+    assert not os.listdir(f"{shared.workdir}/run/grants")
