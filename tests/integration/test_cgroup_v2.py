@@ -749,3 +749,46 @@ def test_a_gpu_granted_in_a_shared_cgroup_is_taken_back_from_the_program_at_post
     finally:
         bed.delete(x.id)
         v2ns.run(["rmdir", f"/sys/fs/cgroup{path}"])
+
+
+def test_two_starts_at_once_in_one_cgroup_keep_each_others_gpu_and_leave_none_behind(v2ns, bed, gpus):
+    """Attacker pass 7 (A9v2): X and Z (GPU 0 each) start at once in Y's cgroup; Z's hook finds
+    GPU 0 allowed by X's program already and adds nothing. On v2 only a grant that added
+    something was recorded, so X's stop took GPU 0 from the running Z. Every grant is
+    recorded now: Z keeps GPU 0 until it stops, and then Y has none."""
+    import threading
+    import time
+
+    sim = gpus.sim
+    path = f"/gpuhook-at-once-{os.getpid()}"
+    nvidia, gpu0 = sim["majors"]["nvidia"], sim["gpus"][0]["minor"]
+
+    def shared(delay=0.0, hooked=True):
+        def edit(spec):
+            spec["linux"]["cgroupsPath"] = path
+            if hooked:
+                spec["hooks"] = {stage: [testbed.hook_entry(gpus.config, stage)] for stage in ("prestart", "poststop")}
+                spec["hooks"]["prestart"].insert(0, {"path": "/bin/sleep", "args": ["sleep", str(delay)]})
+        return edit
+
+    y = Running(v2ns, bed, gpus, "at-once-y", edit=shared(hooked=False))
+    x = Running(v2ns, bed, gpus, "at-once-x", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=shared(1))
+    z = Running(v2ns, bed, gpus, "at-once-z", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=shared(1.5))
+    try:
+        with y:
+            assert y.started.returncode == 0, y.output
+            y.mknod("/dev/g0", nvidia, gpu0)
+            starting = threading.Thread(target=x.start)
+            starting.start()
+            time.sleep(0.3)
+            z.start()
+            starting.join()
+            assert x.started.returncode == 0 and z.started.returncode == 0, (x.output, z.output)
+            bed.delete(x.id)
+            assert z.probe("/dev/nvidia0")["/dev/nvidia0"]["read"] == "ENXIO"  # Z keeps its GPU
+            bed.delete(z.id)
+            assert y.probe("/dev/g0")["/dev/g0"]["read"] == "EPERM"  # and nothing is left for Y
+    finally:
+        bed.delete(x.id)
+        bed.delete(z.id)
+        v2ns.run(["rmdir", f"/sys/fs/cgroup{path}"])

@@ -35,3 +35,24 @@ def test_a_format_1_entry_has_no_cgroup_identity_and_is_taken_back_by_path():
     moved = grant([])
     moved.directory = "/"
     assert not moved.same_cgroup()  # "/" exists, but it is not the cgroup the grant was made in
+
+
+def test_the_stopping_containers_own_records_are_read_whatever_the_bound(tmp_path, monkeypatch):
+    """Attacker pass 7 (A4): 4096 records of other containers sorting first hid the stopping
+    container's own, so its grant was never taken back."""
+    import json
+    import os
+
+    from gpuhook.kernel import files
+
+    state = tmp_path / "state"
+    (state / "grants").mkdir(parents=True)
+    doc = {"format": 2, "pid": 1, "start_time": 1, "boot_id": files.boot_id(), "mode": "v1", "directory": "/d",
+           "cgroup": [1, 2], "planned": [], "added": []}
+    for name in ("a", "b", "c", "zz"):
+        (state / "grants" / f"{name}@1-1.json").write_text(json.dumps({**doc, "id": name}))
+    os.chmod(state / "grants", 0o700)
+    monkeypatch.setattr(grants, "MAX_ENTRIES", 2)
+    ids = [g.id for g in grants._load(str(state), "zz")]
+    assert "zz" in ids and len(ids) == 2
+    assert [g.id for g in grants._load(str(state))] == ["a", "b"]
