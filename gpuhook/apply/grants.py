@@ -148,13 +148,18 @@ def release(state_dir: str, container_id: str) -> str:
         everything = _load(state_dir, container_id)
     except OSError as err:
         return f"grants not read: {err.strerror or err}"
+    # Who is alive, and in the cgroup it was granted in, is asked once per entry: the entries
+    # are compared with each other below, and a pid or a cgroup read per pair would be
+    # quadratic in a directory of up to MAX_ENTRIES.
+    alive = {id(grant) for grant in everything if grant.alive()}
+    live = [grant for grant in everything if id(grant) in alive and grant.same_cgroup()]
     mine = [grant for grant in everything if grant.id == container_id]
     decisions = []
     for grant in mine:
-        if grant.alive():
+        if id(grant) in alive:
             decisions.append(f"grant kept: container init pid {grant.pid} is still running")
         else:
-            decisions.append(_settle(grant, everything))
+            decisions.append(_settle(grant, live))
     # The grants of every other container that is gone: a stop that kept letters for a
     # container alive then (one cgroup for two containers, a container in a cgroup below)
     # left its record with them, and a container killed without its poststop left all of
@@ -162,8 +167,8 @@ def release(state_dir: str, container_id: str) -> str:
     # grant could outlive every container it served: two starts at once in one cgroup find
     # each other's rules, and the second records nothing as its own.
     for grant in everything:
-        if grant.id != container_id and not grant.alive():
-            decision = _settle(grant, everything)
+        if grant.id != container_id and id(grant) not in alive:
+            decision = _settle(grant, live)
             if decision.startswith(("took back", "grant not taken back")):
                 decisions.append(f"{decision} (left by a container stopped earlier)")
     if not decisions:
@@ -171,16 +176,16 @@ def release(state_dir: str, container_id: str) -> str:
     return "; ".join(dict.fromkeys(decisions))
 
 
-def _settle(grant: Grant, everything: list) -> str:
-    """Take back `grant` (its container is gone) as far as no live container's grant in the
-    same cgroup or one below it needs its letters; keep the record with what is left."""
+def _settle(grant: Grant, live: list) -> str:
+    """Take back `grant` (its container is gone) as far as no grant in `live` (containers
+    alive in the cgroup they were granted in) in the same cgroup or one below it needs its
+    letters; keep the record with what is left."""
     if not grant.same_cgroup():
         _forget(grant)
         return "cgroup removed with the container"
     below = grant.directory.rstrip("/") + "/"
-    others = [other for other in everything if other is not grant and other.mode == grant.mode
-              and (other.directory == grant.directory or other.directory.startswith(below))
-              and other.alive() and other.same_cgroup()]
+    others = [other for other in live if other.mode == grant.mode
+              and (other.directory == grant.directory or other.directory.startswith(below))]
     revoke = to_take_back(grant, others)
     if grant.mode == "v2":
         from gpuhook.apply.cgroup import v2

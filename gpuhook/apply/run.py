@@ -228,7 +228,7 @@ def begin(plan, deadline: float, pending: "Pending") -> "Pending":
                                  "the container's to widen)")
         else:
             pending.added = _grant(pending.place, plan.rules)
-        if pending.place.mode == hierarchy.V1 and plan.rules:
+        if pending.granted:
             from gpuhook.apply import grants  # noqa: F401 - loaded while the worker works (run records the grant)
     except BaseException as err:
         if pending.worker is not None:
