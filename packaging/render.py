@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Files the packages ship that are generated from gpuhook's code, so they never drift from it.
 
-    packaging/render.py hooks-d [--launcher PATH] [--python PATH] [--annotated] [--stage STAGE]
-                                                                 an oci-hooks file (stdout)
+    packaging/render.py hooks-d [--launcher PATH] [--python PATH] [--front PATH] [--annotated]
+                                [--stage STAGE]                  an oci-hooks file (stdout)
     packaging/render.py config                                   /etc/gpuhook/config.toml
     packaging/render.py manpage                                  gpuhook(1) in roff
 
@@ -135,6 +135,9 @@ def main(argv=None) -> None:
     hooks = sub.add_parser("hooks-d", help="an oci-hooks file podman and CRI-O read")
     hooks.add_argument("--launcher", default=install.DEBIAN_LAUNCHER, help="installed gpuhook/launch.py")
     hooks.add_argument("--python", default=install.SYSTEM_PYTHON, help="the interpreter that runs it")
+    hooks.add_argument("--front", default=None, metavar="PATH",
+                       help="the installed native front that runs the Python command (the packages: "
+                            f"{install.PACKAGED_FRONT}) [default: none, the Python command alone]")
     hooks.add_argument("--annotated", action="store_true", help="the CDI-annotation-gated variant")
     hooks.add_argument("--stage", choices=install.STAGES, default=install.STAGE,
                        help=f"the stage the file registers (one file per stage) [default: {install.STAGE}]")
@@ -142,7 +145,7 @@ def main(argv=None) -> None:
     sub.add_parser("manpage", help="gpuhook(1)")
     args = parser.parse_args(argv)
     if args.what == "hooks-d":
-        text = install.render_json(install.hooks_d_document(install.packaged_hook(args.launcher, args.python), args.annotated,
+        text = install.render_json(install.hooks_d_document(install.packaged_hook(args.launcher, args.python, args.front), args.annotated,
                                                             args.stage))
     elif args.what == "config":
         text = config_text()

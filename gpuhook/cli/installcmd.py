@@ -69,6 +69,12 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
 @click.option("--config", "config_path", metavar="FILE",
               help=f"Configuration file the hook reads, passed as --config [default: ${cfg.ENV_VAR}, "
                    f"else the hook reads {cfg.DEFAULT_PATH}].")
+@click.option("--front", metavar="PATH", help=(
+    f"The native front that runs the hook (native/build.py builds it; the packages install "
+    f"{install.PACKAGED_FRONT}): checked with its --protocol, then every registration runs "
+    f"`PATH PYTHON -I -S LAUNCHER STAGE` [default: the packaged front for a packaged gpuhook, "
+    f"when it is installed and of this version; else the Python command alone]."))
+@click.option("--no-front", is_flag=True, help="Register the Python command alone, without the native front.")
 @BIN_DIR
 @click.option("--data-root", metavar="DIR", help=(
     f"docker: dockerd's data-root, where the hook reads each container's --gpus request "
@@ -76,11 +82,11 @@ def _render(plan: install.InstallPlan, dry_run: bool) -> None:
 @HOST_ROOT
 @DRY_RUN
 def install_command(target, bundle, hooks_dir, annotated, spec_path, containerd_config, base_spec, python,
-                    config_path, bin_dir, data_root, host_root, dry_run):
+                    config_path, front, no_front, bin_dir, data_root, host_root, dry_run):
     plan = install.plan_install(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
                                 containerd_config=containerd_config, base_spec=base_spec, python=python,
                                 config_path=config_path, annotated=annotated, bin_dir=bin_dir, host_root=host_root,
-                                data_root=data_root)
+                                data_root=data_root, front=front, no_front=no_front)
     _render(plan, dry_run)
 
 

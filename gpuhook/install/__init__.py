@@ -55,6 +55,7 @@ from gpuhook.install.common import (  # noqa: F401
     HOOKS_D_FILES,
     MAX_FILE_BYTES,
     PACKAGE_HOOKS_DIR,
+    PACKAGED_FRONT,
     POSTSTOP,
     POSTSTOP_FILE_NAME,
     STAGE,
@@ -74,6 +75,7 @@ from gpuhook.install.common import (  # noqa: F401
     _replace,
     _write_atomic,
     apply,
+    check_front,
     check_interpreter,
     has_gpuhook,
     hook_timeout,
@@ -81,6 +83,7 @@ from gpuhook.install.common import (  # noqa: F401
     is_gpuhook_entry,
     launcher_path,
     packaged_hook,
+    pick_front,
     render_diff,
     render_json,
     this_installation,
@@ -184,7 +187,8 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
                  spec_path: str | None = None, containerd_config: str | None = None,
                  base_spec: str | None = None, python: str | None = None, config_path: str | None = None,
                  annotated: bool = False, environ: dict | None = None, bin_dir: str | None = None,
-                 host_root: str | None = None, data_root: str | None = None) -> InstallPlan:
+                 host_root: str | None = None, data_root: str | None = None, front: str | None = None,
+                 no_front: bool = False) -> InstallPlan:
     """What `gpuhook install TARGET` would change, for the gpuhook running this code (or,
     with `host_root`, for a copy of it on the node whose / is mounted there)."""
     _check_options(target, {"bundle": bundle, "hooks_dir": hooks_dir, "spec_path": spec_path,
@@ -194,9 +198,11 @@ def plan_install(target: str, bundle: str | None = None, hooks_dir: str | None =
     if target == "runc-bundle":
         _bundle_config(bundle)  # a usage error comes before any other check
     if host_root:
+        if front:
+            raise InstallError("--front does not apply with --host-root (the node's copy runs on its Python)")
         return _plan_on_node(target, os.path.abspath(host_root), hooks_dir, spec_path, containerd_config, base_spec,
                              python, config_path, annotated)
-    hook = this_installation(python, config_path, environ)
+    hook = this_installation(python, config_path, environ, front, no_front)
     if target in ("podman", "crio"):
         return plan_hooks_d(target, hooks_dir or default_hooks_dir(target), hook, annotated)
     if target == "containerd":

@@ -31,6 +31,10 @@ BACKUP_SUFFIX = ".gpuhook-bak"
 # What the Debian and RPM packages register (packaging/render.py writes their files).
 SYSTEM_PYTHON = "/usr/bin/python3"
 DEBIAN_LAUNCHER = "/usr/lib/python3/dist-packages/gpuhook/launch.py"
+# The native front (native/prescan.c, built by native/build.py) both packages install: the
+# hook's no-GPU path without Python, and the client of the resident agent (gpuhook agent).
+# A registration with it runs `FRONT PYTHON -I -S LAUNCHER STAGE...`: it execs argv[1..].
+PACKAGED_FRONT = "/usr/libexec/gpuhook/gpuhook-front"
 
 # prestart: podman 4.x runs it as such, podman 5.x runs a prestart stage as createRuntime,
 # runc and crun run both at the same point; the hook treats the two names alike.
@@ -63,12 +67,14 @@ class InstallError(InputError):
 
 @dataclass(frozen=True)
 class Hook:
-    """How a runtime starts gpuhook: an absolute interpreter, -I -S, our launcher."""
+    """How a runtime starts gpuhook: an absolute interpreter, -I -S, our launcher; with
+    `front`, that command run by the native front (PACKAGED_FRONT)."""
 
     python: str
     launcher: str
     config: str | None = None
     timeout: int = 30
+    front: str | None = None
 
     def entry(self, stage: str = STAGE) -> dict:
         """The OCI hook entry {path, args, env, timeout} for `stage`; args[0] is argv[0].
@@ -79,6 +85,8 @@ class Hook:
         args = [self.python, "-I", "-S", self.launcher, stage]
         if self.config:
             args += ["--config", self.config]
+        if self.front:
+            return {"path": self.front, "args": [self.front, *args], "env": list(HOOK_ENV), "timeout": self.timeout}
         return {"path": self.python, "args": args, "env": list(HOOK_ENV), "timeout": self.timeout}
 
     def entries(self) -> dict:
@@ -149,8 +157,47 @@ def hook_timeout(config) -> int:
     return math.ceil(config.deadline_seconds) + TIMEOUT_MARGIN
 
 
+def check_front(path: str) -> bool:
+    """Whether `path` is a native front this gpuhook can be run by: an absolute, executable
+    regular file whose `--protocol` prints gpuhook.prescan.FRONT_PROTOCOL (an older or newer
+    front would hand the hook a protocol it refuses)."""
+    from gpuhook.prescan import FRONT_PROTOCOL
+
+    if not path or not os.path.isabs(path):
+        return False
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or not os.access(path, os.X_OK):
+            return False
+        done = subprocess.run([path, "--protocol"], capture_output=True, timeout=10, env={},
+                              stdin=subprocess.DEVNULL, cwd="/")
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0 and done.stdout == f"{FRONT_PROTOCOL}\n".encode()
+
+
+def pick_front(front: str | None, no_front: bool = False) -> str | None:
+    """The front a registration uses: none with --no-front; `front` (--front) when given, which
+    must pass check_front; else, for a packaged gpuhook, the packaged front when it is
+    installed and passes check_front; else none (the Python command, as without a front)."""
+    if no_front:
+        if front:
+            raise InstallError("--front and --no-front contradict each other")
+        return None
+    if front:
+        front = os.path.abspath(front)
+        if not check_front(front):
+            raise InstallError(f"--front {front} is not a gpuhook front of this version",
+                               "build it with native/build.py, or leave --front out")
+        return front
+    # Only a packaged gpuhook (its launcher under /usr/lib: the .deb's dist-packages, the RPM's
+    # site-packages) is next to the packaged front; a virtual environment's or a copy's is not.
+    packaged = launcher_path().startswith("/usr/lib/")
+    return PACKAGED_FRONT if packaged and check_front(PACKAGED_FRONT) else None
+
+
 def this_installation(python: str | None = None, config_path: str | None = None,
-                      environ: dict | None = None) -> Hook:
+                      environ: dict | None = None, front: str | None = None, no_front: bool = False) -> Hook:
     """The hook entry for the gpuhook that is running this code.
 
     The interpreter defaults to sys.executable as is: not resolved, because a virtual
@@ -168,13 +215,13 @@ def this_installation(python: str | None = None, config_path: str | None = None,
     # the runtime's timeout. No cache: install writes nothing it was not asked to.
     config = cfg.load(config_path, {}, use_cache=False)
     return Hook(python=check_interpreter(python or sys.executable), launcher=launcher_path(),
-                config=config_path, timeout=hook_timeout(config))
+                config=config_path, timeout=hook_timeout(config), front=pick_front(front, no_front))
 
 
-def packaged_hook(launcher: str = DEBIAN_LAUNCHER, python: str = SYSTEM_PYTHON) -> Hook:
+def packaged_hook(launcher: str = DEBIAN_LAUNCHER, python: str = SYSTEM_PYTHON, front: str | None = None) -> Hook:
     """The hook a distribution package registers: the system's Python (RHEL 9's RPM: its
-    python3.11), default configuration."""
-    return Hook(python=python, launcher=launcher, timeout=hook_timeout(cfg.defaults()))
+    python3.11), default configuration, run by the packaged native front when `front`."""
+    return Hook(python=python, launcher=launcher, timeout=hook_timeout(cfg.defaults()), front=front)
 
 
 # --- file formats -----------------------------------------------------------------------

@@ -45,7 +45,8 @@ def data_root(daemon_json: str = DAEMON_JSON) -> str:
 def launcher_text(hook: Hook, docker_root: str = DEFAULT_DATA_ROOT) -> str:
     """The launcher: a POSIX shell script (dockerd execs the file by path)."""
     config = f" --config '{hook.config}'" if hook.config else ""
-    for part in (hook.python, hook.launcher, hook.config or "", docker_root):
+    front = f"'{hook.front}' " if hook.front else ""  # the native front execs the Python command
+    for part in (hook.python, hook.launcher, hook.config or "", docker_root, hook.front or ""):
         if "'" in part:
             raise InstallError(f"{part[:120]!r}: a path with a quote cannot go into the launcher")
     env = " ".join(HOOK_ENV)
@@ -58,7 +59,7 @@ case "$1" in
   prestart|createRuntime|poststop) ;;
   *) echo "gpuhook: {DOCKER_HOOK_NAME}: unknown stage '$1' (prestart, createRuntime or poststop)" >&2; exit 2 ;;
 esac
-exec /usr/bin/env -i {env} GPUHOOK_DOCKER_DATA_ROOT='{docker_root}' '{hook.python}' -I -S '{hook.launcher}' "$1"{config}
+exec /usr/bin/env -i {env} GPUHOOK_DOCKER_DATA_ROOT='{docker_root}' {front}'{hook.python}' -I -S '{hook.launcher}' "$1"{config}
 """
 
 
