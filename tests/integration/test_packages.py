@@ -73,7 +73,20 @@ CDI_REFRESH_FILES = {
 HEALTH_UNIT = "gpuhook-health.service"
 
 
-SYSTEMD_FILES = {**CDI_REFRESH_FILES, f"/usr/lib/systemd/system/{HEALTH_UNIT}": HEALTH_UNIT}
+# The agent (docs/packaging.md, "The agent"): runs the hook for the native front; enabled too.
+AGENT_UNIT = "gpuhook-agent.service"
+
+
+SYSTEMD_FILES = {**CDI_REFRESH_FILES, f"/usr/lib/systemd/system/{HEALTH_UNIT}": HEALTH_UNIT,
+                 f"/usr/lib/systemd/system/{AGENT_UNIT}": AGENT_UNIT}
+
+
+def check_front(path) -> None:
+    """The packaged native front: an executable that speaks this gpuhook's front protocol."""
+    from gpuhook.prescan import FRONT_PROTOCOL
+
+    assert os.stat(path).st_mode & 0o777 == 0o755
+    assert run(str(path), "--protocol").stdout == f"{FRONT_PROTOCOL}\n"
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +118,7 @@ def test_deb_holds_the_whole_package_the_generated_files_and_pynvml(packages, tm
         assert f.read() == render("config")
     for path in ("/usr/bin/gpuhook", "/usr/share/man/man1/gpuhook.1.gz"):
         assert os.path.exists(tmp_path / path.lstrip("/")), path
+    check_front(tmp_path / install.PACKAGED_FRONT.lstrip("/"))
     for name in ("gpuhook-annotated.json", "gpuhook-poststop-annotated.json"):
         with open(f"{tmp_path}/usr/share/doc/gpuhook/examples/{name}") as f, \
                 open(os.path.join(REPO, "hooks.d", name)) as g:
@@ -122,6 +136,7 @@ def test_deb_holds_the_whole_package_the_generated_files_and_pynvml(packages, tm
     # ... and enables the health daemon, starts it on install, restarts it on upgrade; stops it
     # before removal and forgets it on purge.
     assert f"deb-systemd-helper enable '{HEALTH_UNIT}'" in postinst
+    assert f"deb-systemd-helper enable '{AGENT_UNIT}'" in postinst
     (invoke,) = [line for line in postinst.splitlines() if "deb-systemd-invoke $_dh_action" in line]
     assert f"'{HEALTH_UNIT}'" in invoke and "_dh_action=start" in postinst and "_dh_action=restart" in postinst
     (stop,) = [line for line in run("dpkg-deb", "--info", packages["deb"], "prerm").stdout.splitlines()
@@ -130,7 +145,10 @@ def test_deb_holds_the_whole_package_the_generated_files_and_pynvml(packages, tm
     assert f"'{HEALTH_UNIT}'" in run("dpkg-deb", "--info", packages["deb"], "postrm").stdout
 
     fields = run("dpkg-deb", "--field", packages["deb"], "Version", "Depends", "Architecture").stdout
-    assert f"Version: {__version__}" in fields and "Architecture: all" in fields
+    # Architecture-specific: the native front is compiled (docs/packaging.md).
+    arch = run("dpkg", "--print-architecture").stdout.strip()
+    assert f"Version: {__version__}" in fields and f"Architecture: {arch}" in fields
+    assert "libc6" in fields  # ${shlibs:Depends}, for the front
     for dependency in ("python3 (>= 3.11)", "python3-click", "python3-jsonschema", "python3-yaml"):
         assert dependency in fields
     assert "psutil" not in fields  # a test oracle only (README, "Why not psutil")
@@ -156,7 +174,7 @@ def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
     for path in source_package_files():
         assert f"{site}/{path}" in files, path
     assert f"{site}/gpuhook/_vendor/pynvml.py" in files
-    assert {"/usr/bin/gpuhook", "/etc/gpuhook/config.toml"} <= files
+    assert {"/usr/bin/gpuhook", "/etc/gpuhook/config.toml", install.PACKAGED_FRONT} <= files
     assert {p for p in files if p.startswith("/usr/share/containers/oci/hooks.d/")} == \
         {f"/usr/share/containers/oci/hooks.d/{name}" for name in HOOKS_D_FILES}
     # The directories belong to containers-common (podman, CRI-O), not to gpuhook.
@@ -168,7 +186,10 @@ def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
         ["/etc/gpuhook/config.toml", "/etc/logrotate.d/gpuhook"]
     # One package for RHEL 9 and Fedora: it needs their python3.11 and nothing else of Python's.
     requires = set(run("rpm", "-qpR", packages["rpm"]).stdout.splitlines())
-    assert {r for r in requires if not r.startswith("rpmlib(")} == \
+    # ... and, for the native front, the C library (glibc provides both; RHEL 9 has 2.34).
+    assert {r for r in requires if r.startswith("libc.so.6(GLIBC_")} <= \
+        {f"libc.so.6(GLIBC_{v})(64bit)" for v in ("2.2.5", "2.3.4", "2.4", "2.14", "2.17", "2.27", "2.33", "2.34")}
+    assert {r for r in requires if not r.startswith(("rpmlib(", "libc.so.6", "rtld("))} == \
         {"/bin/sh", "/usr/bin/python3.11", "logrotate", f"config(gpuhook) = {__version__}-1"}
     assert run("rpm", "-qp", "--recommends", packages["rpm"]).stdout.split() == ["python3.11-pyyaml"]
     provides = run("rpm", "-qp", "--provides", packages["rpm"]).stdout.splitlines()
@@ -184,15 +205,19 @@ def test_rpm_holds_the_package_its_config_and_dependencies(packages, tmp_path):
         with open(tmp_path / "usr/share/containers/oci/hooks.d" / name) as f:
             doc = json.load(f)
         assert doc["stages"] == [stage] and doc["when"] == {"always": True}, name
-        assert doc["hook"]["path"] == "/usr/bin/python3.11"
-        assert doc["hook"]["args"][3:] == [f"{site}/gpuhook/launch.py", stage], name
+        assert doc["hook"]["path"] == install.PACKAGED_FRONT  # which runs the Python command after it
+        assert doc["hook"]["args"][:2] == [install.PACKAGED_FRONT, "/usr/bin/python3.11"], name
+        assert doc["hook"]["args"][4:] == [f"{site}/gpuhook/launch.py", stage], name
+    check_front(tmp_path / install.PACKAGED_FRONT.lstrip("/"))
     assert site == "/usr/lib/python3.11/site-packages"
     with open(tmp_path / "usr/lib/systemd/system-preset/50-gpuhook.preset") as f:
         preset = f.read().splitlines()
     assert "enable gpuhook-cdi-refresh.path" in preset and f"enable {HEALTH_UNIT}" in preset
-    with open(tmp_path / f"usr/lib/systemd/system/{HEALTH_UNIT}") as f, \
-            open(os.path.join(REPO, "packaging", "systemd", HEALTH_UNIT)) as g:
-        assert f.read() == g.read()
+    assert f"enable {AGENT_UNIT}" in preset
+    for unit in (HEALTH_UNIT, AGENT_UNIT):
+        with open(tmp_path / f"usr/lib/systemd/system/{unit}") as f, \
+                open(os.path.join(REPO, "packaging", "systemd", unit)) as g:
+            assert f.read() == g.read()
 
 
 def scriptlet(scripts: str, name: str) -> str:
@@ -204,21 +229,23 @@ def scriptlet(scripts: str, name: str) -> str:
 @pytest.mark.root
 def test_rpm_scriptlets_hand_the_units_to_systemd_as_its_rpm_macros_do(packages):
     """%systemd_post, %systemd_preun, %systemd_postun(_with_restart): systemd-update-helper
-    presets both units on first install (the package's preset enables them), disables them on
-    erase, reloads and restarts the health daemon on upgrade. The one unit started by the
-    scriptlets themselves is the health daemon, on a first install, and only when the presets
-    left it enabled (an admin's preset that disables it wins); nothing is enabled by hand."""
+    presets the units on first install (the package's preset enables them), disables them on
+    erase, reloads and restarts the health daemon and the agent on upgrade. The units started by
+    the scriptlets themselves are the health daemon and the agent, on a first install, and only
+    when the presets left them enabled (an admin's preset that disables one wins); nothing is
+    enabled by hand."""
     scripts = run("rpm", "-qp", "--scripts", packages["rpm"]).stdout
     post = scriptlet(scripts, "postinstall")
-    assert f"systemd-update-helper install-system-units gpuhook-cdi-refresh.path {HEALTH_UNIT}" in post
-    assert f"systemd-update-helper remove-system-units gpuhook-cdi-refresh.path {HEALTH_UNIT}" in \
-        scriptlet(scripts, "preuninstall")
+    units = f"gpuhook-cdi-refresh.path {HEALTH_UNIT} {AGENT_UNIT}"
+    assert f"systemd-update-helper install-system-units {units}" in post
+    assert f"systemd-update-helper remove-system-units {units}" in scriptlet(scripts, "preuninstall")
     postun = scriptlet(scripts, "postuninstall")
     assert "systemd-update-helper system-reload" in postun
-    assert f"systemd-update-helper mark-restart-system-units {HEALTH_UNIT}" in postun
+    assert f"systemd-update-helper mark-restart-system-units {HEALTH_UNIT} {AGENT_UNIT}" in postun
+    assert f"for unit in {HEALTH_UNIT} {AGENT_UNIT}; do" in post
     calls = [line.strip() for line in scripts.splitlines() if "systemctl" in line]
-    assert calls == [f"if [ $1 -eq 1 ] && [ -d /run/systemd/system ] && systemctl --quiet is-enabled {HEALTH_UNIT} "
-                     "2>/dev/null; then", f"systemctl --no-block start {HEALTH_UNIT} || :"]
+    assert calls == ["if [ $1 -eq 1 ] && [ -d /run/systemd/system ] && systemctl --quiet is-enabled $unit "
+                     "2>/dev/null; then", "systemctl --no-block start $unit || :"]
 
 
 def dpkg_status(package: str = "gpuhook") -> str:
@@ -394,7 +421,7 @@ def test_the_rpm_runs_on_python311_with_bundled_click_and_nothing_else(packages,
     subprocess.run(["tar", "-xz", "-C", str(payload)], input=archive, check=True)
     site = f"{payload}/usr/lib/python3.11/site-packages"
     with open(payload / "usr/share/containers/oci/hooks.d/gpuhook.json") as f:
-        assert json.load(f)["hook"]["args"][:4] == ["/usr/bin/python3.11", "-I", "-S",
+        assert json.load(f)["hook"]["args"][:5] == [install.PACKAGED_FRONT, "/usr/bin/python3.11", "-I", "-S",
                                                      "/usr/lib/python3.11/site-packages/gpuhook/launch.py"]
     only_the_package = "import sys; sys.path[:] = [p for p in sys.path if 'packages' not in p] + [sys.argv.pop(1)]; "
     python311 = [shutil.which("python3.11"), "-I", "-c"]

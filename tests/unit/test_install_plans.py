@@ -288,13 +288,15 @@ def test_shipped_hooks_files_are_what_the_packages_register():
     for name, (stage, annotated) in SHIPPED_HOOKS_FILES.items():
         with open(os.path.join(REPO, "hooks.d", name)) as f:
             shipped = f.read()
-        assert shipped == install.render_json(install.hooks_d_document(install.packaged_hook(), annotated, stage)), name
+        packaged = install.packaged_hook(front=install.PACKAGED_FRONT)
+        assert shipped == install.render_json(install.hooks_d_document(packaged, annotated, stage)), name
         docs[name] = json.loads(shipped)
         hook = docs[name]["hook"]
-        assert hook["path"] == "/usr/bin/python3" and hook["timeout"] == 30
+        # The native front runs the Python command that follows it (native/prescan.c).
+        assert hook["path"] == "/usr/libexec/gpuhook/gpuhook-front" and hook["timeout"] == 30
         assert hook["env"] == ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
-        assert hook["args"] == ["/usr/bin/python3", "-I", "-S", "/usr/lib/python3/dist-packages/gpuhook/launch.py",
-                                stage]
+        assert hook["args"] == ["/usr/libexec/gpuhook/gpuhook-front", "/usr/bin/python3", "-I", "-S",
+                                "/usr/lib/python3/dist-packages/gpuhook/launch.py", stage]
         assert docs[name]["stages"] == [stage]
     assert docs["gpuhook.json"]["when"] == docs["gpuhook-poststop.json"]["when"] == {"always": True}
     assert docs["gpuhook-annotated.json"]["when"] == docs["gpuhook-poststop-annotated.json"]["when"] == \
@@ -738,3 +740,95 @@ def test_a_dry_run_diff_patched_in_gives_what_install_and_uninstall_do(tmp_path,
         apply_with_patch(dry, str(real), str(copy))
         assert not_backups(snapshot(copy)) == not_backups(snapshot(real))
         shutil.rmtree(copy)
+
+
+# --- the native front (native/prescan.c) in the registrations ---------------------------
+
+
+@pytest.fixture(scope="module")
+def built_front(tmp_path_factory):
+    """native/build.py's front, as `gpuhook install --front` is given it."""
+    require(shutil.which("gcc") is not None, "needs gcc")
+    out = tmp_path_factory.mktemp("front")
+    done = subprocess.run([sys.executable, os.path.join(REPO, "native", "build.py"), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def front_document(front, stage, config) -> dict:
+    doc = expected_hooks_d_document(stage, config)
+    doc["hook"]["path"] = front
+    doc["hook"]["args"] = [front, *doc["hook"]["args"]]
+    return doc
+
+
+def test_install_with_front_registers_it_in_front_of_the_python_command(tmp_path, built_front):
+    config = sim_config(tmp_path)
+    apply_install("podman", hooks_dir=str(tmp_path / "hooks.d"), config_path=config, front=built_front)
+    for stage, name in HOOK_FILES.items():
+        assert json.loads((tmp_path / "hooks.d" / name).read_text()) == front_document(built_front, stage, config)
+    # ... and the same registration is recognised as gpuhook's: uninstall takes it back.
+    apply_uninstall("podman", hooks_dir=str(tmp_path / "hooks.d"))
+    assert os.listdir(tmp_path / "hooks.d") == []
+
+
+def test_containerd_bundle_and_docker_registrations_use_the_front_too(tmp_path, built_front):
+    config = sim_config(tmp_path)
+    hook = install.this_installation(config_path=config, environ={}, front=built_front)
+    for entry in hook.entries().values():
+        assert entry["path"] == built_front and entry["args"][:2] == [built_front, sys.executable]
+        assert install.is_gpuhook_entry(entry)
+    bundle = tmp_path / "bundle"
+    write(bundle / "config.json", json.dumps({"ociVersion": "1.0.2"}))
+    apply_install("runc-bundle", bundle=str(bundle), config_path=config, front=built_front)
+    spec = json.loads((bundle / "config.json").read_text())
+    assert [e["path"] for s in ("prestart", "poststop") for e in spec["hooks"][s]] == [built_front] * 2
+    assert install.has_gpuhook(spec) and not install.has_gpuhook(install.without_hook(spec))
+    launcher = install.launcher_text(hook)
+    assert f"'{built_front}' '{sys.executable}' -I -S '{LAUNCHER}' \"$1\"" in launcher
+
+
+def test_a_front_of_another_protocol_or_not_a_front_is_refused(tmp_path, built_front):
+    wrong = tmp_path / "wrong-front"
+    wrong.write_text("#!/bin/sh\necho 999\n")
+    wrong.chmod(0o755)
+    for path in (str(wrong), str(tmp_path / "absent"), "/bin/true"):
+        with pytest.raises(install.InstallError, match="not a gpuhook front"):
+            install.plan_install("podman", hooks_dir=str(tmp_path / "hooks.d"), environ={}, front=path)
+    with pytest.raises(install.InstallError, match="contradict"):
+        install.plan_install("podman", hooks_dir=str(tmp_path / "hooks.d"), environ={}, front=built_front,
+                             no_front=True)
+
+
+def test_without_a_front_a_development_install_registers_the_python_command(tmp_path, monkeypatch, built_front):
+    # A gpuhook outside /usr/lib (this tree) never picks the packaged front, even when present.
+    monkeypatch.setattr(install.common, "PACKAGED_FRONT", built_front)
+    assert install.pick_front(None) is None
+    assert install.this_installation(environ={}).entry()["path"] == sys.executable
+    assert install.pick_front(None, no_front=True) is None
+
+
+def test_a_packaged_gpuhook_picks_the_packaged_front_only_when_it_checks_out(tmp_path, monkeypatch, built_front):
+    monkeypatch.setattr(install.common, "launcher_path", lambda: install.DEBIAN_LAUNCHER)
+    monkeypatch.setattr(install.common, "PACKAGED_FRONT", built_front)
+    assert install.pick_front(None) == built_front
+    assert install.pick_front(None, no_front=True) is None
+    wrong = tmp_path / "old-front"
+    wrong.write_text("#!/bin/sh\necho 0\n")
+    wrong.chmod(0o755)
+    monkeypatch.setattr(install.common, "PACKAGED_FRONT", str(wrong))
+    assert install.pick_front(None) is None  # another protocol: the Python command, as before
+    monkeypatch.setattr(install.common, "PACKAGED_FRONT", str(tmp_path / "absent"))
+    assert install.pick_front(None) is None
+
+
+def test_the_cli_takes_front_and_no_front(tmp_path, built_front):
+    config = sim_config(tmp_path)
+    done = gpuhook_cli("install", "podman", "--hooks-dir", str(tmp_path / "h"), "--config", config,
+                       "--front", built_front, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert f'"path": "{built_front}"' in done.stdout
+    done = gpuhook_cli("install", "podman", "--hooks-dir", str(tmp_path / "h"), "--config", config, "--no-front",
+                       "--dry-run")
+    assert done.returncode == 0 and built_front not in done.stdout
