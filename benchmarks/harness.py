@@ -1,7 +1,8 @@
 """Measurement pieces for benchmarks/run.py, importable without root or runc.
 
-- `hooksd_hook`: the hook entry exactly as hooks.d/gpuhook.json registers it, with the two
-  substitutions a checkout needs (the launcher path and the interpreter path);
+- `hooksd_hook`: the hook entry exactly as hooks.d/gpuhook.json registers it, with the
+  substitutions a checkout needs (the launcher path, the interpreter path, and the packaged
+  native front: a front built by native/build.py, or none: the Python command alone);
 - `spawn`: one child started with os.posix_spawn and reaped with os.wait4, timed with
   perf_counter_ns around both; every candidate in a comparison is started this way;
 - `interleave`: rounds of all candidates in a fresh random order per round, so machine
@@ -36,30 +37,42 @@ def default_python() -> str:
 
 
 def hooksd_hook(python: str | None = None, launcher: str = LAUNCHER, hooksd: str = HOOKSD,
-                extra_args=()) -> dict:
+                extra_args=(), front: str | None = None) -> dict:
     """The hook entry of the shipped hooks.d file with this checkout substituted in.
 
-    Substitutions, nothing else changes (flags, stage, env, timeout stay): `path` (the
-    shipped /usr/bin/python3) becomes `python`; so does argv[0] where the shipped file spells
-    it as that same interpreter path (a bare "python3" stays as it is); and the one
-    argument that is the installed launcher (.../gpuhook/launch.py) becomes this checkout's.
-    Returns {"path", "args", "env", "timeout", "substituted": {...}}.
+    Substitutions, nothing else changes (flags, stage, env, timeout stay). Where the shipped
+    file runs the packaged native front (`path` is .../gpuhook-front, its args the front then
+    the Python command), the front becomes `front` (native/build.py's binary), or, with no
+    `front`, is dropped: the Python command alone. Then the Python command's interpreter (the
+    shipped /usr/bin/python3) becomes `python`, in `path` when no front runs it and in its
+    argv[0] where the shipped file spells it as that same path (a bare "python3" stays as it
+    is); and the one argument that is the installed launcher (.../gpuhook/launch.py) becomes
+    this checkout's. Returns {"path", "args", "env", "timeout", "substituted": {...}}.
     """
     python = python or default_python()
     with open(hooksd) as f:
         shipped = json.load(f)["hook"]
     args = list(shipped["args"])
+    substituted = {}
+    if os.path.basename(shipped["path"]) == "gpuhook-front":
+        if args[:1] != [shipped["path"]] or len(args) < 2:
+            raise ValueError(f"{hooksd}: the front must be argv[0], followed by the Python command")
+        substituted["front"] = [shipped["path"], front]
+        args = args[1:]  # the Python command the front runs
+        shipped = dict(shipped, path=args[0])
     where = [i for i, arg in enumerate(args) if arg.endswith("/gpuhook/launch.py")]
     if len(where) != 1:
         raise ValueError(f"{hooksd}: expected exactly one .../gpuhook/launch.py argument, found {len(where)}")
-    substituted = {"path": [shipped["path"], python], "launcher": [args[where[0]], launcher]}
+    substituted.update({"path": [shipped["path"], python], "launcher": [args[where[0]], launcher]})
     args[where[0]] = launcher
     if args and args[0] == shipped["path"]:
         substituted["argv0"] = [args[0], python]
         args[0] = python
     args += list(extra_args)
+    if front:
+        args = [front, *args]
     return {
-        "path": python,
+        "path": front or python,
         "args": args,
         "env": list(shipped.get("env", [])),
         "timeout": shipped.get("timeout"),

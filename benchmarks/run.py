@@ -1237,7 +1237,10 @@ def substitution_text(hook: dict) -> str:
     sub = hook["substituted"]
     argv0 = (f"; argv[0] {sub['argv0'][0]} → the same interpreter path (CPython finds its venv from it)"
              if "argv0" in sub else f"; argv[0] stays {hook['args'][0]!r}")
-    return (f"hooks.d/gpuhook.json's hook entry as shipped, with `path` {sub['path'][0]} → `{sub['path'][1]}` "
+    front = "" if "front" not in sub else (
+        f"the native front {sub['front'][0]} → `{sub['front'][1]}`, " if sub["front"][1] else
+        f"the native front {sub['front'][0]} dropped (the Python command it runs alone), ")
+    return (f"hooks.d/gpuhook.json's hook entry as shipped, with {front}`path` {sub['path'][0]} → `{sub['path'][1]}` "
             f"(this checkout's venv interpreter, not resolved) and the launcher {sub['launcher'][0]} → "
             f"`{sub['launcher'][1]}`{argv0}; nothing else changed: argv `{' '.join(hook['args'])}`, "
             f"env `{' '.join(hook['env'])}`")

@@ -27,9 +27,27 @@ def load(name):
 H = load("harness")
 
 
-def test_hooksd_substitution_changes_only_the_interpreter_and_the_launcher():
+def shipped_python_command() -> dict:
+    """hooks.d/gpuhook.json's hook entry, less the packaged native front that runs it."""
     with open(os.path.join(REPO, "hooks.d", "gpuhook.json")) as f:
         shipped = json.load(f)["hook"]
+    assert shipped["path"] == "/usr/libexec/gpuhook/gpuhook-front" and shipped["args"][0] == shipped["path"]
+    return dict(shipped, path=shipped["args"][1], args=shipped["args"][1:])
+
+
+def test_the_packaged_front_becomes_a_built_front_or_is_dropped():
+    with open(os.path.join(REPO, "hooks.d", "gpuhook.json")) as f:
+        front_path = json.load(f)["hook"]["path"]
+    without = H.hooksd_hook(sys.executable)
+    assert without["path"] == sys.executable and without["substituted"]["front"] == [front_path, None]
+    built = H.hooksd_hook(sys.executable, front="/tmp/built/gpuhook-front", extra_args=["--config", "/c"])
+    assert built["path"] == "/tmp/built/gpuhook-front"
+    assert built["args"] == ["/tmp/built/gpuhook-front", *without["args"], "--config", "/c"]
+    assert built["substituted"]["front"] == [front_path, "/tmp/built/gpuhook-front"]
+
+
+def test_hooksd_substitution_changes_only_the_interpreter_and_the_launcher():
+    shipped = shipped_python_command()
     hook = H.hooksd_hook(sys.executable)
     assert hook["path"] == sys.executable and os.access(hook["path"], os.X_OK)
     assert hook["env"] == shipped["env"] and hook["timeout"] == shipped["timeout"]
