@@ -97,7 +97,12 @@ def front(native, state, env, stage_args=("prestart",)):  # noqa: F811
     proc = subprocess.Popen([binary, recorder, "-I", "-S", LAUNCHER, *stage_args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     ids = [(os.fstat(f.fileno()).st_dev, os.fstat(f.fileno()).st_ino) for f in (proc.stdout, proc.stderr)]
-    out, err = proc.communicate(state, timeout=60)
+    try:
+        out, err = proc.communicate(state, timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a front waiting for an answer that never comes (the agent below does not serve)
+        proc.communicate()
+        raise
     python_stdin = open(recorder + ".stdin", "rb").read() if os.path.exists(recorder + ".stdin") else None
     return proc.returncode, out, err, python_stdin, ids
 
