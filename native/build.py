@@ -2,7 +2,7 @@
 """Build native/prescan.c, the no-GPU path of the hook without Python (a prototype,
 benchmarks/README.md, "The native prescan"):
 
-    native/build.py OUTDIR        -> OUTDIR/gpuhook-prescan (and OUTDIR/markers.h)
+    native/build.py OUTDIR        -> OUTDIR/gpuhook-front (and OUTDIR/markers.h)
 
 markers.h is generated from gpuhook/prescan.py (MARKERS, the characters they are made of, the
 read limits) and gpuhook/entry.py (HOOK_STAGES), so the C program never spells a marker of its
@@ -40,6 +40,7 @@ def header() -> str:
         f"#define MAX_CONFIG_BYTES {prescan.MAX_CONFIG_BYTES}u",
         "static const char *const HOOK_STAGES[] = {" + ", ".join(c_string(s.encode()) for s in entry.HOOK_STAGES) + "};",
         f"#define STAGE_COUNT {len(entry.HOOK_STAGES)}u",
+        f"#define FRONT_PROTOCOL_TEXT {c_string(str(prescan.FRONT_PROTOCOL).encode())}",
         f"#define FRONT_ENVIRONMENT {c_string(f'{prescan.FRONT_VARIABLE}={prescan.FRONT_PROTOCOL}'.encode())}",
         "",
     ])
@@ -49,7 +50,7 @@ def build(outdir: str, cc: str = "gcc") -> str:
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "markers.h"), "w") as f:
         f.write(header())
-    binary = os.path.join(outdir, "gpuhook-prescan")
+    binary = os.path.join(outdir, "gpuhook-front")
     subprocess.run([cc, *CFLAGS, "-I", outdir, "-o", binary, os.path.join(HERE, "prescan.c")], check=True)
     return binary
 

@@ -21,12 +21,17 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "markers.h"
@@ -212,7 +217,8 @@ static int config_has_no_request(const unsigned char *bundle, size_t blen)
 }
 
 /* argv as `PYTHON ... .../gpuhook/launch.py STAGE [--config F | --config=F]...`, the plain hook
- * invocation gpuhook.entry serves on its fast path (prescan.split_hook_args). */
+ * invocation gpuhook.entry serves on its fast path (prescan.split_hook_args): the index of the
+ * launcher in argv, or 0 for any other invocation. */
 static int plain_hook_invocation(int argc, char **argv)
 {
 	int at = -1;
@@ -236,12 +242,13 @@ static int plain_hook_invocation(int argc, char **argv)
 		else if (strncmp(argv[i], "--config=", 9) != 0)
 			return 0;
 	}
-	return 1;
+	return at;
 }
 
 /* The only variables the Python hook is given (docs/security.md): the runtime's environment
  * may carry LD_PRELOAD, PYTHONPATH, PYTHONSTARTUP... that would run code in a root process. */
-static const char *const KEPT_VARIABLES[] = {"PATH=", "GPUHOOK_CONFIG=", "GPUHOOK_DOCKER_DATA_ROOT="};
+/* GPUHOOK_AGENT_SOCKET comes from the root-owned hook registration, as PATH does. */
+static const char *const KEPT_VARIABLES[] = {"PATH=", "GPUHOOK_CONFIG=", "GPUHOOK_DOCKER_DATA_ROOT=", "GPUHOOK_AGENT_SOCKET="};
 #define KEPT_COUNT (sizeof KEPT_VARIABLES / sizeof KEPT_VARIABLES[0])
 static char *clean_environment[KEPT_COUNT + 2];  /* + FRONT_ENVIRONMENT */
 
@@ -277,23 +284,38 @@ static int keep_environment(void)
 	return 0;
 }
 
+/* A close-on-exec memfd holding exactly `state`, at offset 0; -1 on failure. */
+static int state_memfd(const struct buf *state, unsigned flags)
+{
+	int fd = memfd_create("gpuhook-state", MFD_CLOEXEC | flags);
+	size_t done = 0;
+	if (fd < 0)
+		return -1;
+	while (done < state->len) {
+		ssize_t put = write(fd, state->data + done, state->len - done);
+		if (put < 0 && errno == EINTR)
+			continue;
+		if (put <= 0) {
+			int saved = errno;
+			close(fd);
+			errno = saved;
+			return -1;
+		}
+		done += (size_t)put;
+	}
+	if (lseek(fd, 0, SEEK_SET) != 0) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
 /* Run the Python hook; with `state`, on a memfd holding exactly those bytes as its stdin. */
 static int hand_off(char **python, const struct buf *state)
 {
 	if (state) {
-		int fd = memfd_create("gpuhook-state", MFD_CLOEXEC);
-		size_t done = 0;
-		if (fd < 0)
-			goto fail;
-		while (done < state->len) {
-			ssize_t put = write(fd, state->data + done, state->len - done);
-			if (put < 0 && errno == EINTR)
-				continue;
-			if (put <= 0)
-				goto fail;
-			done += (size_t)put;
-		}
-		if (lseek(fd, 0, SEEK_SET) != 0 || dup2(fd, 0) != 0)  /* dup2: fd 0 is not close-on-exec */
+		int fd = state_memfd(state, 0);
+		if (fd < 0 || dup2(fd, 0) != 0)  /* dup2: fd 0 is not close-on-exec */
 			goto fail;
 		close(fd);
 	}
@@ -307,8 +329,211 @@ fail:
 	return 4;  /* gpuhook/errors.py: a host problem */
 }
 
+/* ---- The resident agent (gpuhook/agent.py): the front is its client. ----
+ *
+ * Protocol gpuhook-agent/1 over AF_UNIX SOCK_SEQPACKET (docs/architecture.md). One request
+ * datagram: NUL-terminated tokens "gpuhook-agent/1", the number of args, the args after the
+ * launcher, the number of environment entries, the entries (the clean environment Python would
+ * get), with SCM_RIGHTS [state memfd, fd 1, fd 2]. One reply datagram: "run" (the agent
+ * declines: run the Python hook here) or "exit N" (the hook ran there: exit N). */
+#define AGENT_DEFAULT_SOCKET "/run/gpuhook/agent.sock"
+#define AGENT_VERSION "gpuhook-agent/1"
+#define AGENT_REQUEST_MAX 65536u
+#define AGENT_REPLY_TIMEOUT_S 120
+#define INTERNAL_ERROR 70  /* gpuhook/errors.py */
+
+enum agent_result { AGENT_UNUSED, AGENT_DECLINED, AGENT_EXITED };
+
+static const char *kept_value(const char *prefix)
+{
+	size_t len = strlen(prefix);
+	for (char **e = clean_environment; *e; e++)
+		if (strncmp(*e, prefix, len) == 0)
+			return *e + len;
+	return NULL;
+}
+
+/* A connected socket to the agent, or -1 when it must not or cannot be used: its directory
+ * must be a root-owned directory no group or other may write to, the socket a root-owned
+ * socket (lstat: no symlink followed), and connect must succeed within a second. */
+static int agent_connect(void)
+{
+	const char *path = kept_value("GPUHOOK_AGENT_SOCKET=");
+	if (!path)
+		path = AGENT_DEFAULT_SOCKET;
+	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	size_t len = strlen(path);
+	const char *slash = strrchr(path, '/');
+	if (len == 0 || path[0] != '/' || len >= sizeof addr.sun_path || !slash)
+		return -1;
+	char dir[sizeof addr.sun_path];
+	size_t dlen = slash == path ? 1 : (size_t)(slash - path);
+	memcpy(dir, path, dlen);
+	dir[dlen] = '\0';
+	struct stat st;
+	if (lstat(dir, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != 0 || (st.st_mode & (S_IWGRP | S_IWOTH)))
+		return -1;
+	if (lstat(path, &st) != 0 || !S_ISSOCK(st.st_mode) || st.st_uid != 0)
+		return -1;
+	memcpy(addr.sun_path, path, len + 1);
+	int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (sock < 0)
+		return -1;
+	struct timeval second = {.tv_sec = 1, .tv_usec = 0};
+	if (setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &second, sizeof second) != 0 ||
+	    connect(sock, (struct sockaddr *)&addr, sizeof addr) != 0) {
+		close(sock);
+		return -1;
+	}
+	return sock;
+}
+
+/* Append `token` and its NUL to the request; -1 when it would pass AGENT_REQUEST_MAX. */
+static int put_token(char *req, size_t *at, const char *token)
+{
+	size_t len = strlen(token) + 1;
+	if (len > AGENT_REQUEST_MAX - *at)
+		return -1;
+	memcpy(req + *at, token, len);
+	*at += len;
+	return 0;
+}
+
+static long long monotonic_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Ask the agent to run the hook (`args`: what follows the launcher). AGENT_UNUSED: the request
+ * never went out, run Python here; AGENT_DECLINED: the agent said "run"; AGENT_EXITED: *code
+ * is the exit status (the agent's, or INTERNAL_ERROR with one line on stderr). */
+static enum agent_result ask_agent(int nargs, char **args, const struct buf *state, int *code)
+{
+	static char req[AGENT_REQUEST_MAX];
+	char number[24];
+	size_t at = 0, nenv = 0;
+	while (clean_environment[nenv])
+		nenv++;
+	if (put_token(req, &at, AGENT_VERSION) != 0)
+		return AGENT_UNUSED;
+	snprintf(number, sizeof number, "%d", nargs);
+	if (put_token(req, &at, number) != 0)
+		return AGENT_UNUSED;
+	for (int i = 0; i < nargs; i++)
+		if (put_token(req, &at, args[i]) != 0)
+			return AGENT_UNUSED;
+	snprintf(number, sizeof number, "%zu", nenv);
+	if (put_token(req, &at, number) != 0)
+		return AGENT_UNUSED;
+	for (size_t i = 0; i < nenv; i++)
+		if (put_token(req, &at, clean_environment[i]) != 0)
+			return AGENT_UNUSED;
+
+	int sock = agent_connect();
+	if (sock < 0)
+		return AGENT_UNUSED;
+	/* Sealed: what the agent's child reads is exactly what the runtime gave this process. */
+	int mfd = state_memfd(state, MFD_ALLOW_SEALING);
+	if (mfd < 0 || fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+		if (mfd >= 0)
+			close(mfd);
+		close(sock);
+		return AGENT_UNUSED;
+	}
+	int fds[3] = {mfd, 1, 2};
+	union {
+		char buf[CMSG_SPACE(sizeof fds)];
+		struct cmsghdr align;
+	} control;
+	memset(&control, 0, sizeof control);
+	struct iovec iov = {.iov_base = req, .iov_len = at};
+	struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
+	struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+	cmsg->cmsg_level = SOL_SOCKET;
+	cmsg->cmsg_type = SCM_RIGHTS;
+	cmsg->cmsg_len = CMSG_LEN(sizeof fds);
+	memcpy(CMSG_DATA(cmsg), fds, sizeof fds);
+	ssize_t sent;
+	do
+		sent = sendmsg(sock, &msg, MSG_NOSIGNAL);
+	while (sent < 0 && errno == EINTR);
+	close(mfd);
+	if (sent < 0) {  /* nothing went out (EPIPE, ECONNRESET, a full queue past SO_SNDTIMEO) */
+		close(sock);
+		return AGENT_UNUSED;
+	}
+
+	/* From here the hook may be under way: never run it a second time here. */
+	long long deadline = monotonic_ms() + AGENT_REPLY_TIMEOUT_S * 1000LL;
+	struct pollfd pfd = {.fd = sock, .events = POLLIN};
+	int ready;
+	for (;;) {
+		long long left = deadline - monotonic_ms();
+		if (left <= 0) {
+			ready = 0;
+			break;
+		}
+		ready = poll(&pfd, 1, (int)left);
+		if (ready >= 0 || errno != EINTR)
+			break;
+	}
+	*code = INTERNAL_ERROR;
+	if (ready == 0) {
+		close(sock);
+		fprintf(stderr, "gpuhook: the gpuhook agent did not answer in %d s\n", AGENT_REPLY_TIMEOUT_S);
+		return AGENT_EXITED;
+	}
+	char reply[16];
+	struct iovec riov = {.iov_base = reply, .iov_len = sizeof reply - 1};
+	struct msghdr rmsg = {.msg_iov = &riov, .msg_iovlen = 1};
+	ssize_t got = -1;
+	if (ready > 0)
+		do
+			got = recvmsg(sock, &rmsg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+		while (got < 0 && errno == EINTR);
+	close(sock);
+	if (got > 0 && !(rmsg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+		size_t n = (size_t)got;
+		if (n == 3 && memcmp(reply, "run", 3) == 0)
+			return AGENT_DECLINED;
+		if (n >= 6 && n <= 8 && memcmp(reply, "exit ", 5) == 0 && (n == 6 || reply[5] != '0')) {
+			int value = 0;
+			size_t i = 5;
+			for (; i < n && reply[i] >= '0' && reply[i] <= '9'; i++)
+				value = value * 10 + (reply[i] - '0');
+			if (i == n && value <= 255) {
+				*code = value;
+				return AGENT_EXITED;
+			}
+		}
+	}
+	fputs("gpuhook: the gpuhook agent ended without an answer\n", stderr);
+	return AGENT_EXITED;
+}
+
+/* The Python hook for a plain invocation its prescan could not rule out: through the agent
+ * when one is there and takes it, else here as before. Docker's launcher path
+ * (GPUHOOK_DOCKER_DATA_ROOT) always stays with Python. */
+static int run_hook(int argc, char **argv, int launcher, const struct buf *state)
+{
+	if (!kept_value("GPUHOOK_DOCKER_DATA_ROOT=")) {
+		int code;
+		enum agent_result r = ask_agent(argc - launcher - 1, argv + launcher + 1, state, &code);
+		if (r == AGENT_EXITED)
+			return code;
+	}
+	return hand_off(argv + 1, state);
+}
+
 int main(int argc, char **argv)
 {
+	if (argc == 2 && strcmp(argv[1], "--protocol") == 0) {
+		/* The self-check `gpuhook install` runs before registering this front. */
+		puts(FRONT_PROTOCOL_TEXT);
+		return 0;
+	}
 	if (argc < 2) {
 		fputs("gpuhook: usage: gpuhook-prescan PYTHON ARGS... (the hook's Python command)\n", stderr);
 		return 2;
@@ -333,20 +558,19 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
-	if (!plain_hook_invocation(argc, argv))
+	int launcher = plain_hook_invocation(argc, argv);
+	if (!launcher)
 		return hand_off(argv + 1, NULL);
 	struct buf state;
 	if (read_bounded(0, MAX_STATE_BYTES + 1, 0, &state) != 0)
 		/* Unreadable stdin: the Python hook reads it itself and says why; what was read
 		 * before an error mid-way is all there is to hand it. */
 		return hand_off(argv + 1, state.len ? &state : NULL);
-	if (state.len > MAX_STATE_BYTES)
-		return hand_off(argv + 1, &state);
-	if (may_request(state.data, state.len))
-		return hand_off(argv + 1, &state);
+	if (state.len > MAX_STATE_BYTES || may_request(state.data, state.len))
+		return run_hook(argc, argv, launcher, &state);
 	const unsigned char *bundle;
 	size_t blen;
 	if (top_level_bundle(state.data, state.len, &bundle, &blen) != 1 || !config_has_no_request(bundle, blen))
-		return hand_off(argv + 1, &state);
+		return run_hook(argc, argv, launcher, &state);
 	return 0;
 }

@@ -1,0 +1,237 @@
+"""native/prescan.c as the client of the resident agent (gpuhook agent, protocol
+gpuhook-agent/1): a plain hook invocation its prescan could not rule out goes to a root-owned
+agent socket when there is one; "run" sends it back to the Python hook here, "exit N" ends it
+with N, anything else after the request went out is exit 70 with one line (never a second
+run). A socket anyone but root could have placed, an empty GPUHOOK_AGENT_SOCKET, Docker's
+launcher path and the no-GPU path never talk to the agent."""
+
+import array
+import os
+import shutil
+import socket
+import subprocess
+import threading
+
+import pytest
+
+from conftest import require
+from gpuhook import prescan
+from test_native_prescan import HANDED_OFF, MAY_REQUEST_CASES, native, state_for  # noqa: F401
+
+NOBODY = 65534
+LAUNCHER = "/usr/lib/python3/dist-packages/gpuhook/launch.py"
+GPU_STATE = state_for("/nonexistent-bundle", annotations={"cdi.k8s.io/a": "nvidia.com/gpu=1"})
+
+
+class Agent:
+    """A SOCK_SEQPACKET server standing in for gpuhook agent: records the one request it gets
+    (tokens, the memfd's bytes, the identities of the other two fds) and answers `reply`
+    (bytes to send, or None to close without an answer)."""
+
+    def __init__(self, directory, reply):
+        self.path = os.path.join(directory, "agent.sock")
+        self.reply = reply
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.bind(self.path)
+        self.sock.listen(4)
+        self.sock.settimeout(20)
+        self.request = None
+        self.thread = None
+
+    def serve(self):
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        return self
+
+    def _serve(self):
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        with conn:
+            data, ancdata, flags, _ = conn.recvmsg(1 << 17, socket.CMSG_SPACE(8 * 4))
+            fds = array.array("i")
+            for level, kind, payload in ancdata:
+                assert (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+            try:
+                state = os.pread(fds[0], 1 << 20, 0) if fds else None
+                ids = [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in fds]
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            self.request = {"tokens": data.split(b"\0"), "state": state, "fds": ids, "flags": flags}
+            if self.reply is not None:
+                conn.send(self.reply)
+
+    def connected(self):
+        """Whether anyone connected (the front has exited by now)."""
+        if self.thread is not None:
+            self.thread.join(10)
+            return self.request is not None
+        self.sock.setblocking(False)
+        try:
+            self.sock.accept()[0].close()
+            return True
+        except BlockingIOError:
+            return False
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.fixture
+def agent_dir(tmp_path):
+    require(os.geteuid() == 0, "the agent's socket must be root-owned: needs root")
+    d = tmp_path / "run"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    return str(d)
+
+
+def front(native, state, env, stage_args=("prestart",)):  # noqa: F811
+    binary, recorder = native
+    for suffix in (".stdin", ".env"):
+        if os.path.exists(recorder + suffix):
+            os.unlink(recorder + suffix)
+    proc = subprocess.Popen([binary, recorder, "-I", "-S", LAUNCHER, *stage_args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    ids = [(os.fstat(f.fileno()).st_dev, os.fstat(f.fileno()).st_ino) for f in (proc.stdout, proc.stderr)]
+    out, err = proc.communicate(state, timeout=60)
+    python_stdin = open(recorder + ".stdin", "rb").read() if os.path.exists(recorder + ".stdin") else None
+    return proc.returncode, out, err, python_stdin, ids
+
+
+def test_a_gpu_request_goes_to_the_agent_with_exact_tokens_and_fds(native, agent_dir):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 3").serve()
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path, "PYTHONPATH": "/tmp/evil",
+           "GPUHOOK_CONFIG": "/etc/gpuhook/config.toml"}
+    code, out, err, python_stdin, ids = front(native, GPU_STATE, env, ("prestart", "--config", "/etc/g.toml"))
+    agent.close()
+    assert (code, out, err, python_stdin) == (3, b"", b"", None)
+    req = agent.request
+    assert req["tokens"][-1] == b""  # every token ends with its NUL
+    tokens = [t.decode() for t in req["tokens"][:-1]]
+    assert tokens[:5] == ["gpuhook-agent/1", "3", "prestart", "--config", "/etc/g.toml"]
+    assert int(tokens[5]) == len(tokens) - 6
+    assert sorted(tokens[6:]) == sorted([
+        "PATH=/usr/bin:/bin", f"GPUHOOK_AGENT_SOCKET={agent.path}", "GPUHOOK_CONFIG=/etc/gpuhook/config.toml",
+        f"{prescan.FRONT_VARIABLE}={prescan.FRONT_PROTOCOL}",
+    ])
+    assert req["state"] == GPU_STATE
+    assert len(req["fds"]) == 3 and req["fds"][1:] == ids  # the memfd, then the front's fd 1 and fd 2
+
+
+def test_run_sends_the_hook_back_to_python_with_the_state_and_the_socket_variable(native, agent_dir):  # noqa: F811
+    agent = Agent(agent_dir, b"run").serve()
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
+    code, _, err, python_stdin, _ = front(native, GPU_STATE, env)
+    assert agent.connected()
+    agent.close()
+    assert (code, python_stdin, err) == (HANDED_OFF, GPU_STATE, b"")
+    python_env = open(native[1] + ".env").read().splitlines()
+    assert f"GPUHOOK_AGENT_SOCKET={agent.path}" in python_env
+
+
+@pytest.mark.parametrize("reply", [None, b"", b"exit 256", b"exit", b"run\n", b"exit 03"])
+def test_no_valid_answer_after_the_request_is_exit_70_with_one_line_and_no_python(native, agent_dir, reply):  # noqa: F811
+    agent = Agent(agent_dir, reply).serve()
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
+    code, out, err, python_stdin, _ = front(native, GPU_STATE, env)
+    assert agent.connected()
+    agent.close()
+    assert (code, out, python_stdin) == (70, b"", None)
+    assert err == b"gpuhook: the gpuhook agent ended without an answer\n"
+
+
+def _unused(native, env, agent, state=GPU_STATE, expected=HANDED_OFF):  # noqa: F811
+    code, _, err, python_stdin, _ = front(native, state, env)
+    assert not agent.connected()
+    agent.close()
+    assert code == expected and err == b""
+    if expected == HANDED_OFF:
+        assert python_stdin == state
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o1777])
+def test_a_socket_in_a_directory_others_may_write_is_not_used(native, agent_dir, mode):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 3")
+    os.chmod(agent_dir, mode)
+    _unused(native, {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": agent.path}, agent)
+
+
+def test_a_socket_in_a_directory_not_owned_by_root_is_not_used(native, agent_dir):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 3")
+    os.chown(agent_dir, NOBODY, NOBODY)
+    _unused(native, {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": agent.path}, agent)
+
+
+def test_a_socket_not_owned_by_root_is_not_used(native, agent_dir):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 3")
+    os.chown(agent.path, NOBODY, NOBODY)
+    _unused(native, {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": agent.path}, agent)
+
+
+def test_a_symlink_to_the_socket_is_not_used(native, agent_dir, tmp_path):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 3")
+    os.symlink(agent.path, os.path.join(agent_dir, "link.sock"))
+    _unused(native, {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": os.path.join(agent_dir, "link.sock")}, agent)
+
+
+def test_docker_launchers_path_stays_with_python(native, agent_dir):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 3")
+    env = {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": agent.path, "GPUHOOK_DOCKER_DATA_ROOT": "/var/lib/docker"}
+    _unused(native, env, agent)
+
+
+def test_the_no_gpu_path_exits_0_without_connecting(native, agent_dir, tmp_path):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 3")
+    (tmp_path / "config.json").write_bytes(MAY_REQUEST_CASES[0][0])
+    env = {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
+    _unused(native, env, agent, state=state_for(str(tmp_path)), expected=0)
+
+
+def test_a_request_over_64_kib_goes_to_python_here(native, agent_dir):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 3")
+    env = {"PATH": "/usr/bin:" + "/x" * 33000, "GPUHOOK_AGENT_SOCKET": agent.path}
+    _unused(native, env, agent)
+
+
+def test_a_refused_connection_goes_to_python_here(native, agent_dir):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 3")
+    agent.sock.close()  # the socket file stays, nobody listens: ECONNREFUSED
+    code, _, err, python_stdin, _ = front(native, GPU_STATE, {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": agent.path})
+    assert (code, err, python_stdin) == (HANDED_OFF, b"", GPU_STATE)
+
+
+def _in_private_run(native, agent_dir, env):  # noqa: F811
+    """The front run with agent_dir bind-mounted on /run/gpuhook in a private mount namespace
+    (the default socket path), so that the host's /run is never touched."""
+    require(shutil.which("unshare") is not None, "needs unshare")
+    binary, recorder = native
+    script = ('mount --make-rprivate / && mount -t tmpfs tmpfs /run && mkdir -m 755 /run/gpuhook && '
+              'mount --bind "$1" /run/gpuhook && shift && exec "$@"')
+    done = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", agent_dir, binary, recorder, "-I", "-S",
+                           LAUNCHER, "prestart"], input=GPU_STATE, capture_output=True, env=env, timeout=60)
+    return done.returncode, done.stderr
+
+
+def test_without_the_variable_the_default_socket_is_used(native, agent_dir):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 5").serve()
+    code, err = _in_private_run(native, agent_dir, {"PATH": "/usr/bin:/bin"})
+    agent.close()
+    assert (code, err) == (5, b"")
+    assert agent.request["tokens"][:3] == [b"gpuhook-agent/1", b"1", b"prestart"]
+
+
+def test_an_empty_gpuhook_agent_socket_never_uses_the_agent(native, agent_dir):  # noqa: F811
+    agent = Agent(agent_dir, b"exit 5")
+    code, err = _in_private_run(native, agent_dir, {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": ""})
+    assert not agent.connected()
+    agent.close()
+    assert (code, err) == (HANDED_OFF, b"")
+
+
+def test_protocol_prints_the_front_protocol(native):  # noqa: F811
+    done = subprocess.run([native[0], "--protocol"], capture_output=True, timeout=10)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"{prescan.FRONT_PROTOCOL}\n".encode(), b"")
