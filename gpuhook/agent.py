@@ -248,12 +248,11 @@ class Agent:
             conn.setblocking(False)
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                               struct.calcsize("3i")))
-            if uid != 0 or pid <= 0 or not _same_namespaces(pid) \
-                    or len(self.running) + len(self.waiting) >= MAX_CHILDREN:
-                _reply(conn, b"run")
-                conn.close()
-                continue
-            self.unread[conn] = (time.monotonic(), pid)
+            # Declined (the front runs the hook itself) once its request is read: closing a
+            # connection with an unread request would reset it, and the front then fails.
+            declined = uid != 0 or pid <= 0 or not _same_namespaces(pid) \
+                or len(self.running) + len(self.waiting) >= MAX_CHILDREN
+            self.unread[conn] = (time.monotonic(), 0 if declined else pid)
             self.selector.register(conn, selectors.EVENT_READ, "conn")
 
     def _expire_unread(self) -> None:
@@ -289,8 +288,8 @@ class Agent:
         self.selector.unregister(conn)
         request = parse_request(data) if not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else None
         parsed = prescan.split_hook_args(request[0]) if request is not None else None
-        umask = _umask_of(peer)
-        if request is None or parsed is None or parsed[0] not in entry.HOOK_STAGES or len(fds) != FDS \
+        umask = _umask_of(peer) if peer else None
+        if not peer or request is None or parsed is None or parsed[0] not in entry.HOOK_STAGES or len(fds) != FDS \
                 or umask is None or not stat.S_ISREG(os.fstat(fds[0]).st_mode) \
                 or request[1].get(prescan.FRONT_VARIABLE) != str(prescan.FRONT_PROTOCOL):
             # Not one this agent serves as the hook would (another front's protocol: the
