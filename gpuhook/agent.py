@@ -395,6 +395,9 @@ def _read_state(fd: int) -> bytes:
 
 def _child(job: Job) -> int:
     """In the forked child: become the front's hook process, run the hook, return its code."""
+    import gc
+
+    gc.disable()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     if job.state is None:
@@ -436,6 +439,12 @@ def run(path: str, ready=None) -> None:
     if os.geteuid() != 0:
         raise InputError("the agent serves the hook as root: run it as root")
     preload()
+    import gc
+
+    # What the agent imported is frozen: no collection in a child touches (and so copies)
+    # those pages. The children collect nothing at all (`_child`, as launch.py).
+    gc.collect()
+    gc.freeze()
     agent = Agent(path)
     agent.listen()
     if ready is not None:
