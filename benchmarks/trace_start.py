@@ -192,7 +192,7 @@ STAGES_FLAT = {
               "plan": 4, "apply": 5},
     "modules": {
         "gpuhook": "entry", "gpuhook.__main__": "entry", "gpuhook.launch": "entry", "gpuhook.entry": "entry",
-        "gpuhook.prescan": "entry", "gpuhook.hook": "entry",
+        "gpuhook.prescan": "entry", "gpuhook.hook": "entry", "gpuhook.agent": "entry",
         "gpuhook.errors": "lang", "gpuhook.record": "lang", "gpuhook.fastjson": "lang",
         "gpuhook.linux": "kernel", "gpuhook.mountinfo": "kernel", "gpuhook.procstat": "kernel",
         "gpuhook.child": "kernel", "gpuhook.safepath": "kernel",
@@ -220,7 +220,7 @@ STAGES = {
     "ranks": {"lang": -3, "kernel": -2, "base": -1, "entry": 0, "request": 1, "discover": 2, "plan": 3, "apply": 4},
     "modules": {
         "gpuhook": "entry", "gpuhook.__main__": "entry", "gpuhook.launch": "entry", "gpuhook.entry": "entry",
-        "gpuhook.prescan": "entry", "gpuhook.hook": "entry",
+        "gpuhook.prescan": "entry", "gpuhook.hook": "entry", "gpuhook.agent": "entry",
         "gpuhook.errors": "lang", "gpuhook.record": "lang", "gpuhook.fastjson": "lang",
         "gpuhook.kernel": "kernel",
         "gpuhook.journal": "base", "gpuhook.config": "base", "gpuhook.sitepath": "base", "gpuhook.schema": "base",

@@ -44,11 +44,24 @@ def check_front(prescan) -> None:
         sys.exit(4)
 
 
-def run_stage(stage: str, config_path: str | None) -> int:
-    """Read the state from stdin; return 0 at once for a container that wants no GPU."""
+def run_stage(stage: str, config_path: str | None, state: bytes | None = None) -> int:
+    """Read the state from stdin (or take it: the agent, gpuhook.agent, read it from the
+    front's memfd); return 0 at once for a container that wants no GPU."""
     from gpuhook import prescan
 
-    state = sys.stdin.buffer.read(prescan.MAX_STATE_BYTES + 1)
+    if state is None:
+        state = sys.stdin.buffer.read(prescan.MAX_STATE_BYTES + 1)
+    wants_none, spec = prescan_state(state)
+    if wants_none:
+        return 0
+    return run_checked(stage, config_path, state, spec)
+
+
+def prescan_state(state: bytes) -> tuple:
+    """(True, None) when neither the state nor its bundle's config.json can request a GPU;
+    else (False, config.json's bytes, or None where only the full parser can say why)."""
+    from gpuhook import prescan
+
     spec = None
     if len(state) <= prescan.MAX_STATE_BYTES:
         bundle = prescan.bundle_of(state)
@@ -59,8 +72,13 @@ def run_stage(stage: str, config_path: str | None) -> int:
                 spec = None
             if spec is not None and len(spec) <= prescan.MAX_CONFIG_BYTES \
                     and not prescan.may_request_gpu(state, spec):
-                return 0
-    spec = spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None
+                return True, None
+    return False, (spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None)
+
+
+def run_checked(stage: str, config_path: str | None, state: bytes, spec: bytes | None) -> int:
+    """The hook for a container the prescan could not rule out (`spec`: its config.json, read
+    already, or None)."""
     if stage == "poststop":  # no namespace worker at a stop: it neither plans nor mounts
         from gpuhook.hook import run_hook
 

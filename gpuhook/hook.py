@@ -21,6 +21,7 @@ import time
 
 from gpuhook import config as cfg
 from gpuhook import journal
+from gpuhook.kernel import caller
 from gpuhook.request import oci
 from gpuhook.errors import INTERNAL_ERROR, DeadlineError, GpuhookError, InputError, from_os_error, printable
 
@@ -221,6 +222,8 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
     lets a state file given by hand name its bundle relatively."""
     started = time.monotonic()
     log = {"stage": stage}
+    if caller.CALLER[0]:  # a child of the agent (gpuhook.agent) serves the native front
+        log["agent"] = True
     backstop = Backstop(stage, log, started + cfg.default("deadline-seconds"))
     line, code = None, 0
     try:

@@ -31,6 +31,7 @@ import os
 from gpuhook.apply import worker as workers
 from gpuhook.apply.order import encode_order
 from gpuhook.apply.cgroup import hierarchy
+from gpuhook.kernel import caller
 from gpuhook.errors import GpuhookError, HostError, InputError
 from gpuhook.plan.records import ProcMask
 
@@ -296,7 +297,7 @@ def _shares_the_runtimes_cgroup(place) -> bool:
     """Whether the container's cgroup (its init's) is the one this hook runs in, which is the
     runtime's: the runtime made none for the container. Compared by the directories' identity."""
     try:
-        own = hierarchy.placement(os.getpid())
+        own = hierarchy.placement(caller.pid())
         if own.mode != place.mode:
             return False
         mine, theirs = os.stat(own.directory), os.stat(place.directory)

@@ -46,7 +46,7 @@ import time
 
 from gpuhook.apply import statefiles
 from gpuhook.health import store
-from gpuhook.kernel import mountinfo, procstat
+from gpuhook.kernel import caller, mountinfo, procstat
 from gpuhook.kernel.procstat import ID_CHARS, ProcessStat, entry_name, read_stat  # noqa: F401 (re-exported)
 from gpuhook.record import record
 
@@ -116,7 +116,7 @@ def from_process(container_id: str, pid: int, gpus, names: dict | None = None, p
     cgroups = read_cgroups(pid, proc) if stat is not None else None
     if stat is None or cgroups is None or stat.zombie:
         raise LookupError(f"container init pid {pid} is not readable in {proc}")
-    mine = read_cgroups(os.getpid(), proc) or {}
+    mine = read_cgroups(caller.pid(), proc) or {}
     own = own_cgroups(cgroups, mine)
     mounts = cgroup_mounts(proc)
     own = {key: path for key, path in own.items() if not _shared({key: path}, pid, mounts)}

@@ -59,6 +59,7 @@ OWN = {
     "gpuhook.kernel.child": "kills the process group of a child it started, at its timeout",
     "gpuhook.journal": "appends the decision log",
     "gpuhook.health.daemon": "its root-only socket",
+    "gpuhook.agent": "its root-only socket and directory",
     "gpuhook.plugin.server": "the device plugin's socket",
     "gpuhook.plugin.build_stubs": "writes the gRPC stubs at build time",
     "gpuhook.simulate.host": "builds a simulated GPU host in a directory given to it",

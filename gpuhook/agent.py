@@ -1,0 +1,455 @@
+"""The agent: gpuhook's hook, pre-imported, for a native front that would otherwise start Python.
+
+A GPU start through the Python hook pays for an interpreter and about 13 ms of imports before
+it plans anything. The agent (`gpuhook agent`, packaging/systemd/gpuhook-agent.service) is a
+single-threaded process that has imported the hook once and listens on a root-only socket.
+The native front (native/) connects when it cannot rule a GPU request out, hands over the
+state (a memfd) and its own stdout and stderr, and waits. The agent forks one child per
+request; the child runs exactly the hook the front would have exec'd (gpuhook.entry), writing
+its one error line to the front's stderr, and the agent answers with the child's exit status.
+The protocol, and why each check is there: docs/agent.md.
+
+What the front's process was, the child is made to be where it matters: the front's
+environment (only the variables the front keeps), its umask, and `gpuhook.kernel.caller`
+names the front, so "is this the runtime's own cgroup?" is asked of the runtime's process.
+The agent serves only a root peer in its own mount, PID, user and cgroup namespaces (paths,
+pids and cgroups then mean the same to both); anything else gets `run`: the front runs the
+Python hook itself. So does every request when the agent is not running: the hook stays
+correct without it.
+
+Stops are answered at once and carried out afterwards, one at a time, in the order they came:
+runc's delete does not wait for gpuhook's cleanup. A start waits (up to STOP_WAIT) until
+every stop that came before it is done, so the GPUs a stop cleans up are clean before the
+next start checks them, as when the runtime ran each stop to its end.
+"""
+
+import array
+import collections
+import os
+import selectors
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+
+from gpuhook import entry, prescan
+from gpuhook.errors import INTERNAL_ERROR, InputError
+
+PROTOCOL = b"gpuhook-agent/1"
+DEFAULT_SOCKET = "/run/gpuhook/agent.sock"
+SOCKET_VARIABLE = "GPUHOOK_AGENT_SOCKET"
+MAX_REQUEST = 65536  # bytes of one request datagram (the front's args and environment)
+FDS = 3  # the state's memfd, the front's stdout, its stderr
+MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
+READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
+STOP_WAIT = 5.0  # seconds a start waits for the stops that came before it
+NAMESPACES = ("mnt", "pid", "user", "cgroup")  # the peer must share these with the agent
+# The variables the front passes on (native/: the ones it gives the Python hook).
+KEPT_VARIABLES = ("PATH", "GPUHOOK_CONFIG", prescan.FRONT_VARIABLE, SOCKET_VARIABLE)
+SIGNALLED_LINE = "gpuhook: internal error: the hook's process ended on signal {}"
+
+
+def preload() -> list:
+    """Import what a GPU start and a stop use, once, before any child is forked. Nothing
+    here starts a thread or opens NVML (a fork copies only the thread that calls it)."""
+    import importlib
+    import pkgutil
+
+    import gpuhook
+
+    names = ["gpuhook.hook", "gpuhook.journal", "gpuhook.config", "gpuhook.driver", "gpuhook.schema"]
+    for package in ("request", "discover", "plan", "apply", "kernel", "devrules", "health"):
+        module = importlib.import_module(f"gpuhook.{package}")
+        names += [f"gpuhook.{package}.{info.name}" for info in pkgutil.walk_packages(module.__path__)]
+        names.append(f"gpuhook.{package}")
+    skipped = []
+    for name in names:
+        if name.endswith(".daemon") or name.endswith(".engine_main"):
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional dependency (the hook imports it lazily, if ever)
+            skipped.append(name)
+    del gpuhook
+    return skipped
+
+
+class Job:
+    """One request: a start (the front waits for its exit status) or a stop (answered at once)."""
+
+    def __init__(self, seq: int, conn, stage: str, config_path, env: dict, fds: list, peer: int, umask: int):
+        self.seq = seq
+        self.conn = conn
+        self.stage = stage
+        self.config_path = config_path
+        self.env = env
+        self.fds = fds  # [memfd, out, err] until the child is forked (err kept for a start)
+        self.peer = peer
+        self.umask = umask
+        self.state = None
+        self.spec = None
+        self.queued_at = time.monotonic()
+        self.pid = 0
+        self.pidfd = -1
+
+    @property
+    def stop(self) -> bool:
+        return self.stage == "poststop"
+
+
+def _reply(conn, text: bytes) -> None:
+    try:
+        conn.send(text)
+    except OSError:
+        pass
+
+
+def _close_fds(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _same_namespaces(pid: int) -> bool:
+    try:
+        for kind in NAMESPACES:
+            mine, theirs = os.stat(f"/proc/self/ns/{kind}"), os.stat(f"/proc/{pid}/ns/{kind}")
+            if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _umask_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f.read(8192).splitlines():
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def parse_request(data: bytes):
+    """(args, environment) from a request's payload, or None when it is not one."""
+    tokens = data.split(b"\0")
+    if len(tokens) < 4 or tokens[-1] != b"" or tokens[0] != PROTOCOL:
+        return None
+    tokens = tokens[1:-1]
+    try:
+        nargs = int(tokens[0])
+        args = tokens[1:1 + nargs]
+        nenv = int(tokens[1 + nargs])
+        env = tokens[2 + nargs:]
+    except (ValueError, IndexError):
+        return None
+    if nargs < 1 or len(args) != nargs or nenv != len(env) or nenv > 16:
+        return None
+    try:
+        args = [a.decode() for a in args]
+        pairs = [e.decode().partition("=") for e in env]
+    except UnicodeDecodeError:
+        return None
+    environment = {}
+    for name, eq, value in pairs:
+        if not eq or name not in KEPT_VARIABLES or name in environment:
+            return None
+        environment[name] = value
+    return args, environment
+
+
+class Agent:
+    def __init__(self, path: str):
+        self.path = path
+        self.listener = None
+        self.selector = selectors.DefaultSelector()
+        self.unread = {}  # conn -> (accepted at, peer pid)
+        self.waiting = collections.deque()  # jobs not forked yet, in arrival order
+        self.running = {}  # pidfd -> job
+        self.seq = 0
+        self.stopping = False
+
+    # -- the socket ----------------------------------------------------------------------
+    def listen(self) -> None:
+        directory = os.path.dirname(self.path) or "."
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            raise InputError(f"the agent's socket directory {directory} must be a directory owned by root, "
+                             "writable by nobody else")
+        try:
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)  # a socket left by an agent that ended
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)
+        try:
+            listener.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        listener.listen(128)
+        listener.setblocking(False)
+        self.listener = listener
+        self.selector.register(listener, selectors.EVENT_READ, "listen")
+
+    def close(self) -> None:
+        if self.listener is not None:
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self.listener.fileno()).st_ino:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+            self.listener.close()
+
+    # -- the loop ------------------------------------------------------------------------
+    def serve(self, until=None) -> None:
+        """Serve until SIGTERM or SIGINT (or `until()` is true); then finish what was accepted."""
+        def stop(signum, frame):
+            self.stopping = True
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        while not (self.stopping or (until is not None and until())) or self.waiting or self.running:
+            if self.stopping and self.listener is not None:
+                self.selector.unregister(self.listener)
+                self.close()
+                self.listener = None
+            for key, _ in self.selector.select(self._timeout()):
+                if key.data == "listen":
+                    self._accept()
+                elif key.data == "conn":
+                    self._read(key.fileobj)
+                else:
+                    self._reap(key.fileobj)
+            self._expire_unread()
+            self._launch()
+
+    def _timeout(self) -> float:
+        now = time.monotonic()
+        ends = [at + READ_TIMEOUT for at, _ in self.unread.values()]
+        ends += [job.queued_at + STOP_WAIT for job in self.waiting if not job.stop]
+        return max(0.0, min(ends) - now) if ends else 0.5
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            conn.setblocking(False)
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+            # Declined (the front runs the hook itself) once its request is read: closing a
+            # connection with an unread request would reset it, and the front then fails.
+            declined = uid != 0 or pid <= 0 or not _same_namespaces(pid) \
+                or len(self.running) + len(self.waiting) >= MAX_CHILDREN
+            self.unread[conn] = (time.monotonic(), 0 if declined else pid)
+            self.selector.register(conn, selectors.EVENT_READ, "conn")
+
+    def _expire_unread(self) -> None:
+        now = time.monotonic()
+        for conn, (at, _) in list(self.unread.items()):
+            if now - at > READ_TIMEOUT:
+                self._drop(conn)
+
+    def _drop(self, conn) -> None:
+        self.unread.pop(conn, None)
+        try:
+            self.selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _read(self, conn) -> None:
+        _, peer = self.unread[conn]
+        fds = array.array("i")
+        try:
+            data, ancdata, flags, _ = conn.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(FDS * fds.itemsize),
+                                                   socket.MSG_CMSG_CLOEXEC)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+        fds = list(fds)
+        self.unread.pop(conn)
+        self.selector.unregister(conn)
+        request = parse_request(data) if not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else None
+        parsed = prescan.split_hook_args(request[0]) if request is not None else None
+        umask = _umask_of(peer) if peer else None
+        if not peer or request is None or parsed is None or parsed[0] not in entry.HOOK_STAGES or len(fds) != FDS \
+                or umask is None or not stat.S_ISREG(os.fstat(fds[0]).st_mode) \
+                or request[1].get(prescan.FRONT_VARIABLE) != str(prescan.FRONT_PROTOCOL):
+            # Not one this agent serves as the hook would (another front's protocol: the
+            # Python hook refuses it with its own line): the front runs the hook itself.
+            _close_fds(fds)
+            _reply(conn, b"run")
+            conn.close()
+            return
+        self.seq += 1
+        job = Job(self.seq, conn, parsed[0], parsed[1], request[1], fds, peer, umask)
+        if job.stop:
+            # The bundle may be gone once the runtime's delete returns: read what the hook
+            # reads from it now, then let the runtime go on.
+            job.state = _read_state(fds[0])
+            wants_none, job.spec = entry.prescan_state(job.state)
+            _close_fds(fds[1:])
+            job.fds = fds[:1]
+            _reply(conn, b"exit 0")
+            conn.close()
+            job.conn = None
+            if wants_none:
+                _close_fds(job.fds)
+                return
+        self.waiting.append(job)
+
+    def _launch(self) -> None:
+        now = time.monotonic()
+        stop_running = any(job.stop for job in self.running.values())
+        for job in list(self.waiting):
+            if job.stop:
+                if stop_running:
+                    continue
+                stop_running = True
+            else:
+                earlier_stops = any(j.stop and j.seq < job.seq for j in self.waiting) or \
+                    any(j.stop and j.seq < job.seq for j in self.running.values())
+                if earlier_stops and now - job.queued_at < STOP_WAIT:
+                    continue
+            self.waiting.remove(job)
+            self._fork(job)
+
+    def _fork(self, job: Job) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        try:
+            pid = os.fork()
+        except OSError:
+            self._finish(job, None)
+            return
+        if pid == 0:
+            code = INTERNAL_ERROR
+            try:
+                code = _child(job)
+            finally:
+                os._exit(code & 0xFF)
+        job.pid = pid
+        _close_fds(job.fds[:2] if not job.stop else job.fds)  # a start keeps err for a signal's line
+        job.fds = job.fds[2:] if not job.stop else []
+        try:
+            job.pidfd = os.pidfd_open(pid)
+        except OSError:  # cannot happen for a child not reaped yet; wait for it then
+            os.waitpid(pid, 0)
+            self._finish(job, INTERNAL_ERROR)
+            return
+        self.running[job.pidfd] = job
+        self.selector.register(job.pidfd, selectors.EVENT_READ, "child")
+
+    def _reap(self, pidfd: int) -> None:
+        job = self.running.pop(pidfd)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(job.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0 and job.fds:
+            try:
+                os.write(job.fds[0], (SIGNALLED_LINE.format(-code) + "\n").encode())
+            except OSError:
+                pass
+        self._finish(job, code if code >= 0 else INTERNAL_ERROR)
+
+    def _finish(self, job: Job, code) -> None:
+        _close_fds(job.fds)
+        job.fds = []
+        if job.conn is not None:
+            _reply(job.conn, b"run" if code is None else f"exit {code}".encode())
+            job.conn.close()
+            job.conn = None
+
+
+def _read_state(fd: int) -> bytes:
+    chunks, total = [], 0
+    while total <= prescan.MAX_STATE_BYTES:
+        chunk = os.pread(fd, prescan.MAX_STATE_BYTES + 1 - total, total)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def _child(job: Job) -> int:
+    """In the forked child: become the front's hook process, run the hook, return its code."""
+    import gc
+
+    gc.disable()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if job.state is None:
+        job.state = _read_state(job.fds[0])
+    if job.stop:
+        null = os.open("/dev/null", os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+    else:
+        os.dup2(job.fds[0], 0)
+        os.dup2(job.fds[1], 1)
+        os.dup2(job.fds[2], 2)
+    os.closerange(3, 1 << 20)  # the listener, other requests' fds, the selector: none of the hook's
+    os.umask(job.umask)
+    os.environ.clear()
+    os.environ.update(job.env)
+    from gpuhook.kernel import caller
+
+    caller.CALLER[0] = job.peer
+    if job.stop:  # the agent ran the prescan when the stop came (the bundle may be gone now)
+        code = entry.run_checked(job.stage, job.config_path, job.state, job.spec)
+    else:
+        code = entry.run_stage(job.stage, job.config_path, job.state)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return 0 if code is None else code
+
+
+def socket_path(explicit: str | None = None) -> str:
+    return explicit or os.environ.get(SOCKET_VARIABLE) or DEFAULT_SOCKET
+
+
+def run(path: str, ready=None) -> None:
+    """`gpuhook agent`: preload, listen, tell systemd, serve until SIGTERM."""
+    if os.geteuid() != 0:
+        raise InputError("the agent serves the hook as root: run it as root")
+    preload()
+    import gc
+
+    # What the agent imported is frozen: no collection in a child touches (and so copies)
+    # those pages. The children collect nothing at all (`_child`, as launch.py).
+    gc.collect()
+    gc.freeze()
+    agent = Agent(path)
+    agent.listen()
+    if ready is not None:
+        ready()
+    try:
+        agent.serve()
+    finally:
+        agent.close()

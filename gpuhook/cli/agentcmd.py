@@ -1,0 +1,33 @@
+"""`gpuhook agent`: the resident agent that serves the native front's hook requests."""
+
+import os
+
+import click
+
+from gpuhook import agent
+
+
+@click.command("agent")
+@click.option("--socket", "socket_path", metavar="PATH",
+              help=f"Where to listen (default: ${agent.SOCKET_VARIABLE} or {agent.DEFAULT_SOCKET}). The "
+                   "directory must be root's and writable by nobody else.")
+def agent_command(socket_path):
+    """Serve the hook for the native front, pre-imported (docs/agent.md).
+
+    Runs as root, in the host's mount, PID, user and cgroup namespaces (the runtime's):
+    packaging/systemd/gpuhook-agent.service starts it. The front uses it when it is there
+    and runs the Python hook itself when it is not; a start is correct either way, only
+    faster with it. Stops are answered at once and carried out in order; a start waits for
+    the stops that came before it. SIGTERM finishes what was accepted, then exits.
+    """
+    path = agent.socket_path(socket_path)
+
+    def ready():
+        from gpuhook.cli.plugincmd import sd_notify
+
+        target = os.environ.pop("NOTIFY_SOCKET", "")
+        if target:
+            sd_notify(target, b"READY=1")
+        click.echo(f"gpuhook agent: listening on {path}", err=True)
+
+    agent.run(path, ready)
