@@ -300,6 +300,33 @@ def runc_hook(hook: dict) -> dict:
     return {k: hook[k] for k in ("path", "args", "env", "timeout")}
 
 
+def agent_socket() -> str:
+    """A socket path for a benchmark's own agent: in a fresh root-owned 0700 directory (the
+    front uses no other), short enough for a unix socket, and never the packaged
+    /run/gpuhook/agent.sock, which a host's own agent or another run may be serving."""
+    return f"{tempfile.mkdtemp(prefix='gpuhook-agent-')}/agent.sock"
+
+
+def with_agent_socket(entry: dict, socket_path: str) -> dict:
+    """`entry` (a hook entry run by the front) pointed at `socket_path` instead of the packaged
+    default socket, through GPUHOOK_AGENT_SOCKET, a variable the front keeps."""
+    return dict(entry, env=[*entry["env"], f"GPUHOOK_AGENT_SOCKET={socket_path}"])
+
+
+def start_agent(socket_path: str) -> subprocess.Popen:
+    """`gpuhook agent --socket PATH` as gpuhook-agent.service starts it (Type=notify)."""
+    return start_service([sys.executable, "-m", "gpuhook", "agent", "--socket", socket_path], "notify", socket_path)
+
+
+def stop_service(served: subprocess.Popen) -> None:
+    served.terminate()
+    try:
+        served.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        served.kill()
+        served.wait()
+
+
 # --- group: runc, no GPU ----------------------------------------------------------------
 
 def group_runc(ctx) -> list:
@@ -433,6 +460,13 @@ class SimGpu:
             self.prepare(name, 1)
         return self.rc.run(self.ready[name].pop(0), "bench-gpu")
 
+    def log_records(self) -> list:
+        try:
+            with open(self.sim["directory"] + "/gpuhook.log") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            return []
+
     def last_log(self) -> dict:
         try:
             with open(self.sim["directory"] + "/gpuhook.log") as f:
@@ -449,6 +483,27 @@ def group_gpu(ctx) -> list:
     for name, (_, visible, glibc, check) in SimGpu.VARIANTS.items():
         sim.add(name, runc_hook(sim.hook), visible, glibc, check)
     names = ["none", *SimGpu.VARIANTS]
+    # The static start again, through the native front as hooks.d registers it and the agent
+    # (gpuhook agent, started for this group on a socket of its own): informational.
+    front = build_native(ctx)
+    agent = None
+    if front:
+        socket_path = agent_socket()
+        entry = with_agent_socket(runc_hook(H.hooksd_hook(ctx.hook["path"], launcher=ctx.launcher, front=front,
+                                                          extra_args=["--config", sim.config])), socket_path)
+        _, visible, glibc, check = SimGpu.VARIANTS["static"]
+        sim.add("agent", entry, visible, glibc, check)
+        names.append("agent")
+        agent = start_agent(socket_path)
+    try:
+        return _group_gpu(ctx, sim, names)
+    finally:
+        if agent is not None:
+            stop_service(agent)
+            shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
+
+
+def _group_gpu(ctx, sim, names: list) -> list:
     against = getattr(ctx.args, "against", None)
     if against:  # the same start with another tree's launcher, interleaved: an A/B in one run
         # Its own state dir: two trees whose inventory cache formats differ would otherwise
@@ -491,6 +546,16 @@ def group_gpu(ctx) -> list:
         rows.append(H.row(f"gpu.{name}", "gpu", label, "ms", stats, baseline="gpu.none", baseline_stats=none,
                           target=target, paired=H.paired_ratios(samples[name]["ms"], samples["none"]["ms"]),
                           note=note, extra={"visible_devices": visible, "glibc_image": glibc}))
+    if "agent" in samples:
+        stats = H.summary(samples["agent"]["ms"])
+        served = sum(1 for r in sim.log_records() if r.get("agent") is True and r.get("stage") == "prestart")
+        rows.append(H.row("gpu.agent", "gpu", "GPU path through the native front and the agent, static image, GPU 0 "
+                          "(info)", "ms", stats, baseline="gpu.none", baseline_stats=none,
+                          paired=H.paired_ratios(samples["agent"]["ms"], samples["none"]["ms"]),
+                          note=f"{stats['median'] - samples_median(samples, 'static'):+.1f} ms against the static "
+                               f"row (the Python command alone); gpuhook agent on a socket of its own, the "
+                               f"hooks.d entry with GPUHOOK_AGENT_SOCKET pointing at it; starts the agent "
+                               f"served: {served}"))
     if against:
         stats = H.summary(samples["against"]["ms"])
         rows.append(H.row("gpu.against", "gpu", f"GPU path, static image, GPU 0, with {against} (A/B)", "ms", stats,
@@ -717,9 +782,12 @@ def read_tail(path: str, size: int = 800) -> str:
 
 def group_installed(ctx) -> list:
     """gpuhook as the packages install it, on an 8-GPU host whose NVML takes 1.5 s to load:
-    both hooks.d files (prestart and poststop), the packaged configuration (every key at its
-    default: health.mode = fallback), and the services the packages start (today the health
-    daemon, packaging/systemd/gpuhook-health.service, started from its ExecStart). Each
+    both hooks.d files (prestart and poststop) as shipped, so run by the native front (built
+    by native/build.py in place of the packaged /usr/libexec/gpuhook/gpuhook-front), the
+    packaged configuration (every key at its default: health.mode = fallback), and the
+    services the packages start (the health daemon, packaging/systemd/gpuhook-health.service,
+    and the agent, gpuhook-agent.service, each started from its ExecStart; the agent on a
+    socket of its own, which the hooks.d entries are pointed at with GPUHOOK_AGENT_SOCKET). Each
     container is created, started, waited for and deleted; the start (create + start, where
     prestart runs) and the stop (delete, where poststop runs) are timed apart, against the
     same container with no hook. Informational: the same without the daemon."""
@@ -731,13 +799,19 @@ def group_installed(ctx) -> list:
     with open(no_daemon_config, "w") as f:
         f.write(text + '\n[health]\ndaemon-socket = "/nonexistent/health.sock"\n')
 
+    front = build_native(ctx)
+    if front is None:
+        raise RuntimeError("the installed group needs gcc: the packages register the native front")
+    socket_path = agent_socket()
+
     def packaged_hooks(config: str) -> dict:
         hooks = {}
         for path in HOOKSD_FILES:
             with open(path) as f:
                 stages = json.load(f)["stages"]
-            entry = runc_hook(H.hooksd_hook(ctx.hook["path"], launcher=ctx.launcher, hooksd=path,
-                                            extra_args=["--config", config]))
+            entry = with_agent_socket(runc_hook(H.hooksd_hook(ctx.hook["path"], launcher=ctx.launcher, hooksd=path,
+                                                              extra_args=["--config", config], front=front)),
+                                      socket_path)
             for stage in stages:
                 hooks.setdefault(stage, []).append(entry)
         return hooks
@@ -751,7 +825,10 @@ def group_installed(ctx) -> list:
     life = Lifecycle(sim.rc)
     try:
         for name, unit in services.items():
-            argv = [sys.executable, "-m", "gpuhook", *unit["args"], "--config", sim.config]
+            if unit["args"][:1] == ["agent"]:  # the hook's own --config reaches it in each request
+                argv = [sys.executable, "-m", "gpuhook", *unit["args"], "--socket", socket_path]
+            else:
+                argv = [sys.executable, "-m", "gpuhook", *unit["args"], "--config", sim.config]
             running.append(start_service(argv, unit["type"], f"{sim.sim['directory']}/run/health.sock"))
         rounds = max(3, ctx.s["gpu_rounds"] // 2)
         names = ["none", "installed", "no-daemon", "nogpu"]
@@ -786,14 +863,16 @@ def group_installed(ctx) -> list:
                 logs.setdefault(record.get("stage"), []).append(record)
     finally:
         for served in running:
-            served.terminate()
-            served.wait(timeout=30)
+            stop_service(served)
+        shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
     mine = [r for r in logs.get("prestart", []) if str(r.get("container", "")).startswith("bench-installed-")]
+    by_agent = sum(1 for r in mine if r.get("agent") is True)
     last_start = (mine or [{}])[-1]
     stops = [r.get("decision") for r in logs.get("poststop", [])
              if str(r.get("container", "")).startswith("bench-installed-")]
     setup = (f"{SIM_GPUS}-GPU host, NVML init {DAEMON_INIT_MS} ms; hooks.d/gpuhook.json and "
-             f"gpuhook-poststop.json; packaged config; services started: {', '.join(services) or 'none'}")
+             f"gpuhook-poststop.json run by the native front; packaged config; services started: "
+             f"{', '.join(services) or 'none'}; GPU starts the agent served: {by_agent} of {len(mine)}")
     rows = []
     labels = {"installed": "GPU container {what} ({op}), as installed",
               "no-daemon": "GPU container {what} ({op}), as installed but no health daemon (info)",

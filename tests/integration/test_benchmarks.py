@@ -3,6 +3,7 @@ the figures themselves are benchmarks/RESULTS.md's business, not a test's."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,8 +71,11 @@ def test_quick_gpu_path_importtime_and_breakdown(tmp_path):
     doc, stdout = run_runner(tmp_path, "--only", "gpu", "--importtime", "--breakdown")
     rows = rows_by_id(doc)
     assert doc["errors"] == {}
-    for name in ("static", "glibc", "all"):
+    for name in ("static", "glibc", "all", "agent"):
         assert rows[f"gpu.{name}"]["ratio"] > 0  # each timed start checked /dev/nvidia* inside
+    # The candidate through the native front and the agent: informational, and really served.
+    assert rows["gpu.agent"]["target"] is None
+    assert int(re.search(r"starts the agent served: (\d+)", rows["gpu.agent"]["note"])[1]) > 0
     assert rows["gpu.static"]["target"]["limit"] == 1.5 and rows["gpu.glibc"]["target"]["limit"] == 1.8
     assert "gpuhook.hook" not in {e["module"] for e in doc["importtime"]["nogpu"]["beyond_bare"]}
     assert "gpuhook.hook" in {e["module"] for e in doc["importtime"]["gpu"]["top"]}
@@ -113,8 +117,9 @@ def test_trace_start_follows_the_hook_and_its_forked_worker(tmp_path):
 
 
 def test_quick_installed_start_and_stop_with_the_packaged_services(tmp_path):
-    """The installed group: both hooks.d files, the packaged config, the services the packages
-    start (the health daemon, from its unit's ExecStart): start and stop timed apart."""
+    """The installed group: both hooks.d files (run by the native front, built for the run),
+    the packaged config, the services the packages start (the health daemon and the agent,
+    from their units' ExecStart): start and stop timed apart."""
     require_root_tools("runc", "busybox", "gcc")
     # A short scratch dir: the daemon's unix socket lives in it (108 bytes at most).
     doc, _ = run_runner(tmp_path, "--only", "installed", "--workdir", "/tmp")
@@ -125,6 +130,10 @@ def test_quick_installed_start_and_stop_with_the_packaged_services(tmp_path):
     assert rows["installed.start.installed"]["target"]["limit"] == 1.6
     assert rows["installed.stop.installed"]["target"]["limit"] == 1.2
     assert "gpuhook-health.service" in rows["installed.start.none"]["note"]
+    assert "gpuhook-agent.service" in rows["installed.start.none"]["note"]
+    # Every timed GPU start went through the front to the agent the package starts.
+    served = re.search(r"GPU starts the agent served: (\d+) of (\d+)", rows["installed.start.none"]["note"])
+    assert served and int(served[1]) == int(served[2]) > 0, rows["installed.start.none"]["note"]
     # The daemon the package starts served the timed starts; the stops cleaned up after them.
     note = rows["installed.life.installed"]["note"]
     assert '"daemon": "prepared by the health daemon"' in note and "nvml: not loaded" in note
