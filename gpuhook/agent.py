@@ -45,6 +45,7 @@ FDS = 3  # the state's memfd, the front's stdout, its stderr
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
 STOP_WAIT = 5.0  # seconds a start waits for the stops that came before it
+STOP_LOCK_WAIT = 10.0  # seconds a stop waits for the one before it to end
 NAMESPACES = ("mnt", "pid", "user", "cgroup")  # the peer must share these with the agent
 # The variables the front passes on (native/: the ones it gives the Python hook).
 KEPT_VARIABLES = ("PATH", "GPUHOOK_CONFIG", prescan.FRONT_VARIABLE, SOCKET_VARIABLE)
@@ -93,6 +94,9 @@ class Job:
         self.queued_at = time.monotonic()
         self.pid = 0
         self.pidfd = -1
+        self.ready = -1  # a stop: the read end of the pipe its child closes once it read the bundle
+        self.ready_w = -1
+        self.lock = None
 
     @property
     def stop(self) -> bool:
@@ -172,6 +176,7 @@ class Agent:
         self.unread = {}  # conn -> (accepted at, peer pid)
         self.waiting = collections.deque()  # jobs not forked yet, in arrival order
         self.running = {}  # pidfd -> job
+        self.lock_path = os.path.join(os.path.dirname(path) or ".", "stops.lock")
         self.seq = 0
         self.stopping = False
 
@@ -226,6 +231,8 @@ class Agent:
                     self._accept()
                 elif key.data == "conn":
                     self._read(key.fileobj)
+                elif isinstance(key.data, tuple):
+                    self._read_done(key.data[1])
                 else:
                     self._reap(key.fileobj)
             self._expire_unread()
@@ -259,7 +266,9 @@ class Agent:
         now = time.monotonic()
         for conn, (at, _) in list(self.unread.items()):
             if now - at > READ_TIMEOUT:
-                self._drop(conn)
+                self._read(conn)  # one that arrived while this loop was busy is served
+                if conn in self.unread:
+                    self._drop(conn)
 
     def _drop(self, conn) -> None:
         self.unread.pop(conn, None)
@@ -301,35 +310,34 @@ class Agent:
         self.seq += 1
         job = Job(self.seq, conn, parsed[0], parsed[1], request[1], fds, peer, umask)
         if job.stop:
-            # The bundle may be gone once the runtime's delete returns: read what the hook
-            # reads from it now, then let the runtime go on.
-            job.state = _read_state(fds[0])
-            wants_none, job.spec = entry.prescan_state(job.state)
-            _close_fds(fds[1:])
-            job.fds = fds[:1]
-            _reply(conn, b"exit 0")
-            conn.close()
-            job.conn = None
-            if wants_none:
-                _close_fds(job.fds)
-                return
+            # Forked at once: its child reads the bundle (gone once the runtime's delete
+            # returns) and says so, and the runtime goes on (`_read_done`); the work follows,
+            # one stop at a time (`STOP_LOCK`). Nothing of a stop waits in this process, so
+            # nothing of it is lost if the agent ends, and no stop's input slows this loop.
+            self._fork(job)
+            return
         self.waiting.append(job)
 
     def _launch(self) -> None:
         now = time.monotonic()
-        stop_running = any(job.stop for job in self.running.values())
         for job in list(self.waiting):
-            if job.stop:
-                if stop_running:
-                    continue
-                stop_running = True
-            else:
-                earlier_stops = any(j.stop and j.seq < job.seq for j in self.waiting) or \
-                    any(j.stop and j.seq < job.seq for j in self.running.values())
-                if earlier_stops and now - job.queued_at < STOP_WAIT:
-                    continue
+            earlier_stops = any(j.stop and j.seq < job.seq for j in self.running.values())
+            if earlier_stops and now - job.queued_at < STOP_WAIT:
+                continue
             self.waiting.remove(job)
             self._fork(job)
+
+    def _read_done(self, job: "Job") -> None:
+        """A stop's child has read the state and the bundle (or ended): the runtime goes on."""
+        self.selector.unregister(job.ready)
+        os.close(job.ready)
+        job.ready = -1
+        _close_fds(job.fds)
+        job.fds = []
+        if job.conn is not None:
+            _reply(job.conn, b"exit 0")
+            job.conn.close()
+            job.conn = None
 
     def _fork(self, job: Job) -> None:
         for stream in (sys.stdout, sys.stderr):
@@ -337,20 +345,32 @@ class Agent:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+        ready_w = -1
+        if job.stop:
+            job.ready, ready_w = os.pipe2(os.O_CLOEXEC)
+            job.lock = self.lock_path
         try:
             pid = os.fork()
         except OSError:
+            if job.stop:
+                _close_fds((job.ready, ready_w))
+                job.ready = -1
             self._finish(job, None)
             return
         if pid == 0:
+            job.ready_w = ready_w
             code = INTERNAL_ERROR
             try:
                 code = _child(job)
             finally:
                 os._exit(code & 0xFF)
         job.pid = pid
-        _close_fds(job.fds[:2] if not job.stop else job.fds)  # a start keeps err for a signal's line
-        job.fds = job.fds[2:] if not job.stop else []
+        if job.stop:  # out and err stay open until the child read the bundle (`_read_done`)
+            os.close(ready_w)
+            self.selector.register(job.ready, selectors.EVENT_READ, ("ready", job))
+        else:  # a start keeps err for a signal's line
+            _close_fds(job.fds[:2])
+            job.fds = job.fds[2:]
         try:
             job.pidfd = os.pidfd_open(pid)
         except OSError:  # cannot happen for a child not reaped yet; wait for it then
@@ -362,6 +382,8 @@ class Agent:
 
     def _reap(self, pidfd: int) -> None:
         job = self.running.pop(pidfd)
+        if job.ready >= 0:  # ended before it said it read the bundle
+            self._read_done(job)
         self.selector.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(job.pid, 0)
@@ -400,9 +422,12 @@ def _child(job: Job) -> int:
     gc.disable()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    if job.state is None:
-        job.state = _read_state(job.fds[0])
+    from gpuhook.kernel import caller
+
+    caller.SINCE[0] = job.queued_at  # the hook's deadline counts from the request, wait included
+    job.state = _read_state(job.fds[0])
     if job.stop:
+        wants_none, job.spec = entry.prescan_state(job.state)
         null = os.open("/dev/null", os.O_RDWR)
         os.dup2(null, 0)
         os.dup2(null, 1)
@@ -411,14 +436,19 @@ def _child(job: Job) -> int:
         os.dup2(job.fds[0], 0)
         os.dup2(job.fds[1], 1)
         os.dup2(job.fds[2], 2)
-    os.closerange(3, 1 << 20)  # the listener, other requests' fds, the selector: none of the hook's
+    # The listener, other requests' fds, the selector: none of the hook's. For a stop this
+    # also closes the pipe the agent waits on: what the stop needs of the bundle is read, and
+    # the runtime goes on (and the front's stdout and stderr are closed with it).
+    os.closerange(3, 1 << 20)
+    if job.stop:
+        if wants_none:
+            return 0
+        _take_stop_lock(job.lock, job.queued_at + STOP_LOCK_WAIT)
     os.umask(job.umask)
     os.environ.clear()
     os.environ.update(job.env)
-    from gpuhook.kernel import caller
-
     caller.CALLER[0] = job.peer
-    if job.stop:  # the agent ran the prescan when the stop came (the bundle may be gone now)
+    if job.stop:  # the prescan ran above, before the runtime went on (the bundle may be gone now)
         code = entry.run_checked(job.stage, job.config_path, job.state, job.spec)
     else:
         code = entry.run_stage(job.stage, job.config_path, job.state)
@@ -428,6 +458,28 @@ def _child(job: Job) -> int:
         except (OSError, ValueError):
             pass
     return 0 if code is None else code
+
+
+def _take_stop_lock(path: str, until: float) -> None:
+    """One stop at a time (grant records, GPU cleanup): an exclusive flock on the lock file
+    beside the socket, held until this child exits. Waits until `until`, then goes on
+    without it (a stop never fails, and never waits without bound)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= until:
+                return
+            time.sleep(0.005)
+        except OSError:
+            return
 
 
 def socket_path(explicit: str | None = None) -> str:

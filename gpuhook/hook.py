@@ -220,7 +220,7 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
              spec_bytes: bytes | None = None, base_dir: str | None = None) -> int:
     """Entry for the runtime. Returns the exit code; prints one line on failure. `base_dir`
     lets a state file given by hand name its bundle relatively."""
-    started = time.monotonic()
+    started = caller.SINCE[0] or time.monotonic()  # served by the agent: since the request came
     log = {"stage": stage}
     if caller.CALLER[0]:  # a child of the agent (gpuhook.agent) serves the native front
         log["agent"] = True

@@ -12,6 +12,7 @@ cgroup namespaces (docs/agent.md).
 import os
 
 CALLER = [0]  # the front's pid when the agent serves this hook; 0 when the runtime ran this process
+SINCE = [0.0]  # when the agent got the request (time.monotonic): the hook's deadline counts from then
 
 
 def pid() -> int:

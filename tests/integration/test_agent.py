@@ -3,7 +3,9 @@ the simulated host: it serves GPU starts and stops as the Python hook would, wit
 fds, exit status and cgroup; it serves nothing outside its namespaces; without it the front
 runs the Python hook."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -148,3 +150,63 @@ def test_the_agents_socket_is_roots_alone(agent):
     assert st.st_uid == 0 and st.st_mode & 0o777 == 0o600
     parent = os.stat(os.path.dirname(agent.socket))
     assert parent.st_uid == 0 and parent.st_mode & 0o777 == 0o700
+
+
+def stop_state(directory, name: str, escapes: int) -> bytes:
+    """A stopped container's state whose config.json asks for GPU 0 behind `escapes` \\u
+    escapes (each one the prescan must decode)."""
+    bundle = f"{directory}/{name}"
+    os.makedirs(bundle, exist_ok=True)
+    with open(f"{bundle}/config.json", "w") as f:
+        f.write('{"ociVersion":"1.0.2","process":{"env":["NVIDIA_VISIBLE_DEVICES=0","X=%s"]}}' % ("\\u007a" * escapes))
+    return json.dumps({"ociVersion": "1.0.2", "id": name, "status": "stopped", "pid": 0,
+                       "bundle": bundle}).encode()
+
+
+def run_front(front, stage, state: bytes, config: str, socket_path: str, timeout=60):
+    python, launcher = sys.executable, f"{REPO}/gpuhook/launch.py"
+    return subprocess.Popen([front, python, "-I", "-S", launcher, stage, "--config", config],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": socket_path})
+
+
+def test_no_stop_holds_up_the_agent_for_another_container(gpus, front, agent, tmp_path):
+    """Attacker pass 8, A1: the agent read each stop's config.json and ran its prescan in its
+    own loop before it answered anyone else; stops with big config.json files held every
+    other container's request back for seconds (and a start past its deadline: the time it
+    waits in the agent now counts in it, gpuhook.kernel.caller.SINCE). A stop's child reads
+    them now, and the loop answers the next request at once."""
+    stops = [run_front(front, "poststop", b"", gpus.config, agent.socket) for _ in range(4)]
+    for i, process in enumerate(stops):
+        process.stdin.write(stop_state(tmp_path / "bundles", f"big-{i}", 6 << 20))
+        process.stdin.close()
+    time.sleep(0.2)
+    began = time.monotonic()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:  # a request it declines
+        client.connect(agent.socket)
+        client.send(b"gpuhook-agent/1\0" + b"1\0nostage\0" + b"0\0")
+        client.settimeout(30)
+        assert client.recv(16) == b"run"
+    took = time.monotonic() - began
+    assert [process.wait(60) for process in stops] == [0] * 4
+    # One stop's prescan alone takes about 0.5 s here; in the agent's loop, one after the
+    # other, the four held the answer back 2 s and more.
+    assert took < 0.3, took
+
+
+def test_every_stop_the_agent_answered_is_carried_out_even_when_the_agent_dies(gpus, front, tmp_path):
+    """Attacker pass 8, A5: stops were answered at once and queued in the agent; killed, it
+    took them with it. Each stop is a child of its own from the moment it comes."""
+    running = Agent(tmp_path)
+    names = [f"stop-{i}" for i in range(6)]
+    fronts = [run_front(front, "poststop", b"", gpus.config, running.socket) for _ in names]
+    for process, name in zip(fronts, names):
+        process.stdin.write(stop_state(tmp_path / "bundles", name, 1 << 20))
+        process.stdin.close()
+    assert [process.wait(60) for process in fronts] == [0] * 6
+    running.process.kill()
+    running.process.wait(10)
+    deadline = time.monotonic() + 30
+    while {r.get("container") for r in log_records(gpus, "poststop")} < set(names):
+        assert time.monotonic() < deadline, log_records(gpus, "poststop")
+        time.sleep(0.1)
