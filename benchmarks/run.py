@@ -338,12 +338,14 @@ def group_runc(ctx) -> list:
         "none": rc.bed.bundle("none", args),
         "true": rc.bed.bundle("true", args, hooks={"prestart": [true_hook(ctx.hook)]}),
         "python": rc.bed.bundle("python", args, hooks={"prestart": [bare]}),
-        "gpuhook": rc.bed.bundle("gpuhook", args, hooks={"prestart": [runc_hook(ctx.hook)]}),
+        "pycommand": rc.bed.bundle("pycommand", args, hooks={"prestart": [runc_hook(ctx.hook)]}),
     }
+    # gpuhook as hooks.d registers it: the native front (built by native/build.py in place of
+    # the packaged one) in front of the Python command; without gcc, the Python command alone.
     native = build_native(ctx)
-    if native:  # the prototype in front of the same Python command (benchmarks/README.md)
-        entry = dict(runc_hook(ctx.hook), path=native, args=[native, *ctx.hook["args"]])
-        bundles["native"] = rc.bed.bundle("native", args, hooks={"prestart": [entry]})
+    registered = dict(runc_hook(ctx.hook), path=native, args=[native, *ctx.hook["args"]]) if native \
+        else runc_hook(ctx.hook)
+    bundles["gpuhook"] = rc.bed.bundle("gpuhook", args, hooks={"prestart": [registered]})
     candidates = {name: (lambda b=bundle: rc.run(b, "bench-runc")) for name, bundle in bundles.items()}
     ctx.note_noise("runc", "start")
     samples = H.interleave(candidates, ctx.s["runc_rounds"], warmup=ctx.s["warmup"], seed=ctx.seed + 2)
@@ -360,16 +362,18 @@ def group_runc(ctx) -> list:
               "ms", python, baseline="runc.true", baseline_stats=true,
               paired=H.paired_ratios(samples["python"]["ms"], samples["true"]["ms"]),
               note="the hook's interpreter, argv[0], flags and env, running nothing: no Python hook costs less"),
-        *([] if "native" not in samples else [H.row(
-            "runc.native", "runc", "runc run busybox, gpuhook behind native/prescan.c, no GPU request (prototype, info)",
-            "ms", H.summary(samples["native"]["ms"]), baseline="runc.true", baseline_stats=true,
-            paired=H.paired_ratios(samples["native"]["ms"], samples["true"]["ms"]),
-            note=f"the hooks.d command run by native/build.py's binary; "
-                 f"{H.summary(samples['native']['ms'])['median'] - hooked['median']:+.2f} ms against the gpuhook row")]),
+        H.row("runc.pycommand", "runc", "runc run busybox, gpuhook's Python command alone as hook (no native "
+              "front: a source install), no GPU request (info)", "ms", H.summary(samples["pycommand"]["ms"]),
+              baseline="runc.true", baseline_stats=true,
+              paired=H.paired_ratios(samples["pycommand"]["ms"], samples["true"]["ms"]),
+              note=f"{H.summary(samples['pycommand']['ms'])['median'] - hooked['median']:+.2f} ms against the "
+                   f"gpuhook row"),
         H.row("runc.gpuhook", "runc", "runc run busybox, gpuhook as hook, no GPU request", "ms", hooked,
               baseline="runc.true", baseline_stats=true, target=TARGETS["runc"],
               paired=H.paired_ratios(samples["gpuhook"]["ms"], samples["true"]["ms"]),
-              note=f"hook as hooks.d registers it; +{hooked['median'] - true['median']:.2f} ms over /bin/true, "
+              note=("hook as hooks.d registers it: the native front (native/build.py's binary) in front of the "
+                    "Python command" if native else "no gcc: the Python command alone, not as hooks.d registers it")
+                   + f"; +{hooked['median'] - true['median']:.2f} ms over /bin/true, "
                    f"{hooked['median'] / none['median']:.2f}x vs no hook"),
     ]
 
