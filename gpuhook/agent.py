@@ -321,7 +321,9 @@ class Agent:
     def _launch(self) -> None:
         now = time.monotonic()
         for job in list(self.waiting):
-            earlier_stops = any(j.stop and j.seq < job.seq for j in self.running.values())
+            # Only stops at their work: one still reading its bundle (`ready` open) is slowed
+            # by nothing but its own container's input, which must not hold back others'.
+            earlier_stops = any(j.stop and j.seq < job.seq and j.ready < 0 for j in self.running.values())
             if earlier_stops and now - job.queued_at < STOP_WAIT:
                 continue
             self.waiting.remove(job)

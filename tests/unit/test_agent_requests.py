@@ -57,6 +57,19 @@ def test_a_start_waits_for_the_stops_before_it_only_so_long(monkeypatch):
     assert order == [2]
 
 
+def test_a_stop_still_reading_its_own_bundle_holds_no_start(monkeypatch):
+    """Attacker pass 8, A1: a stop whose config.json is huge is slow only in its own child's
+    prescan; starts of other containers do not wait for that."""
+    server = agent.Agent("/nonexistent/agent.sock")
+    order = launched(server, monkeypatch)
+    stop1, start2 = jobs("poststop", "prestart")
+    stop1.ready = 99  # its child has not closed the pipe yet
+    server.running[1001] = stop1
+    server.waiting.append(start2)
+    server._launch()
+    assert order == [2]
+
+
 def test_a_stuck_stop_holds_a_start_only_so_long(monkeypatch):
     server = agent.Agent("/nonexistent/agent.sock")
     order = launched(server, monkeypatch)
