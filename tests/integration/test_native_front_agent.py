@@ -3,19 +3,25 @@ gpuhook-agent/1): a plain hook invocation its prescan could not rule out goes to
 agent socket when there is one; "run" sends it back to the Python hook here, "exit N" ends it
 with N, anything else after the request went out is exit 70 with one line (never a second
 run). A socket anyone but root could have placed, an empty GPUHOOK_AGENT_SOCKET, Docker's
-launcher path and the no-GPU path never talk to the agent."""
+launcher path and the no-GPU path never talk to the agent.
+
+Integration, not unit: its sockets and their directories must be root's (the tests chown
+them), and the unit suite passes as an unprivileged user with nothing skipped."""
 
 import array
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 
 import pytest
 
 from conftest import require
 from gpuhook import prescan
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "unit"))
 from test_native_prescan import HANDED_OFF, MAY_REQUEST_CASES, native, state_for  # noqa: F401
 
 NOBODY = 65534
