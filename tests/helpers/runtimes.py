@@ -247,7 +247,9 @@ class Podman:
         import tarfile
 
         os.makedirs(self.workdir, exist_ok=True)
-        layout = tempfile.mkdtemp(prefix="image-", dir=self.workdir)
+        # A name podman takes as an image reference: mkdtemp's may end in "_" (invalid there).
+        layout = f"{self.workdir}/image-{os.urandom(4).hex()}"
+        os.mkdir(layout, 0o700)
         os.makedirs(f"{layout}/blobs/sha256")
 
         def blob(data: bytes) -> dict:
