@@ -67,7 +67,7 @@ def preload() -> list:
         names.append(f"gpuhook.{package}")
     skipped = []
     for name in names:
-        if name.endswith(".daemon") or name.endswith(".engine_main"):
+        if name == "gpuhook.health.daemon":  # the health daemon's server: no hook imports it
             continue
         try:
             importlib.import_module(name)
