@@ -18,7 +18,10 @@ a forged record could only make gpuhook skip a start, which then has no GPU at a
 Records of gone inits are pruned when a start is recorded and more than PRUNE_ABOVE are there
 (so a start reads no other record on a node with fewer GPU containers): at once when a poststop
 marked them stopped, else after PRUNE_AFTER seconds (a container's delete, and with it its
-poststops, can come long after its init exited).
+poststops, can come long after its init exited). A prune reads every record, so it runs at most
+once every PRUNE_EVERY seconds (the mtime of PRUNED, touched by each prune): otherwise, on a
+node with many recent records, every GPU start would read hundreds of them (benchmarks/RESULTS.md
+measured 342 reads, several ms, per start).
 """
 
 import os
@@ -32,6 +35,8 @@ DIRECTORY = "served"
 PRUNE_AFTER = 3600
 PRUNE_ABOVE = 128
 MAX_PRUNED = 1024
+PRUNE_EVERY = 60  # seconds between two prunes
+PRUNED = ".pruned"  # in the directory: its mtime is when the last prune ran
 
 
 def _directory(state_dir: str) -> str:
@@ -113,8 +118,18 @@ def _prune(state_dir: str, proc: str) -> None:
         return
     if len(names) <= PRUNE_ABOVE:
         return
-    names = names[:MAX_PRUNED]
     now = time.time()
+    stamp = f"{directory}/{PRUNED}"
+    try:
+        if 0 <= now - os.lstat(stamp).st_mtime < PRUNE_EVERY:
+            return
+    except OSError:
+        pass
+    try:
+        statefiles.write_atomic(stamp, {})
+    except (OSError, TypeError, ValueError):
+        return  # no stamp, no prune: a start never pays for one on every call
+    names = [n for n in names if n != PRUNED][:MAX_PRUNED]
     for name in names:
         path = f"{directory}/{name}"
         doc = files.read(path, 4096)
