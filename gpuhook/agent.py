@@ -17,10 +17,14 @@ pids and cgroups then mean the same to both); anything else gets `run`: the fron
 Python hook itself. So does every request when the agent is not running: the hook stays
 correct without it.
 
-Stops are answered at once and carried out afterwards, one at a time, in the order they came:
-runc's delete does not wait for gpuhook's cleanup. A start waits (up to STOP_WAIT) until
-every stop that came before it is done, so the GPUs a stop cleans up are clean before the
-next start checks them, as when the runtime ran each stop to its end.
+Every request goes to a spare: a child forked ahead of time that waits on a socket pair for
+one request (`Spare`), so no request waits for a fork. A stop (the front sends it with the
+state only) is answered as soon as its spare holds it, and carried out afterwards, one at a
+time, in the order they came: runc's delete waits neither for a fork nor for gpuhook's
+cleanup, and a stop the agent answered is lost with nothing but its own process. A start
+waits (up to STOP_WAIT) until every stop that came before it is done, so the GPUs a stop
+cleans up are clean before the next start checks them, as when the runtime ran each stop to
+its end.
 """
 
 import array
@@ -37,15 +41,19 @@ import time
 from gpuhook import entry, prescan
 from gpuhook.errors import INTERNAL_ERROR, InputError
 
-PROTOCOL = b"gpuhook-agent/1"
+PROTOCOL = b"gpuhook-agent/2"
 DEFAULT_SOCKET = "/run/gpuhook/agent.sock"
 SOCKET_VARIABLE = "GPUHOOK_AGENT_SOCKET"
 MAX_REQUEST = 65536  # bytes of one request datagram (the front's args and environment)
-FDS = 3  # the state's memfd, the front's stdout, its stderr
+FDS = 3  # a start: the state's memfd, the front's stdout, its stderr
+STOP_FDS = 1  # a stop: the state's memfd only (nobody reads a stop's output, and the runtime
+# waits for its hook's stdout and stderr to close: a stop must not hold them)
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
 STOP_WAIT = 5.0  # seconds a start waits for the stops that came before it
 STOP_LOCK_WAIT = 10.0  # seconds a stop waits for the one before it to end
+STOP_NICE = 10  # a stop's work yields the CPU to starts and the runtimes: nothing waits on it but a later start
+SPARE_DELAY = 0.002  # seconds of nothing to do before the agent forks the next spare
 NAMESPACES = ("mnt", "pid", "user", "cgroup")  # the peer must share these with the agent
 # The variables the front passes on (native/: the ones it gives the Python hook).
 KEPT_VARIABLES = ("PATH", "GPUHOOK_CONFIG", prescan.FRONT_VARIABLE, SOCKET_VARIABLE)
@@ -78,7 +86,8 @@ def preload() -> list:
 
 
 class Job:
-    """One request: a start (the front waits for its exit status) or a stop (answered at once)."""
+    """One request: a start (the front waits for its exit status) or a stop (answered once a
+    spare holds it)."""
 
     def __init__(self, seq: int, conn, stage: str, config_path, env: dict, fds: list, peer: int, umask: int):
         self.seq = seq
@@ -94,9 +103,9 @@ class Job:
         self.queued_at = time.monotonic()
         self.pid = 0
         self.pidfd = -1
-        self.ready = -1  # a stop: the read end of the pipe its child closes once it read the bundle
-        self.ready_w = -1
-        self.lock = None
+        self.ready = -1  # a stop: the agent's end of its spare's channel, which the child closes once it read the bundle
+        self.lock = None  # a stop: the lock file that serialises the stops' work
+        self.request = b""  # the request as the front sent it, for the spare
 
     @property
     def stop(self) -> bool:
@@ -118,11 +127,19 @@ def _close_fds(fds) -> None:
             pass
 
 
-def _same_namespaces(pid: int) -> bool:
+def own_namespaces() -> tuple:
+    found = []
+    for kind in NAMESPACES:
+        st = os.stat(f"/proc/self/ns/{kind}")
+        found.append((st.st_dev, st.st_ino))
+    return tuple(found)
+
+
+def _same_namespaces(pid: int, mine: tuple) -> bool:
     try:
-        for kind in NAMESPACES:
-            mine, theirs = os.stat(f"/proc/self/ns/{kind}"), os.stat(f"/proc/{pid}/ns/{kind}")
-            if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+        for kind, own in zip(NAMESPACES, mine):
+            theirs = os.stat(f"/proc/{pid}/ns/{kind}")
+            if own != (theirs.st_dev, theirs.st_ino):
                 return False
     except OSError:
         return False
@@ -168,14 +185,27 @@ def parse_request(data: bytes):
     return args, environment
 
 
+class Spare:
+    """A child forked ahead of any request, waiting on its end of a socket pair for one; the
+    agent keeps the other end, the pid and a pidfd. A request handed over is in the spare's
+    receive queue the moment sendmsg returns: from then on it survives the agent."""
+
+    def __init__(self, pid: int, pidfd: int, channel: socket.socket):
+        self.pid = pid
+        self.pidfd = pidfd
+        self.channel = channel
+
+
 class Agent:
     def __init__(self, path: str):
         self.path = path
         self.listener = None
         self.selector = selectors.DefaultSelector()
         self.unread = {}  # conn -> (accepted at, peer pid)
-        self.waiting = collections.deque()  # jobs not forked yet, in arrival order
+        self.waiting = collections.deque()  # jobs not handed to a spare yet, in arrival order
         self.running = {}  # pidfd -> job
+        self.spare = None
+        self.namespaces = own_namespaces()
         self.lock_path = os.path.join(os.path.dirname(path) or ".", "stops.lock")
         self.seq = 0
         self.stopping = False
@@ -213,6 +243,8 @@ class Agent:
             except OSError:
                 pass
             self.listener.close()
+            self.listener = None
+        self._retire_spare()
 
     # -- the loop ------------------------------------------------------------------------
     def serve(self, until=None) -> None:
@@ -225,8 +257,10 @@ class Agent:
             if self.stopping and self.listener is not None:
                 self.selector.unregister(self.listener)
                 self.close()
-                self.listener = None
-            for key, _ in self.selector.select(self._timeout()):
+            events = self.selector.select(self._timeout())
+            if not events and self.spare is None and self.listener is not None:
+                self._make_spare()  # between requests: no request waits for this fork
+            for key, _ in events:
                 if key.data == "listen":
                     self._accept()
                 elif key.data == "conn":
@@ -242,6 +276,10 @@ class Agent:
         now = time.monotonic()
         ends = [at + READ_TIMEOUT for at, _ in self.unread.values()]
         ends += [job.queued_at + STOP_WAIT for job in self.waiting if not job.stop]
+        if self.spare is None and self.listener is not None:
+            # The next spare is forked once nothing has happened for SPARE_DELAY: not while
+            # the front that was just answered, its runtime and the request's child want the CPU.
+            ends.append(now + SPARE_DELAY)
         return max(0.0, min(ends) - now) if ends else 0.5
 
     def _accept(self) -> None:
@@ -257,7 +295,7 @@ class Agent:
                                                               struct.calcsize("3i")))
             # Declined (the front runs the hook itself) once its request is read: closing a
             # connection with an unread request would reset it, and the front then fails.
-            declined = uid != 0 or pid <= 0 or not _same_namespaces(pid) \
+            declined = uid != 0 or pid <= 0 or not _same_namespaces(pid, self.namespaces) \
                 or len(self.running) + len(self.waiting) >= MAX_CHILDREN
             self.unread[conn] = (time.monotonic(), 0 if declined else pid)
             self.selector.register(conn, selectors.EVENT_READ, "conn")
@@ -298,7 +336,8 @@ class Agent:
         request = parse_request(data) if not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else None
         parsed = prescan.split_hook_args(request[0]) if request is not None else None
         umask = _umask_of(peer) if peer else None
-        if not peer or request is None or parsed is None or parsed[0] not in entry.HOOK_STAGES or len(fds) != FDS \
+        if not peer or request is None or parsed is None or parsed[0] not in entry.HOOK_STAGES \
+                or len(fds) != (STOP_FDS if parsed[0] == "poststop" else FDS) \
                 or umask is None or not stat.S_ISREG(os.fstat(fds[0]).st_mode) \
                 or request[1].get(prescan.FRONT_VARIABLE) != str(prescan.FRONT_PROTOCOL):
             # Not one this agent serves as the hook would (another front's protocol: the
@@ -309,12 +348,12 @@ class Agent:
             return
         self.seq += 1
         job = Job(self.seq, conn, parsed[0], parsed[1], request[1], fds, peer, umask)
+        job.request = data
         if job.stop:
-            # Forked at once: its child reads the bundle (gone once the runtime's delete
-            # returns) and says so, and the runtime goes on (`_read_done`); the work follows,
+            # Handed over at once and answered: its child reads the bundle, and the work follows,
             # one stop at a time (`STOP_LOCK`). Nothing of a stop waits in this process, so
             # nothing of it is lost if the agent ends, and no stop's input slows this loop.
-            self._fork(job)
+            self._hand(job)
             return
         self.waiting.append(job)
 
@@ -327,58 +366,101 @@ class Agent:
             if earlier_stops and now - job.queued_at < STOP_WAIT:
                 continue
             self.waiting.remove(job)
-            self._fork(job)
+            self._hand(job)
 
     def _read_done(self, job: "Job") -> None:
-        """A stop's child has read the state and the bundle (or ended): the runtime goes on."""
+        """A stop's child has read the state and the bundle (or ended): starts may count it."""
         self.selector.unregister(job.ready)
         os.close(job.ready)
         job.ready = -1
-        _close_fds(job.fds)
-        job.fds = []
-        if job.conn is not None:
-            _reply(job.conn, b"exit 0")
-            job.conn.close()
-            job.conn = None
 
-    def _fork(self, job: Job) -> None:
+    # -- spares ----------------------------------------------------------------------------
+    def _make_spare(self) -> "Spare | None":
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        ready_w = -1
-        if job.stop:
-            job.ready, ready_w = os.pipe2(os.O_CLOEXEC)
-            job.lock = self.lock_path
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        except OSError:
+            return None
         try:
             pid = os.fork()
         except OSError:
-            if job.stop:
-                _close_fds((job.ready, ready_w))
-                job.ready = -1
-            self._finish(job, None)
-            return
+            ours.close()
+            theirs.close()
+            return None
         if pid == 0:
-            job.ready_w = ready_w
             code = INTERNAL_ERROR
             try:
-                code = _child(job)
+                code = _spare(theirs.fileno(), self.lock_path)
             finally:
                 os._exit(code & 0xFF)
-        job.pid = pid
-        if job.stop:  # out and err stay open until the child read the bundle (`_read_done`)
-            os.close(ready_w)
+        theirs.close()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # cannot happen for a child not reaped yet
+            ours.close()
+            os.waitpid(pid, 0)
+            return None
+        self.spare = Spare(pid, pidfd, ours)
+        return self.spare
+
+    def _retire_spare(self) -> None:
+        """An idle spare ends on its channel's end of file; reap it (it exits at once)."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return
+        spare.channel.close()
+        try:
+            os.waitpid(spare.pid, 0)
+        except ChildProcessError:
+            pass
+        os.close(spare.pidfd)
+
+    def _hand(self, job: Job) -> None:
+        """Give `job` to the spare (forking one if there is none); a stop is answered then."""
+        spare, self.spare = self.spare, None
+        sent = False
+        for _ in range(2):  # a spare that died idle (sendmsg: EPIPE) is replaced once
+            if spare is None:
+                spare, self.spare = self._make_spare(), None
+                if spare is None:
+                    break
+            header = f"{job.seq} {job.peer} {job.umask} {job.queued_at!r}\n".encode()
+            try:
+                spare.channel.sendmsg([header + job.request],
+                                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", job.fds))])
+                sent = True
+                break
+            except OSError:
+                spare.channel.close()
+                try:
+                    os.waitpid(spare.pid, 0)
+                except ChildProcessError:
+                    pass
+                os.close(spare.pidfd)
+                spare = None
+        if not sent:
+            self._finish(job, None)
+            return
+        job.pid, job.pidfd = spare.pid, spare.pidfd
+        if job.stop:
+            # In the spare's queue now: the runtime goes on. The spare closes its end of the
+            # channel once it read the bundle (`_read_done`).
+            job.ready = os.dup(spare.channel.fileno())
+            spare.channel.close()
             self.selector.register(job.ready, selectors.EVENT_READ, ("ready", job))
+            _close_fds(job.fds)
+            job.fds = []
+            _reply(job.conn, b"exit 0")
+            job.conn.close()
+            job.conn = None
         else:  # a start keeps err for a signal's line
+            spare.channel.close()
             _close_fds(job.fds[:2])
             job.fds = job.fds[2:]
-        try:
-            job.pidfd = os.pidfd_open(pid)
-        except OSError:  # cannot happen for a child not reaped yet; wait for it then
-            os.waitpid(pid, 0)
-            self._finish(job, INTERNAL_ERROR)
-            return
         self.running[job.pidfd] = job
         self.selector.register(job.pidfd, selectors.EVENT_READ, "child")
 
@@ -406,6 +488,34 @@ class Agent:
             job.conn = None
 
 
+def _spare(channel: int, lock_path: str) -> int:
+    """In a spare: hold nothing of the agent's (no listener, no other request's fds: a runtime
+    waits for its hook's stdout to close), wait for one request, become its hook process."""
+    import gc
+
+    gc.disable()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.closerange(3, channel)
+    os.closerange(channel + 1, 1 << 20)
+    fds = array.array("i")
+    data, ancdata, _, _ = socket.socket(fileno=channel).recvmsg(MAX_REQUEST + 256, socket.CMSG_SPACE(
+        FDS * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    if not data:  # the agent retired this spare, or ended
+        return 0
+    header, _, request = data.partition(b"\n")
+    seq, peer, umask, queued_at = header.split()
+    args, env = parse_request(request)
+    stage, config_path = prescan.split_hook_args(args)
+    job = Job(int(seq), None, stage, config_path, env, list(fds), int(peer), int(umask))
+    job.queued_at = float(queued_at)
+    job.lock = lock_path
+    return _child(job)
+
+
 def _read_state(fd: int) -> bytes:
     chunks, total = [], 0
     while total <= prescan.MAX_STATE_BYTES:
@@ -418,12 +528,8 @@ def _read_state(fd: int) -> bytes:
 
 
 def _child(job: Job) -> int:
-    """In the forked child: become the front's hook process, run the hook, return its code."""
-    import gc
-
-    gc.disable()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """In a spare that got its request: become the front's hook process, run the hook, return
+    its code."""
     from gpuhook.kernel import caller
 
     caller.SINCE[0] = job.queued_at  # the hook's deadline counts from the request, wait included
@@ -438,19 +544,22 @@ def _child(job: Job) -> int:
         os.dup2(job.fds[0], 0)
         os.dup2(job.fds[1], 1)
         os.dup2(job.fds[2], 2)
-    # The listener, other requests' fds, the selector: none of the hook's. For a stop this
-    # also closes the pipe the agent waits on: what the stop needs of the bundle is read, and
-    # the runtime goes on (and the front's stdout and stderr are closed with it).
+    # The request's fds and the spare's channel. For a stop, the agent waits for the channel's
+    # end of file: what the stop needs of the bundle is read, starts may count it now.
     os.closerange(3, 1 << 20)
     if job.stop:
         if wants_none:
             return 0
+        try:
+            os.nice(STOP_NICE)
+        except OSError:
+            pass
         _take_stop_lock(job.lock, job.queued_at + STOP_LOCK_WAIT)
     os.umask(job.umask)
     os.environ.clear()
     os.environ.update(job.env)
     caller.CALLER[0] = job.peer
-    if job.stop:  # the prescan ran above, before the runtime went on (the bundle may be gone now)
+    if job.stop:  # the prescan ran above (the bundle may be gone by now)
         code = entry.run_checked(job.stage, job.config_path, job.state, job.spec)
     else:
         code = entry.run_stage(job.stage, job.config_path, job.state)
@@ -472,16 +581,34 @@ def _take_stop_lock(path: str, until: float) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:
         return
-    while True:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    except OSError:
+        return
+    left = until - time.monotonic()
+    if left <= 0:
+        return
+    waiting = [True]
+
+    def expired(signum, frame):
+        if waiting[0]:
+            raise TimeoutError
+    # A blocking flock, bounded by a one-shot timer: each stop wakes once, when the one before
+    # it ends, however many wait (polling woke each of them every few ms).
+    previous = signal.signal(signal.SIGALRM, expired)
+    try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= until:
-                return
-            time.sleep(0.005)
-        except OSError:
-            return
+            signal.setitimer(signal.ITIMER_REAL, left)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        finally:
+            waiting[0] = False
+    except (TimeoutError, OSError):
+        pass  # no lock: go on without it
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 def socket_path(explicit: str | None = None) -> str:

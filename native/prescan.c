@@ -331,13 +331,14 @@ fail:
 
 /* ---- The resident agent (gpuhook/agent.py): the front is its client. ----
  *
- * Protocol gpuhook-agent/1 over AF_UNIX SOCK_SEQPACKET (docs/architecture.md). One request
- * datagram: NUL-terminated tokens "gpuhook-agent/1", the number of args, the args after the
- * launcher, the number of environment entries, the entries (the clean environment Python would
- * get), with SCM_RIGHTS [state memfd, fd 1, fd 2]. One reply datagram: "run" (the agent
+ * Protocol AGENT_VERSION (gpuhook/agent.py's PROTOCOL, through markers.h) over AF_UNIX
+ * SOCK_SEQPACKET (docs/agent.md). One request datagram: NUL-terminated tokens AGENT_VERSION, the
+ * number of args, the args after the launcher, the number of environment entries, the entries
+ * (the clean environment Python would get), with SCM_RIGHTS [state memfd, fd 1, fd 2], or for a
+ * poststop [state memfd] alone (runc waits for its hook's stdout and stderr to close: a stop the
+ * agent carries out after answering must not hold them). One reply datagram: "run" (the agent
  * declines: run the Python hook here) or "exit N" (the hook ran there: exit N). */
 #define AGENT_DEFAULT_SOCKET "/run/gpuhook/agent.sock"
-#define AGENT_VERSION "gpuhook-agent/1"
 #define AGENT_REQUEST_MAX 65536u
 #define AGENT_REPLY_TIMEOUT_S 120
 #define INTERNAL_ERROR 70  /* gpuhook/errors.py */
@@ -443,6 +444,7 @@ static enum agent_result ask_agent(int nargs, char **args, const struct buf *sta
 		return AGENT_UNUSED;
 	}
 	int fds[3] = {mfd, 1, 2};
+	size_t nfds = strcmp(args[0], "poststop") == 0 ? 1 : 3;
 	union {
 		char buf[CMSG_SPACE(sizeof fds)];
 		struct cmsghdr align;
@@ -453,8 +455,9 @@ static enum agent_result ask_agent(int nargs, char **args, const struct buf *sta
 	struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
 	cmsg->cmsg_level = SOL_SOCKET;
 	cmsg->cmsg_type = SCM_RIGHTS;
-	cmsg->cmsg_len = CMSG_LEN(sizeof fds);
-	memcpy(CMSG_DATA(cmsg), fds, sizeof fds);
+	msg.msg_controllen = CMSG_SPACE(nfds * sizeof fds[0]);
+	cmsg->cmsg_len = CMSG_LEN(nfds * sizeof fds[0]);
+	memcpy(CMSG_DATA(cmsg), fds, nfds * sizeof fds[0]);
 	ssize_t sent;
 	do
 		sent = sendmsg(sock, &msg, MSG_NOSIGNAL);

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import REPO, GpuContainers, require, require_root_tools
+from gpuhook import agent as agent_module
 from helpers import testbed
 from helpers.runtimes import log_records, wait_for_record
 
@@ -184,7 +185,7 @@ def test_no_stop_holds_up_the_agent_for_another_container(gpus, front, agent, tm
     began = time.monotonic()
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:  # a request it declines
         client.connect(agent.socket)
-        client.send(b"gpuhook-agent/1\0" + b"1\0nostage\0" + b"0\0")
+        client.send(agent_module.PROTOCOL + b"\0" + b"1\0nostage\0" + b"0\0")
         client.settimeout(30)
         assert client.recv(16) == b"run"
     took = time.monotonic() - began
@@ -210,3 +211,50 @@ def test_every_stop_the_agent_answered_is_carried_out_even_when_the_agent_dies(g
     while {r.get("container") for r in log_records(gpus, "poststop")} < set(names):
         assert time.monotonic() < deadline, log_records(gpus, "poststop")
         time.sleep(0.1)
+
+
+def children_once_idle(agent) -> list:
+    """(pid, fds) of the agent's children once the requests' children have ended: the spare."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{agent.process.pid}/task/{agent.process.pid}/children") as f:
+            children = [int(pid) for pid in f.read().split()]
+        if len(children) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return [(pid, sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd"))) for pid in children]
+
+
+def test_a_spare_waits_holding_nothing_of_the_agents_but_its_channel(gpus, front, agent):
+    """Requests go to a child forked ahead of time. It must hold no other request's fds: runc
+    waits until its hook's stdout and stderr are closed by every process that has them, and
+    a spare may wait for minutes."""
+    result = gpus.run("before-spare", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
+                      edit=with_front(gpus, front, agent.socket))
+    assert result.returncode == 0, result.stderr
+    wait_for_record(gpus, "poststop", "before-spare")
+    (spare, fds), = children_once_idle(agent)
+    assert fds[:3] == [0, 1, 2] and len(fds) == 4, fds
+    assert os.readlink(f"/proc/{spare}/fd/{fds[3]}").startswith("socket:")
+
+
+def test_a_stop_is_answered_before_its_work_and_done_after(gpus, front, agent):
+    """runc's delete goes on once the agent holds the stop; the stop's work waits for the
+    stops before it (here: the lock held by this test) and then happens."""
+    import fcntl
+
+    lock = os.open(os.path.join(os.path.dirname(agent.socket), "stops.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        began = time.monotonic()
+        result = gpus.run("held-stop", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
+                          edit=with_front(gpus, front, agent.socket))
+        took = time.monotonic() - began
+        assert result.returncode == 0, result.stderr
+        assert took < agent_module.STOP_LOCK_WAIT / 2, took
+        time.sleep(0.3)
+        assert "held-stop" not in {r.get("container") for r in log_records(gpus, "poststop")}
+    finally:
+        os.close(lock)
+    stop = wait_for_record(gpus, "poststop", "held-stop")
+    assert stop["agent"] is True and stop["grants"] != "no cgroup grant recorded", stop

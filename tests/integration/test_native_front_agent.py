@@ -1,5 +1,5 @@
 """native/prescan.c as the client of the resident agent (gpuhook agent, protocol
-gpuhook-agent/1): a plain hook invocation its prescan could not rule out goes to a root-owned
+gpuhook.agent.PROTOCOL): a plain hook invocation its prescan could not rule out goes to a root-owned
 agent socket when there is one; "run" sends it back to the Python hook here, "exit N" ends it
 with N, anything else after the request went out is exit 70 with one line (never a second
 run). A socket anyone but root could have placed, an empty GPUHOOK_AGENT_SOCKET, Docker's
@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from conftest import require
+from gpuhook import agent as gpuhook_agent
 from gpuhook import prescan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "unit"))
@@ -123,7 +124,7 @@ def test_a_gpu_request_goes_to_the_agent_with_exact_tokens_and_fds(native, agent
     req = agent.request
     assert req["tokens"][-1] == b""  # every token ends with its NUL
     tokens = [t.decode() for t in req["tokens"][:-1]]
-    assert tokens[:5] == ["gpuhook-agent/1", "3", "prestart", "--config", "/etc/g.toml"]
+    assert tokens[:5] == [gpuhook_agent.PROTOCOL.decode(), "3", "prestart", "--config", "/etc/g.toml"]
     assert int(tokens[5]) == len(tokens) - 6
     assert sorted(tokens[6:]) == sorted([
         "PATH=/usr/bin:/bin", f"GPUHOOK_AGENT_SOCKET={agent.path}", "GPUHOOK_CONFIG=/etc/gpuhook/config.toml",
@@ -131,6 +132,19 @@ def test_a_gpu_request_goes_to_the_agent_with_exact_tokens_and_fds(native, agent
     ])
     assert req["state"] == GPU_STATE
     assert len(req["fds"]) == 3 and req["fds"][1:] == ids  # the memfd, then the front's fd 1 and fd 2
+
+
+def test_a_stop_goes_to_the_agent_with_the_state_alone(native, agent_dir):  # noqa: F811
+    """runc waits for its hook's stdout and stderr to close; the agent answers a stop before
+    carrying it out, so the front must not hand those over (gpuhook.agent.STOP_FDS)."""
+    agent = Agent(agent_dir, b"exit 0").serve()
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
+    code, out, err, python_stdin, _ = front(native, GPU_STATE, env, ("poststop",))
+    agent.close()
+    assert (code, out, err, python_stdin) == (0, b"", b"", None)
+    assert agent.request["tokens"][:3] == [gpuhook_agent.PROTOCOL, b"1", b"poststop"]
+    assert agent.request["state"] == GPU_STATE
+    assert len(agent.request["fds"]) == gpuhook_agent.STOP_FDS == 1
 
 
 def test_run_sends_the_hook_back_to_python_with_the_state_and_the_socket_variable(native, agent_dir):  # noqa: F811
@@ -232,7 +246,7 @@ def test_without_the_variable_the_default_socket_is_used(native, agent_dir):  # 
     code, err = _in_private_run(native, agent_dir, {"PATH": "/usr/bin:/bin"})
     agent.close()
     assert (code, err) == (5, b"")
-    assert agent.request["tokens"][:3] == [b"gpuhook-agent/1", b"1", b"prestart"]
+    assert agent.request["tokens"][:3] == [gpuhook_agent.PROTOCOL, b"1", b"prestart"]
 
 
 def test_an_empty_gpuhook_agent_socket_never_uses_the_agent(native, agent_dir):  # noqa: F811

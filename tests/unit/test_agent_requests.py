@@ -1,6 +1,10 @@
 """gpuhook.agent's request parser and its order of work: stops one at a time, in order; a start
 after the stops that came before it (docs/agent.md)."""
 
+import fcntl
+import os
+import signal
+import threading
 import time
 
 from gpuhook import agent
@@ -20,7 +24,7 @@ def test_a_request_is_its_args_and_kept_environment():
 
 def test_anything_else_is_not_a_request():
     good = payload([b"prestart"])
-    for bad in (b"", good[:-1], payload([b"prestart"], magic=b"gpuhook-agent/2"), payload([]),
+    for bad in (b"", good[:-1], payload([b"prestart"], magic=b"gpuhook-agent/1"), payload([]),
                 payload([b"prestart"], env=[b"LD_PRELOAD=/tmp/x.so"]),
                 payload([b"prestart"], env=[b"PATH=/a", b"PATH=/b"]), payload([b"prestart"], env=[b"PATH"]),
                 good.replace(b"\x001\x00prestart", b"\x005\x00prestart"), payload([b"\xff"]),
@@ -35,11 +39,11 @@ def jobs(*stages):
 def launched(server, monkeypatch):
     order = []
 
-    def fork(job):
+    def hand(job):
         order.append(job.seq)
         job.pidfd = 1000 + job.seq
         server.running[job.pidfd] = job
-    monkeypatch.setattr(server, "_fork", fork)
+    monkeypatch.setattr(server, "_hand", hand)
     return order
 
 
@@ -81,3 +85,31 @@ def test_a_stuck_stop_holds_a_start_only_so_long(monkeypatch):
     start2.queued_at = time.monotonic() - agent.STOP_WAIT - 0.1
     server._launch()
     assert order == [2]
+
+
+def test_a_stop_waits_for_the_lock_without_polling_and_only_so_long(tmp_path):
+    """One stop at a time, each waiting in flock (woken once, when the lock is free), never
+    longer than it was given; the timer that bounds the wait is gone afterwards."""
+    path = str(tmp_path / "stops.lock")
+    holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    handler = signal.getsignal(signal.SIGALRM)
+    began = time.monotonic()
+    agent._take_stop_lock(path, began + 0.3)
+    waited = time.monotonic() - began
+    assert 0.25 <= waited < 2, waited
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is handler
+    threading.Timer(0.2, os.close, (holder,)).start()
+    began = time.monotonic()
+    agent._take_stop_lock(path, began + 10)
+    waited = time.monotonic() - began
+    assert 0.15 <= waited < 2, waited
+    other = os.open(path, os.O_RDWR)
+    try:  # taken: by an fd this process still has open (the stop holds it until it exits)
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            raise AssertionError("the lock was not taken")
+        except BlockingIOError:
+            pass
+    finally:
+        os.close(other)
