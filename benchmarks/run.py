@@ -462,7 +462,7 @@ class SimGpu:
     def run(self, name: str):
         if not self.ready[name]:
             self.prepare(name, 1)
-        return self.rc.run(self.ready[name].pop(0), "bench-gpu")
+        return self.rc.run(self.ready[name].pop(0), f"bench-{name}")  # the log names the variant
 
     def log_records(self) -> list:
         try:
@@ -481,34 +481,45 @@ class SimGpu:
 
 
 def group_gpu(ctx) -> list:
+    """The GPU path with gpuhook as hooks.d registers it and the packages run it: the native
+    front (native/build.py's binary) in front of the Python command, with the agent (gpuhook
+    agent, which the packages start, here on a socket of its own) serving it. The same starts
+    with the Python command alone (a source install, or a host where the agent is not running)
+    are informational rows beside them. Without gcc there is no front: the target rows then
+    time the Python command, and say so."""
     sim = SimGpu(ctx)
     ctx.sim_gpu = sim
     sim.add("none", None, "0", False, "true")
-    for name, (_, visible, glibc, check) in SimGpu.VARIANTS.items():
-        sim.add(name, runc_hook(sim.hook), visible, glibc, check)
-    names = ["none", *SimGpu.VARIANTS]
-    # The static start again, through the native front as hooks.d registers it and the agent
-    # (gpuhook agent, started for this group on a socket of its own): informational.
     front = build_native(ctx)
-    agent = None
+    agent = socket_path = None
+    registered = runc_hook(sim.hook)
     if front:
         socket_path = agent_socket()
-        entry = with_agent_socket(runc_hook(H.hooksd_hook(ctx.hook["path"], launcher=ctx.launcher, front=front,
-                                                          extra_args=["--config", sim.config])), socket_path)
-        _, visible, glibc, check = SimGpu.VARIANTS["static"]
-        sim.add("agent", entry, visible, glibc, check)
-        names.append("agent")
+        registered = with_agent_socket(runc_hook(H.hooksd_hook(ctx.hook["path"], launcher=ctx.launcher, front=front,
+                                                               extra_args=["--config", sim.config])), socket_path)
+    names = ["none"]
+    for name, (_, visible, glibc, check) in SimGpu.VARIANTS.items():
+        sim.add(name, registered, visible, glibc, check)
+        names.append(name)
+        if front and name in PYTHON_ROWS:
+            sim.add(f"{name}-python", runc_hook(sim.hook), visible, glibc, check)
+            names.append(f"{name}-python")
+    if front:
         agent = start_agent(socket_path)
     try:
-        return _group_gpu(ctx, sim, names)
+        return _group_gpu(ctx, sim, names, front)
     finally:
         if agent is not None:
             stop_service(agent)
             shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
 
 
-def _group_gpu(ctx, sim, names: list) -> list:
+PYTHON_ROWS = ("static", "glibc")  # the variants also timed with the Python command alone
+
+
+def _group_gpu(ctx, sim, names: list, front) -> list:
     against = getattr(ctx.args, "against", None)
+    reference = "static-python" if front else "static"  # what --against compares with: the Python command
     if against:  # the same start with another tree's launcher, interleaved: an A/B in one run
         # Its own state dir: two trees whose inventory cache formats differ would otherwise
         # rebuild each other's cache on every start.
@@ -541,36 +552,47 @@ def _group_gpu(ctx, sim, names: list) -> list:
     rows = [H.row("gpu.none", "gpu", f"runc run busybox, no hook ({SIM_GPUS}-GPU sim host, baseline)", "ms", none,
                   note=setup, extra={"sim_build_seconds": round(sim.build_seconds, 1), "health": sim.health,
                                      "last_decision": decision})]
+    starts = [r for r in sim.log_records() if r.get("stage") == "prestart"]
+    served = {}  # variant -> [starts the agent served, starts logged]
+    for r in starts:
+        kind = str(r.get("container", "")).rsplit("-", 2)[0].removeprefix("bench-")
+        served.setdefault(kind, [0, 0])
+        served[kind][0] += r.get("agent") is True
+        served[kind][1] += 1
+    how = ("gpuhook as hooks.d registers it (the native front, native/build.py's binary, in front of the Python "
+           "command) with the agent running (gpuhook agent on a socket of its own, the hooks.d entry's "
+           "GPUHOOK_AGENT_SOCKET pointing at it)" if front else
+           "no gcc, so no native front: the Python command alone, not as hooks.d registers it")
     for name, (label, visible, glibc, _) in SimGpu.VARIANTS.items():
         stats = H.summary(samples[name]["ms"])
         target = {"static": TARGETS["gpu"], "glibc": TARGETS["gpu_glibc"]}.get(name)
-        note = f"+{stats['median'] - none['median']:.1f} ms over no hook"
+        note = f"+{stats['median'] - none['median']:.1f} ms over no hook; {how}"
+        if front:
+            note += "; starts the agent served: {} of {}".format(*served.get(name, [0, 0]))
         if name == "all":
             note += "; info"
         rows.append(H.row(f"gpu.{name}", "gpu", label, "ms", stats, baseline="gpu.none", baseline_stats=none,
                           target=target, paired=H.paired_ratios(samples[name]["ms"], samples["none"]["ms"]),
                           note=note, extra={"visible_devices": visible, "glibc_image": glibc}))
-    if "agent" in samples:
-        stats = H.summary(samples["agent"]["ms"])
-        served = sum(1 for r in sim.log_records() if r.get("agent") is True and r.get("stage") == "prestart")
-        rows.append(H.row("gpu.agent", "gpu", "GPU path through the native front and the agent, static image, GPU 0 "
-                          "(info)", "ms", stats, baseline="gpu.none", baseline_stats=none,
-                          paired=H.paired_ratios(samples["agent"]["ms"], samples["none"]["ms"]),
-                          note=f"{stats['median'] - samples_median(samples, 'static'):+.1f} ms against the static "
-                               f"row (the Python command alone); gpuhook agent on a socket of its own, the "
-                               f"hooks.d entry with GPUHOOK_AGENT_SOCKET pointing at it; starts the agent "
-                               f"served: {served}"))
+        if f"{name}-python" in samples:
+            py = H.summary(samples[f"{name}-python"]["ms"])
+            rows.append(H.row(f"gpu.{name}-python", "gpu", f"{label}, the Python command alone (no front, no agent: "
+                              "a source install) (info)", "ms", py, baseline="gpu.none", baseline_stats=none,
+                              paired=H.paired_ratios(samples[f"{name}-python"]["ms"], samples["none"]["ms"]),
+                              note=f"{py['median'] - stats['median']:+.1f} ms against the row above; starts the "
+                                   "agent served: {} of {}".format(*served.get(f"{name}-python", [0, 0]))))
     if against:
         stats = H.summary(samples["against"]["ms"])
         rows.append(H.row("gpu.against", "gpu", f"GPU path, static image, GPU 0, with {against} (A/B)", "ms", stats,
                           baseline="gpu.none", baseline_stats=none,
-                          paired=H.paired_ratios(samples["against"]["ms"], samples["static"]["ms"]),
-                          note=f"{stats['median'] - samples_median(samples, 'static'):+.1f} ms against this "
-                               f"checkout's static row; paired ratio is against that row; CPU time (user+sys "
-                               f"of runc and its hooks) {H.summary(samples['against']['cpu_ms'])['median']:.1f} ms "
-                               f"vs {H.summary(samples['static']['cpu_ms'])['median']:.1f} ms; minor page faults "
+                          paired=H.paired_ratios(samples["against"]["ms"], samples[reference]["ms"]),
+                          note=f"{stats['median'] - samples_median(samples, reference):+.1f} ms against this "
+                               f"checkout's Python command ({reference}); paired ratio is against that row; CPU "
+                               f"time (user+sys of runc and its hooks) "
+                               f"{H.summary(samples['against']['cpu_ms'])['median']:.1f} ms "
+                               f"vs {H.summary(samples[reference]['cpu_ms'])['median']:.1f} ms; minor page faults "
                                f"{H.summary(samples['against']['minflt'])['median']:.0f} vs "
-                               f"{H.summary(samples['static']['minflt'])['median']:.0f}"))
+                               f"{H.summary(samples[reference]['minflt'])['median']:.0f}"))
     return rows
 
 

@@ -73,11 +73,17 @@ def test_quick_gpu_path_importtime_and_breakdown(tmp_path):
     doc, stdout = run_runner(tmp_path, "--only", "gpu", "--importtime", "--breakdown")
     rows = rows_by_id(doc)
     assert doc["errors"] == {}
-    for name in ("static", "glibc", "all", "agent"):
+    for name in ("static", "glibc", "all", "static-python", "glibc-python"):
         assert rows[f"gpu.{name}"]["ratio"] > 0  # each timed start checked /dev/nvidia* inside
-    # The candidate through the native front and the agent: informational, and really served.
-    assert rows["gpu.agent"]["target"] is None
-    assert int(re.search(r"starts the agent served: (\d+)", rows["gpu.agent"]["note"])[1]) > 0
+    # The target rows are gpuhook as the packages run it: every start through the front was the
+    # agent's; the Python command alone is informational, and none of its starts was.
+    for name in ("static", "glibc", "all"):
+        served = re.search(r"starts the agent served: (\d+) of (\d+)", rows[f"gpu.{name}"]["note"])
+        assert served and int(served[1]) == int(served[2]) > 0, rows[f"gpu.{name}"]["note"]
+    for name in ("static-python", "glibc-python"):
+        assert rows[f"gpu.{name}"]["target"] is None
+        served = re.search(r"starts the agent served: (\d+) of (\d+)", rows[f"gpu.{name}"]["note"])
+        assert served and int(served[1]) == 0 < int(served[2]), rows[f"gpu.{name}"]["note"]
     assert rows["gpu.static"]["target"]["limit"] == 1.5 and rows["gpu.glibc"]["target"]["limit"] == 1.8
     assert "gpuhook.hook" not in {e["module"] for e in doc["importtime"]["nogpu"]["beyond_bare"]}
     assert "gpuhook.hook" in {e["module"] for e in doc["importtime"]["gpu"]["top"]}
