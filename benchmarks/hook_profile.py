@@ -128,6 +128,22 @@ def patch_steps(nsworker) -> None:
     nsworker.steps = steps
 
 
+def patch_ldconfig(ldconfig) -> None:
+    """The ld cache step and, inside it, the sandbox's phases (gpuhook.apply.ldsandbox: they
+    run in the sandbox process, which inherits the record file like the worker)."""
+    from gpuhook.apply import ldsandbox
+    from gpuhook.kernel import child, linux
+
+    patch(ldconfig, "build_cache", "ldconfig.build_cache")
+    patch(ldconfig, "install_cache", "ldconfig.install_cache")
+    for name in ("_sandbox", "_collect", "_readonly_copy", "_detach_foreign", "_output_dir", "_verify", "_hand_back"):
+        patch(ldsandbox, name, f"ldsandbox.{name}")
+    patch(child, "run", "child.run (ldconfig itself: fork, exec, wait)")
+    patch(child, "kill_group", "child.kill_group")
+    for name in ("unshare", "umount2", "pivot_root"):
+        patch(linux, name, f"linux.{name}")
+
+
 def patch_worker(nsworker) -> None:
     from gpuhook.apply import rootfs
     from gpuhook.kernel import linux
@@ -147,8 +163,7 @@ def patch_worker(nsworker) -> None:
     for name in ("_new_mount_point", "_attach", "_bind_and_remount"):
         patch(mounts, name, f"mounts.{name}")
     # The ld cache steps' module is imported only for an image with an ld cache.
-    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.ldconfig", lambda m: patch(
-        m, "build_cache", "ldconfig.build_cache")))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.ldconfig", patch_ldconfig))
     patch_steps(nsworker)
     patch(rootfs, "make_dirs", "rootfs.make_dirs")
     patch(rootfs, "ensure_file", "rootfs.ensure_file")
