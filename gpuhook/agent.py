@@ -258,7 +258,7 @@ class Agent:
                 self.selector.unregister(self.listener)
                 self.close()
             events = self.selector.select(self._timeout())
-            if not events and self.spare is None and self.listener is not None:
+            if not events and self._spare_due():
                 self._make_spare()  # between requests: no request waits for this fork
             for key, _ in events:
                 if key.data == "listen":
@@ -276,11 +276,17 @@ class Agent:
         now = time.monotonic()
         ends = [at + READ_TIMEOUT for at, _ in self.unread.values()]
         ends += [job.queued_at + STOP_WAIT for job in self.waiting if not job.stop]
-        if self.spare is None and self.listener is not None:
-            # The next spare is forked once nothing has happened for SPARE_DELAY: not while
-            # the front that was just answered, its runtime and the request's child want the CPU.
+        if self._spare_due():
             ends.append(now + SPARE_DELAY)
         return max(0.0, min(ends) - now) if ends else 0.5
+
+    def _spare_due(self) -> bool:
+        """Whether to fork the next spare once nothing has happened for SPARE_DELAY: not while
+        a start is at work (its child and its namespace worker want the CPU, and a start that
+        comes meanwhile forks its own), nor right after an answer (the front and its runtime
+        go on then)."""
+        return self.spare is None and self.listener is not None and not self.waiting \
+            and not any(not job.stop for job in self.running.values())
 
     def _accept(self) -> None:
         while True:
@@ -498,6 +504,14 @@ def _spare(channel: int, lock_path: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.closerange(3, channel)
     os.closerange(channel + 1, 1 << 20)
+    from gpuhook.apply import worker
+
+    # A start's namespace worker, forked now rather than on the request's critical path; a
+    # stop discards it (`_child`). It holds nothing of this process's but its own pipes.
+    try:
+        worker.start_early(close=(channel,))
+    except OSError:
+        pass  # the start forks its own (gpuhook.entry)
     fds = array.array("i")
     data, ancdata, _, _ = socket.socket(fileno=channel).recvmsg(MAX_REQUEST + 256, socket.CMSG_SPACE(
         FDS * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
@@ -545,8 +559,18 @@ def _child(job: Job) -> int:
         os.dup2(job.fds[1], 1)
         os.dup2(job.fds[2], 2)
     # The request's fds and the spare's channel. For a stop, the agent waits for the channel's
-    # end of file: what the stop needs of the bundle is read, starts may count it now.
-    os.closerange(3, 1 << 20)
+    # end of file: what the stop needs of the bundle is read, starts may count it now. A
+    # start's namespace worker, forked by the spare, keeps its pipes; a stop needs none.
+    from gpuhook.apply import worker
+
+    if job.stop:
+        worker.discard()
+    keep = sorted(worker.early_fds())
+    low = 3
+    for fd in keep:
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
     if job.stop:
         if wants_none:
             return 0

@@ -223,8 +223,9 @@ class Worker:
                 os.close(pidfd)
 
 
-def start() -> Worker:
-    """Fork a worker that loads gpuhook.apply.nsworker and waits for its order."""
+def start(close=()) -> Worker:
+    """Fork a worker that loads gpuhook.apply.nsworker and waits for its order; `close`: fds
+    of this process the worker must not hold (gpuhook.agent's spare: its channel)."""
     import mmap
 
     progress = mmap.mmap(-1, PROGRESS_BYTES + JOURNAL_BYTES)
@@ -243,6 +244,8 @@ def start() -> Worker:
         try:
             os.close(order_w)
             os.close(result_r)
+            for fd in close:
+                os.close(fd)
             devnull = os.open("/dev/null", os.O_RDWR)
             for fd in (0, 1, 2):  # never hold the runtime's pipes, from the first moment
                 os.dup2(devnull, fd)
@@ -259,12 +262,18 @@ def start() -> Worker:
     return worker
 
 
-def start_early() -> None:
+def start_early(close=()) -> None:
     """Fork the worker now, ahead of the planning (gpuhook.entry, for a hook stage that may
-    configure GPUs); `take` hands it out, `discard` ends it if nobody did."""
+    configure GPUs; gpuhook.agent's spares, ahead of the request); `take` hands it out,
+    `discard` ends it if nobody did."""
     global _early
     if _early is None:
-        _early = start()
+        _early = start(close)
+
+
+def early_fds() -> tuple:
+    """The fds this process holds of the worker forked early (to keep when closing others)."""
+    return () if _early is None else (_early.order_w, _early.result_r)
 
 
 def take() -> Worker:

@@ -234,8 +234,13 @@ def test_a_spare_waits_holding_nothing_of_the_agents_but_its_channel(gpus, front
     assert result.returncode == 0, result.stderr
     wait_for_record(gpus, "poststop", "before-spare")
     (spare, fds), = children_once_idle(agent)
-    assert fds[:3] == [0, 1, 2] and len(fds) == 4, fds
-    assert os.readlink(f"/proc/{spare}/fd/{fds[3]}").startswith("socket:")
+    kinds = sorted(os.readlink(f"/proc/{spare}/fd/{fd}").split(":")[0] for fd in fds[3:])
+    # Its channel, and the two pipes of the namespace worker it forked for a start.
+    assert fds[:3] == [0, 1, 2] and kinds == ["pipe", "pipe", "socket"], fds
+    with open(f"/proc/{spare}/task/{spare}/children") as f:
+        (worker,) = [int(pid) for pid in f.read().split()]
+    kinds = sorted(os.readlink(f"/proc/{worker}/fd/{fd}").split(":")[0] for fd in os.listdir(f"/proc/{worker}/fd"))
+    assert kinds == ["/dev/null"] * 3 + ["pipe", "pipe"], kinds
 
 
 def test_a_stop_is_answered_before_its_work_and_done_after(gpus, front, agent):
