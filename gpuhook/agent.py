@@ -148,13 +148,15 @@ def _same_namespaces(pid: int, mine: tuple) -> bool:
 
 def _umask_of(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f.read(8192).splitlines():
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
+        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 8192)
+        finally:
+            os.close(fd)
+        at = data.index(b"\nUmask:")
+        return int(data[at + 7:data.index(b"\n", at + 7)].strip(), 8)
+    except (OSError, ValueError):
         return None
-    return None
 
 
 def parse_request(data: bytes):
@@ -186,14 +188,23 @@ def parse_request(data: bytes):
 
 
 class Spare:
-    """A child forked ahead of any request, waiting on its end of a socket pair for one; the
-    agent keeps the other end, the pid and a pidfd. A request handed over is in the spare's
-    receive queue the moment sendmsg returns: from then on it survives the agent."""
+    """A child forked ahead of any request; the agent keeps its end of their socket pair (the
+    channel), the write end of a pipe the spare waits on (`go`), the pid and a pidfd. A
+    request handed over is in the spare's receive queue the moment sendmsg returns: from then
+    on it survives the agent. The spare wakes when `go` is closed (by the agent once it has
+    answered, or by the agent's end), not on the request itself: woken by sendmsg, a spare on
+    the agent's CPU would run before the agent's answer to a stop, holding the runtime up."""
 
-    def __init__(self, pid: int, pidfd: int, channel: socket.socket):
+    def __init__(self, pid: int, pidfd: int, channel: socket.socket, go: int):
         self.pid = pid
         self.pidfd = pidfd
         self.channel = channel
+        self.go = go
+
+    def wake(self) -> None:
+        if self.go >= 0:
+            os.close(self.go)
+            self.go = -1
 
 
 class Agent:
@@ -305,6 +316,7 @@ class Agent:
                 or len(self.running) + len(self.waiting) >= MAX_CHILDREN
             self.unread[conn] = (time.monotonic(), 0 if declined else pid)
             self.selector.register(conn, selectors.EVENT_READ, "conn")
+            self._read(conn)  # the front sends right after connecting: usually there already
 
     def _expire_unread(self) -> None:
         now = time.monotonic()
@@ -392,33 +404,43 @@ class Agent:
         except OSError:
             return None
         try:
+            go_r, go_w = os.pipe2(os.O_CLOEXEC)
+        except OSError:
+            ours.close()
+            theirs.close()
+            return None
+        try:
             pid = os.fork()
         except OSError:
+            _close_fds((go_r, go_w))
             ours.close()
             theirs.close()
             return None
         if pid == 0:
             code = INTERNAL_ERROR
             try:
-                code = _spare(theirs.fileno(), self.lock_path)
+                code = _spare(theirs.fileno(), go_r, self.lock_path)
             finally:
                 os._exit(code & 0xFF)
         theirs.close()
+        os.close(go_r)
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:  # cannot happen for a child not reaped yet
             ours.close()
+            os.close(go_w)
             os.waitpid(pid, 0)
             return None
-        self.spare = Spare(pid, pidfd, ours)
+        self.spare = Spare(pid, pidfd, ours, go_w)
         return self.spare
 
     def _retire_spare(self) -> None:
-        """An idle spare ends on its channel's end of file; reap it (it exits at once)."""
+        """An idle spare woken with nothing in its channel ends; reap it (it exits at once)."""
         spare, self.spare = self.spare, None
         if spare is None:
             return
         spare.channel.close()
+        spare.wake()
         try:
             os.waitpid(spare.pid, 0)
         except ChildProcessError:
@@ -442,6 +464,7 @@ class Agent:
                 break
             except OSError:
                 spare.channel.close()
+                spare.wake()
                 try:
                     os.waitpid(spare.pid, 0)
                 except ChildProcessError:
@@ -453,20 +476,21 @@ class Agent:
             return
         job.pid, job.pidfd = spare.pid, spare.pidfd
         if job.stop:
-            # In the spare's queue now: the runtime goes on. The spare closes its end of the
-            # channel once it read the bundle (`_read_done`).
-            job.ready = os.dup(spare.channel.fileno())
-            spare.channel.close()
-            self.selector.register(job.ready, selectors.EVENT_READ, ("ready", job))
-            _close_fds(job.fds)
-            job.fds = []
+            # In the spare's queue now: the runtime goes on, answered before the spare is
+            # woken. The spare closes its end of the channel once it read the bundle
+            # (`_read_done`).
             _reply(job.conn, b"exit 0")
             job.conn.close()
             job.conn = None
+            job.ready = os.dup(spare.channel.fileno())
+            self.selector.register(job.ready, selectors.EVENT_READ, ("ready", job))
+            _close_fds(job.fds)
+            job.fds = []
         else:  # a start keeps err for a signal's line
-            spare.channel.close()
             _close_fds(job.fds[:2])
             job.fds = job.fds[2:]
+        spare.channel.close()
+        spare.wake()
         self.running[job.pidfd] = job
         self.selector.register(job.pidfd, selectors.EVENT_READ, "child")
 
@@ -494,27 +518,38 @@ class Agent:
             job.conn = None
 
 
-def _spare(channel: int, lock_path: str) -> int:
+def _spare(channel: int, go: int, lock_path: str) -> int:
     """In a spare: hold nothing of the agent's (no listener, no other request's fds: a runtime
-    waits for its hook's stdout to close), wait for one request, become its hook process."""
+    waits for its hook's stdout to close), wait to be woken (`go` closed), take the one request
+    in the channel, become its hook process; with none there (retired, or the agent ended
+    idle), end."""
     import gc
 
     gc.disable()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.closerange(3, channel)
-    os.closerange(channel + 1, 1 << 20)
+    low = 3
+    for fd in sorted((channel, go)):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
     from gpuhook.apply import worker
 
     # A start's namespace worker, forked now rather than on the request's critical path; a
     # stop discards it (`_child`). It holds nothing of this process's but its own pipes.
     try:
-        worker.start_early(close=(channel,))
+        worker.start_early(close=(channel, go))
     except OSError:
         pass  # the start forks its own (gpuhook.entry)
+    while os.read(go, 1):  # nothing is written: it ends when the agent closes its end
+        pass
+    os.close(go)
     fds = array.array("i")
-    data, ancdata, _, _ = socket.socket(fileno=channel).recvmsg(MAX_REQUEST + 256, socket.CMSG_SPACE(
-        FDS * fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+    try:
+        data, ancdata, _, _ = socket.socket(fileno=channel).recvmsg(MAX_REQUEST + 256, socket.CMSG_SPACE(
+            FDS * fds.itemsize), socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return 0  # retired idle
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])

@@ -235,8 +235,8 @@ def test_a_spare_waits_holding_nothing_of_the_agents_but_its_channel(gpus, front
     wait_for_record(gpus, "poststop", "before-spare")
     (spare, fds), = children_once_idle(agent)
     kinds = sorted(os.readlink(f"/proc/{spare}/fd/{fd}").split(":")[0] for fd in fds[3:])
-    # Its channel, and the two pipes of the namespace worker it forked for a start.
-    assert fds[:3] == [0, 1, 2] and kinds == ["pipe", "pipe", "socket"], fds
+    # Its channel, the pipe it waits on, and the two pipes of the worker it forked for a start.
+    assert fds[:3] == [0, 1, 2] and kinds == ["pipe", "pipe", "pipe", "socket"], fds
     with open(f"/proc/{spare}/task/{spare}/children") as f:
         (worker,) = [int(pid) for pid in f.read().split()]
     kinds = sorted(os.readlink(f"/proc/{worker}/fd/{fd}").split(":")[0] for fd in os.listdir(f"/proc/{worker}/fd"))
