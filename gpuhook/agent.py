@@ -24,7 +24,7 @@ time, in the order they came: runc's delete waits neither for a fork nor for gpu
 cleanup, and a stop the agent answered is lost with nothing but its own process. A start
 waits (up to STOP_WAIT) until every stop that came before it is done, so the GPUs a stop
 cleans up are clean before the next start checks them, as when the runtime ran each stop to
-its end.
+its end; for a stop still reading its own bundle, only STOP_READ_WAIT.
 """
 
 import array
@@ -51,6 +51,7 @@ STOP_FDS = 1  # a stop: the state's memfd only (nobody reads a stop's output, an
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
 STOP_WAIT = 5.0  # seconds a start waits for the stops that came before it
+STOP_READ_WAIT = 0.25  # of which, for a stop still reading its own bundle
 STOP_LOCK_WAIT = 10.0  # seconds a stop waits for the one before it to end
 STOP_NICE = 10  # a stop's work yields the CPU to starts and the runtimes: nothing waits on it but a later start
 SPARE_DELAY = 0.002  # seconds of nothing to do before the agent forks the next spare
@@ -286,7 +287,8 @@ class Agent:
     def _timeout(self) -> float:
         now = time.monotonic()
         ends = [at + READ_TIMEOUT for at, _ in self.unread.values()]
-        ends += [job.queued_at + STOP_WAIT for job in self.waiting if not job.stop]
+        ends += [end for job in self.waiting if not job.stop
+                 for end in (job.queued_at + STOP_READ_WAIT, job.queued_at + STOP_WAIT) if end > now]
         if self._spare_due():
             ends.append(now + SPARE_DELAY)
         return max(0.0, min(ends) - now) if ends else 0.5
@@ -378,10 +380,12 @@ class Agent:
     def _launch(self) -> None:
         now = time.monotonic()
         for job in list(self.waiting):
-            # Only stops at their work: one still reading its bundle (`ready` open) is slowed
-            # by nothing but its own container's input, which must not hold back others'.
-            earlier_stops = any(j.stop and j.seq < job.seq and j.ready < 0 for j in self.running.values())
-            if earlier_stops and now - job.queued_at < STOP_WAIT:
+            # A stop at its work holds the start up to STOP_WAIT. One still reading its bundle
+            # (`ready` open) holds it only STOP_READ_WAIT: that read is a few ms, unless its
+            # own container's input is huge, which must not hold back others' for long.
+            earlier = [j for j in self.running.values() if j.stop and j.seq < job.seq]
+            waited = now - job.queued_at
+            if any(waited < (STOP_WAIT if j.ready < 0 else STOP_READ_WAIT) for j in earlier):
                 continue
             self.waiting.remove(job)
             self._hand(job)

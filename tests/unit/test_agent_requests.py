@@ -61,15 +61,20 @@ def test_a_start_waits_for_the_stops_before_it_only_so_long(monkeypatch):
     assert order == [2]
 
 
-def test_a_stop_still_reading_its_own_bundle_holds_no_start(monkeypatch):
-    """Attacker pass 8, A1: a stop whose config.json is huge is slow only in its own child's
-    prescan; starts of other containers do not wait for that."""
+def test_a_stop_still_reading_its_own_bundle_holds_a_start_only_briefly(monkeypatch):
+    """Attacker pass 9, S1: a start did not wait for a stop answered but not yet at its work
+    (its spare not yet woken, or reading its bundle), and could check a GPU that stop had not
+    cleaned. Attacker pass 8, A1: a stop whose config.json is huge is slow in its own child's
+    prescan; starts of other containers wait for that only STOP_READ_WAIT."""
     server = agent.Agent("/nonexistent/agent.sock")
     order = launched(server, monkeypatch)
     stop1, start2 = jobs("poststop", "prestart")
     stop1.ready = 99  # its child has not closed the pipe yet
     server.running[1001] = stop1
     server.waiting.append(start2)
+    server._launch()
+    assert order == []
+    start2.queued_at = time.monotonic() - agent.STOP_READ_WAIT - 0.01
     server._launch()
     assert order == [2]
 
@@ -113,3 +118,17 @@ def test_a_stop_waits_for_the_lock_without_polling_and_only_so_long(tmp_path):
             pass
     finally:
         os.close(other)
+
+
+def test_a_start_waiting_past_the_read_wait_does_not_spin_the_loop(monkeypatch):
+    """A start waits for a stop at its work, STOP_READ_WAIT behind it: the loop sleeps until
+    STOP_WAIT, not 0 s over and over."""
+    server = agent.Agent("/nonexistent/agent.sock")
+    launched(server, monkeypatch)
+    stop1, start2 = jobs("poststop", "prestart")
+    server.running[1001] = stop1
+    start2.queued_at = time.monotonic() - agent.STOP_READ_WAIT - 0.1
+    server.waiting.append(start2)
+    server._launch()
+    assert list(server.waiting) == [start2]
+    assert agent.STOP_WAIT - agent.STOP_READ_WAIT - 0.5 < server._timeout() <= agent.STOP_WAIT
