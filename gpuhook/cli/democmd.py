@@ -61,7 +61,8 @@ def demo(workdir, visible):
         os.makedirs(workdir)
     open(f"{workdir}/.gpuhook-demo", "w").close()
     # The container's id (and with it its cgroup and runc state) is this demo's own.
-    container_id = "gpuhook-" + os.path.basename(workdir)
+    name = os.path.basename(workdir)
+    container_id = name if name.startswith("gpuhook-") else "gpuhook-" + name
     click.echo(f"1. simulated host with 4 GPUs in {workdir}/host")
     sim = host.build(f"{workdir}/host", gpus=4)
     libdir = "/usr/lib64"
