@@ -40,6 +40,7 @@ import time
 
 from gpuhook import entry, prescan
 from gpuhook.errors import INTERNAL_ERROR, InputError
+from gpuhook.kernel import mountinfo
 
 PROTOCOL = b"gpuhook-agent/2"
 DEFAULT_SOCKET = "/run/gpuhook/agent.sock"
@@ -149,13 +150,7 @@ def _same_namespaces(pid: int, mine: tuple) -> bool:
 
 def _umask_of(pid: int) -> int | None:
     try:
-        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.read(fd, 8192)
-        finally:
-            os.close(fd)
-        at = data.index(b"\nUmask:")
-        return int(data[at + 7:data.index(b"\n", at + 7)].strip(), 8)
+        return int(mountinfo.proc_field(f"/proc/{pid}/status", b"Umask:"), 8)
     except (OSError, ValueError):
         return None
 
@@ -206,6 +201,17 @@ class Spare:
         if self.go >= 0:
             os.close(self.go)
             self.go = -1
+
+    def end(self) -> None:
+        """End a spare that holds no request: woken with its channel closed, it exits at once;
+        reap it."""
+        self.channel.close()
+        self.wake()
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+        os.close(self.pidfd)
 
 
 class Agent:
@@ -441,15 +447,8 @@ class Agent:
     def _retire_spare(self) -> None:
         """An idle spare woken with nothing in its channel ends; reap it (it exits at once)."""
         spare, self.spare = self.spare, None
-        if spare is None:
-            return
-        spare.channel.close()
-        spare.wake()
-        try:
-            os.waitpid(spare.pid, 0)
-        except ChildProcessError:
-            pass
-        os.close(spare.pidfd)
+        if spare is not None:
+            spare.end()
 
     def _hand(self, job: Job) -> None:
         """Give `job` to the spare (forking one if there is none); a stop is answered then."""
@@ -467,13 +466,7 @@ class Agent:
                 sent = True
                 break
             except OSError:
-                spare.channel.close()
-                spare.wake()
-                try:
-                    os.waitpid(spare.pid, 0)
-                except ChildProcessError:
-                    pass
-                os.close(spare.pidfd)
+                spare.end()
                 spare = None
         if not sent:
             self._finish(job, None)
