@@ -542,11 +542,17 @@ def _spare(channel: int, go: int, lock_path: str) -> int:
         pass
     os.close(go)
     fds = array.array("i")
+    # detach(): a socket object closes its fd when it is freed, and a stop's channel must stay
+    # open until the stop has read its bundle (`_child`): the agent counts it as at its work
+    # from the channel's end of file (attacker pass 10, B1).
+    receiver = socket.socket(fileno=channel)
     try:
-        data, ancdata, _, _ = socket.socket(fileno=channel).recvmsg(MAX_REQUEST + 256, socket.CMSG_SPACE(
+        data, ancdata, _, _ = receiver.recvmsg(MAX_REQUEST + 256, socket.CMSG_SPACE(
             FDS * fds.itemsize), socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
     except BlockingIOError:
         return 0  # retired idle
+    finally:
+        receiver.detach()
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])

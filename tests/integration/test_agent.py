@@ -263,3 +263,21 @@ def test_a_stop_is_answered_before_its_work_and_done_after(gpus, front, agent):
         os.close(lock)
     stop = wait_for_record(gpus, "poststop", "held-stop")
     assert stop["agent"] is True and stop["grants"] != "no cgroup grant recorded", stop
+
+
+def test_a_stop_reading_a_huge_bundle_holds_the_next_start_only_briefly(gpus, front, agent, tmp_path):
+    """Attacker pass 10, B1: a start waits for a stop still reading its bundle only
+    STOP_READ_WAIT; the spare closed the channel that tells the agent so as soon as it took
+    the request, and the start waited for the whole of that stop (up to STOP_WAIT): any
+    container could hold back the next start by its own config.json."""
+    stop = run_front(front, "poststop", b"", gpus.config, agent.socket)
+    stop.stdin.write(stop_state(tmp_path / "bundles", "huge", 8 << 20))  # 50 MB: a prescan of about 2 s
+    stop.stdin.close()
+    assert stop.wait(60) == 0
+    result = gpus.run("after-huge", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
+                      edit=with_front(gpus, front, agent.socket, stages=("prestart",)))
+    assert result.returncode == 0, result.stderr
+    assert "huge" not in {r.get("container") for r in log_records(gpus, "poststop")}  # still reading
+    (start,) = log_records(gpus, "prestart")
+    assert start["agent"] is True
+    wait_for_record(gpus, "poststop", "huge")
