@@ -42,7 +42,7 @@ from gpuhook import entry, prescan
 from gpuhook.errors import INTERNAL_ERROR, InputError
 from gpuhook.kernel import mountinfo
 
-PROTOCOL = b"gpuhook-agent/2"
+PROTOCOL = b"gpuhook-agent/3"
 DEFAULT_SOCKET = "/run/gpuhook/agent.sock"
 SOCKET_VARIABLE = "GPUHOOK_AGENT_SOCKET"
 MAX_REQUEST = 65536  # bytes of one request datagram (the front's args and environment)
@@ -59,7 +59,6 @@ SPARE_DELAY = 0.002  # seconds of nothing to do before the agent forks the next 
 NAMESPACES = ("mnt", "pid", "user", "cgroup")  # the peer must share these with the agent
 # The variables the front passes on (native/: the ones it gives the Python hook).
 KEPT_VARIABLES = ("PATH", "GPUHOOK_CONFIG", prescan.FRONT_VARIABLE, SOCKET_VARIABLE)
-SIGNALLED_LINE = "gpuhook: internal error: the hook's process ended on signal {}"
 
 
 def preload() -> list:
@@ -97,7 +96,7 @@ class Job:
         self.stage = stage
         self.config_path = config_path
         self.env = env
-        self.fds = fds  # [memfd, out, err] until the child is forked (err kept for a start)
+        self.fds = fds  # [memfd, out, err] (a stop: [memfd]) until handed to a spare
         self.peer = peer
         self.umask = umask
         self.state = None
@@ -460,9 +459,11 @@ class Agent:
                 if spare is None:
                     break
             header = f"{job.seq} {job.peer} {job.umask} {job.queued_at!r}\n".encode()
+            # A start's child gets the front's connection too: it answers the front itself.
+            fds = job.fds if job.stop else [*job.fds, job.conn.fileno()]
             try:
                 spare.channel.sendmsg([header + job.request],
-                                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", job.fds))])
+                                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
                 sent = True
                 break
             except OSError:
@@ -481,11 +482,10 @@ class Agent:
             job.conn = None
             job.ready = os.dup(spare.channel.fileno())
             self.selector.register(job.ready, selectors.EVENT_READ, ("ready", job))
-            _close_fds(job.fds)
-            job.fds = []
-        else:  # a start keeps err for a signal's line
-            _close_fds(job.fds[:2])
-            job.fds = job.fds[2:]
+        # Nothing of the front's output stays here: the runtime waits until every copy of its
+        # hook's stdout and stderr is closed, and the child closes its own before it answers.
+        _close_fds(job.fds)
+        job.fds = []
         spare.channel.close()
         spare.wake()
         self.running[job.pidfd] = job
@@ -498,21 +498,25 @@ class Agent:
         self.selector.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(job.pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        if code < 0 and job.fds:
-            try:
-                os.write(job.fds[0], (SIGNALLED_LINE.format(-code) + "\n").encode())
-            except OSError:
-                pass
-        self._finish(job, code if code >= 0 else INTERNAL_ERROR)
+        # The child answered before it ended (`_child`); this answer counts only where it did
+        # not (killed, or failed before it could): the front reads one answer, the first.
+        self._finish(job, os.waitstatus_to_exitcode(status))
 
     def _finish(self, job: Job, code) -> None:
+        """Answer the front: `run` (code None: nothing of the hook ran), `exit N`, or
+        `signal N` for a child killed by signal N (the front prints the line and exits 70)."""
         _close_fds(job.fds)
         job.fds = []
         if job.conn is not None:
-            _reply(job.conn, b"run" if code is None else f"exit {code}".encode())
+            _reply(job.conn, _answer(code))
             job.conn.close()
             job.conn = None
+
+
+def _answer(code) -> bytes:
+    if code is None:
+        return b"run"
+    return f"exit {code}".encode() if code >= 0 else f"signal {-code}".encode()
 
 
 def _spare(channel: int, go: int, lock_path: str) -> int:
@@ -548,7 +552,7 @@ def _spare(channel: int, go: int, lock_path: str) -> int:
     receiver = socket.socket(fileno=channel)
     try:
         data, ancdata, _, _ = receiver.recvmsg(MAX_REQUEST + 256, socket.CMSG_SPACE(
-            FDS * fds.itemsize), socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+            (FDS + 1) * fds.itemsize), socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
     except BlockingIOError:
         return 0  # retired idle
     finally:
@@ -598,12 +602,14 @@ def _child(job: Job) -> int:
         os.dup2(job.fds[2], 2)
     # The request's fds and the spare's channel. For a stop, the agent waits for the channel's
     # end of file: what the stop needs of the bundle is read, starts may count it now. A
-    # start's namespace worker, forked by the spare, keeps its pipes; a stop needs none.
+    # start's namespace worker, forked by the spare, keeps its pipes; a stop needs none. A
+    # start keeps the front's connection, to answer it.
     from gpuhook.apply import worker
 
     if job.stop:
         worker.discard()
-    keep = sorted(worker.early_fds())
+    conn = -1 if job.stop else job.fds[3]
+    keep = sorted([*worker.early_fds(), *([conn] if conn >= 0 else [])])
     low = 3
     for fd in keep:
         os.closerange(low, fd)
@@ -630,7 +636,25 @@ def _child(job: Job) -> int:
             stream.flush()
         except (OSError, ValueError):
             pass
-    return 0 if code is None else code
+    code = 0 if code is None else code
+    if conn >= 0:
+        _answer_front(conn, code)
+    return code
+
+
+def _answer_front(conn: int, code: int) -> None:
+    """Answer the front from the child, its output closed first: the runtime goes on once the
+    front has exited and every copy of its stdout and stderr is closed, not when this process
+    has ended and the agent has reaped it (about 1 ms later). The agent answers again when it
+    reaps the child; the front reads only the first answer."""
+    null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
+    try:
+        socket.socket(fileno=conn).send(_answer(code))
+    except OSError:
+        pass
 
 
 def _take_stop_lock(path: str, until: float) -> None:

@@ -337,7 +337,8 @@ fail:
  * (the clean environment Python would get), with SCM_RIGHTS [state memfd, fd 1, fd 2], or for a
  * poststop [state memfd] alone (runc waits for its hook's stdout and stderr to close: a stop the
  * agent carries out after answering must not hold them). One reply datagram: "run" (the agent
- * declines: run the Python hook here) or "exit N" (the hook ran there: exit N). */
+ * declines: run the Python hook here), "exit N" (the hook ran there: exit N) or "signal N" (the
+ * hook's process there was killed by signal N: one line, exit INTERNAL_ERROR). */
 #define AGENT_DEFAULT_SOCKET "/run/gpuhook/agent.sock"
 #define AGENT_REQUEST_MAX 65536u
 #define AGENT_REPLY_TIMEOUT_S 120
@@ -501,14 +502,20 @@ static enum agent_result ask_agent(int nargs, char **args, const struct buf *sta
 		size_t n = (size_t)got;
 		if (n == 3 && memcmp(reply, "run", 3) == 0)
 			return AGENT_DECLINED;
-		if (n >= 6 && n <= 8 && memcmp(reply, "exit ", 5) == 0 && (n == 6 || reply[5] != '0')) {
+		/* "exit N" (the hook's status), or "signal N": the hook's process was killed */
+		size_t skip = n > 5 && memcmp(reply, "exit ", 5) == 0 ? 5 : n > 7 && memcmp(reply, "signal ", 7) == 0 ? 7 : 0;
+		if (skip && n - skip >= 1 && n - skip <= 3 && (n - skip == 1 || reply[skip] != '0')) {
 			int value = 0;
-			size_t i = 5;
+			size_t i = skip;
 			for (; i < n && reply[i] >= '0' && reply[i] <= '9'; i++)
 				value = value * 10 + (reply[i] - '0');
-			if (i == n && value <= 255) {
+			if (i == n && value <= 255 && skip == 5) {
 				*code = value;
 				return AGENT_EXITED;
+			}
+			if (i == n && value >= 1 && value <= 64 && skip == 7) {
+				fprintf(stderr, "gpuhook: internal error: the hook's process ended on signal %d\n", value);
+				return AGENT_EXITED;  /* *code is INTERNAL_ERROR */
 			}
 		}
 	}

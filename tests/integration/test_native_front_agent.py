@@ -158,7 +158,19 @@ def test_run_sends_the_hook_back_to_python_with_the_state_and_the_socket_variabl
     assert f"GPUHOOK_AGENT_SOCKET={agent.path}" in python_env
 
 
-@pytest.mark.parametrize("reply", [None, b"", b"exit 256", b"exit", b"run\n", b"exit 03"])
+def test_a_killed_hook_process_is_one_line_and_exit_70(native, agent_dir):  # noqa: F811
+    """The agent answers `signal N` when the hook's process there was killed: it holds none of
+    the front's output (the runtime would wait for it), so the front writes the line."""
+    agent = Agent(agent_dir, b"signal 9").serve()
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
+    code, out, err, python_stdin, _ = front(native, GPU_STATE, env)
+    agent.close()
+    assert (code, out, python_stdin) == (70, b"", None)
+    assert err == b"gpuhook: internal error: the hook's process ended on signal 9\n"
+
+
+@pytest.mark.parametrize("reply", [None, b"", b"exit 256", b"exit", b"run\n", b"exit 03", b"signal 0", b"signal 65",
+                                   b"signal", b"signal 09", b"signal x"])
 def test_no_valid_answer_after_the_request_is_exit_70_with_one_line_and_no_python(native, agent_dir, reply):  # noqa: F811
     agent = Agent(agent_dir, reply).serve()
     env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}

@@ -132,3 +132,42 @@ def test_a_start_waiting_past_the_read_wait_does_not_spin_the_loop(monkeypatch):
     server._launch()
     assert list(server.waiting) == [start2]
     assert agent.STOP_WAIT - agent.STOP_READ_WAIT - 0.5 < server._timeout() <= agent.STOP_WAIT
+
+
+def test_a_starts_child_answers_the_front_with_its_output_closed_before_it_ends(monkeypatch):
+    """The runtime goes on once its hook (the front) has exited and every copy of the hook's
+    stdout and stderr is closed. The child closes its copies and answers before it ends: a
+    process that has run the hook takes about 1 ms more to end and be reaped."""
+    import socket
+
+    monkeypatch.setattr(agent.entry, "run_stage", lambda stage, config, state: 3)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    front, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    memfd = os.memfd_create("state")
+    os.write(memfd, b'{"ociVersion": "1.0.2", "id": "c", "pid": 1, "bundle": "/nonexistent"}')
+    pid = os.fork()
+    if pid == 0:  # the child as a spare runs it, then slow to end
+        try:
+            job = agent.Job(1, None, "prestart", None, {"PATH": "/bin"}, [memfd, out_w, err_w, theirs.fileno()],
+                            os.getppid(), 0o022)
+            code = agent._child(job)
+            time.sleep(3)
+        finally:
+            os._exit(code if "code" in locals() else 99)
+    for fd in (out_w, err_w, memfd):
+        os.close(fd)
+    theirs.close()
+    try:
+        front.settimeout(2)
+        began = time.monotonic()
+        assert front.recv(16) == b"exit 3"
+        assert os.read(out_r, 16) == b"" and os.read(err_r, 16) == b""  # end of file: no copy left
+        assert time.monotonic() - began < 1.5
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # still there
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        for fd in (out_r, err_r):
+            os.close(fd)
+        front.close()
