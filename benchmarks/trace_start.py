@@ -221,6 +221,7 @@ STAGES = {
     "modules": {
         "gpuhook": "entry", "gpuhook.__main__": "entry", "gpuhook.launch": "entry", "gpuhook.entry": "entry",
         "gpuhook.prescan": "entry", "gpuhook.hook": "entry", "gpuhook.agent": "entry",
+        "gpuhook.stoporder": "entry",
         "gpuhook.errors": "lang", "gpuhook.record": "lang", "gpuhook.fastjson": "lang",
         "gpuhook.kernel": "kernel",
         "gpuhook.journal": "base", "gpuhook.config": "base", "gpuhook.sitepath": "base", "gpuhook.schema": "base",

@@ -38,20 +38,20 @@ import struct
 import sys
 import time
 
-from gpuhook import entry, prescan
+from gpuhook import entry, prescan, stoporder
 from gpuhook.errors import INTERNAL_ERROR, InputError
 from gpuhook.kernel import mountinfo
 
 PROTOCOL = b"gpuhook-agent/3"
-DEFAULT_SOCKET = "/run/gpuhook/agent.sock"
-SOCKET_VARIABLE = "GPUHOOK_AGENT_SOCKET"
+DEFAULT_SOCKET = stoporder.DEFAULT_SOCKET
+SOCKET_VARIABLE = stoporder.SOCKET_VARIABLE
 MAX_REQUEST = 65536  # bytes of one request datagram (the front's args and environment)
 FDS = 3  # a start: the state's memfd, the front's stdout, its stderr
 STOP_FDS = 1  # a stop: the state's memfd only (nobody reads a stop's output, and the runtime
 # waits for its hook's stdout and stderr to close: a stop must not hold them)
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
-STOP_WAIT = 5.0  # seconds a start waits for the stops that came before it
+STOP_WAIT = stoporder.STOP_WAIT  # seconds a start waits for the stops that came before it
 STOP_READ_WAIT = 0.25  # of which, for a stop still reading its own bundle
 STOP_LOCK_WAIT = 10.0  # seconds a stop waits for the one before it to end
 STOP_NICE = 10  # a stop's work yields the CPU to starts and the runtimes: nothing waits on it but a later start
@@ -223,7 +223,7 @@ class Agent:
         self.running = {}  # pidfd -> job
         self.spare = None
         self.namespaces = own_namespaces()
-        self.lock_path = os.path.join(os.path.dirname(path) or ".", "stops.lock")
+        self.lock_path = stoporder.lock_path(path)
         self.seq = 0
         self.stopping = False
 
@@ -659,42 +659,16 @@ def _answer_front(conn: int, code: int) -> None:
 
 def _take_stop_lock(path: str, until: float) -> None:
     """One stop at a time (grant records, GPU cleanup): an exclusive flock on the lock file
-    beside the socket, held until this child exits. Waits until `until`, then goes on
-    without it (a stop never fails, and never waits without bound)."""
+    beside the socket, held until this child exits; starts wait for it too
+    (gpuhook.stoporder). Waits until `until`, then goes on without it (a stop never fails,
+    and never waits without bound)."""
     import fcntl
 
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return
-    except BlockingIOError:
-        pass
-    except OSError:
-        return
-    left = until - time.monotonic()
-    if left <= 0:
-        return
-    waiting = [True]
-
-    def expired(signum, frame):
-        if waiting[0]:
-            raise TimeoutError
-    # A blocking flock, bounded by a one-shot timer: each stop wakes once, when the one before
-    # it ends, however many wait (polling woke each of them every few ms).
-    previous = signal.signal(signal.SIGALRM, expired)
-    try:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, left)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        finally:
-            waiting[0] = False
-    except (TimeoutError, OSError):
-        pass  # no lock: go on without it
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, previous)
+    stoporder.flock_until(fd, fcntl.LOCK_EX, until)
 
 
 def socket_path(explicit: str | None = None) -> str:

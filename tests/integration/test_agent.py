@@ -245,12 +245,13 @@ def test_a_spare_waits_holding_nothing_of_the_agents_but_its_channel(gpus, front
 
 def test_a_stop_is_answered_before_its_work_and_done_after(gpus, front, agent):
     """runc's delete goes on once the agent holds the stop; the stop's work waits for the
-    stops before it (here: the lock held by this test) and then happens."""
+    stops before it (here: the lock this test holds shared, which holds stops back and not
+    starts) and then happens."""
     import fcntl
 
     lock = os.open(os.path.join(os.path.dirname(agent.socket), "stops.lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_SH)
         began = time.monotonic()
         result = gpus.run("held-stop", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
                           edit=with_front(gpus, front, agent.socket))
@@ -281,3 +282,37 @@ def test_a_stop_reading_a_huge_bundle_holds_the_next_start_only_briefly(gpus, fr
     (start,) = log_records(gpus, "prestart")
     assert start["agent"] is True
     wait_for_record(gpus, "poststop", "huge")
+
+
+def hold_stops_lock(socket_path: str, seconds: float) -> float:
+    """Hold stops.lock beside `socket_path` as a stop at its work does, for `seconds` from
+    now (a thread lets it go); returns when it will be free."""
+    import fcntl
+    import threading
+
+    os.makedirs(os.path.dirname(socket_path), mode=0o700, exist_ok=True)
+    lock = os.open(os.path.join(os.path.dirname(socket_path), "stops.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    threading.Timer(seconds, os.close, (lock,)).start()
+    return time.monotonic() + seconds
+
+
+@pytest.mark.parametrize("served", ["a new agent", "no agent"])
+def test_a_start_waits_for_a_stop_the_agent_serving_it_does_not_know(gpus, front, tmp_path, served):
+    """Attacker pass 10, B2 and B3: a stop of an agent that ended (or restarted) is still at
+    its work, or the agent declined the start (MAX_CHILDREN) and the Python hook ran it; the
+    start did not wait for that stop. Every start now waits for stops.lock, which a stop at
+    its work holds."""
+    socket_path = f"{tmp_path}/agent/agent.sock"
+    free_at = hold_stops_lock(socket_path, 1.0)
+    running = Agent(tmp_path) if served == "a new agent" else None
+    try:
+        result = gpus.run("after-old-stop", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
+                          edit=with_front(gpus, front, socket_path, stages=("prestart",)))
+        assert result.returncode == 0, result.stderr
+        assert time.monotonic() >= free_at - 0.05
+        (start,) = log_records(gpus, "prestart")
+        assert start.get("agent") is (True if running else None), start
+    finally:
+        if running:
+            assert running.stop() == 0

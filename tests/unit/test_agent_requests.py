@@ -171,3 +171,24 @@ def test_a_starts_child_answers_the_front_with_its_output_closed_before_it_ends(
         for fd in (out_r, err_r):
             os.close(fd)
         front.close()
+
+
+def test_a_start_waits_for_the_stops_lock_shared_and_only_so_long(tmp_path):
+    """gpuhook.stoporder: no lock file (no agent's stop ever ran) is no wait; a lock a stop
+    holds is waited for until it is let go, or until the start's time is up."""
+    from gpuhook import stoporder
+
+    path = str(tmp_path / "stops.lock")
+    began = time.monotonic()
+    assert stoporder.wait_for_stops(path, began + 5) is True and time.monotonic() - began < 0.5
+    assert not os.path.exists(path)  # a start never makes it
+    holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    began = time.monotonic()
+    assert stoporder.wait_for_stops(path, began + 0.3) is False
+    assert 0.25 <= time.monotonic() - began < 2
+    threading.Timer(0.2, os.close, (holder,)).start()
+    began = time.monotonic()
+    assert stoporder.wait_for_stops(path, began + 10) is True
+    assert 0.15 <= time.monotonic() - began < 2
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

@@ -1,0 +1,83 @@
+"""Stops before starts, across processes: the lock the agent's stops hold while they work.
+
+The agent (gpuhook.agent) answers a stop before carrying it out, so the runtime may start the
+next container while an earlier stop still cleans up its GPUs. Each stop's child holds an
+exclusive flock on `stops.lock`, beside the agent's socket, while it works; the agent holds a
+start back until the stops it knows of are done. A start also waits, briefly, to take that
+lock shared (`wait_for_stops`): so it waits as well for stops the agent serving it does not
+know of: those of an agent that ended or restarted, and those under way while the agent
+declined the start and the Python hook ran it (docs/agent.md, attacker pass 10, B2 and B3).
+
+Standard library only; fcntl and signal are loaded when a lock file is there.
+"""
+
+import os
+import time
+
+DEFAULT_SOCKET = "/run/gpuhook/agent.sock"
+SOCKET_VARIABLE = "GPUHOOK_AGENT_SOCKET"
+LOCK_NAME = "stops.lock"
+STOP_WAIT = 5.0  # seconds a start waits for the stops that came before it
+
+
+def lock_path(socket_path: str) -> str:
+    return os.path.join(os.path.dirname(socket_path) or ".", LOCK_NAME)
+
+
+def environ_lock_path(environ=None) -> str:
+    """The lock beside the socket a front uses: $GPUHOOK_AGENT_SOCKET's, or the default's."""
+    environ = os.environ if environ is None else environ
+    return lock_path(environ.get(SOCKET_VARIABLE) or DEFAULT_SOCKET)
+
+
+def wait_for_stops(path: str, until: float) -> bool:
+    """Wait until no stop holds the lock at `path` (a shared flock taken and let go), up to
+    monotonic time `until`. True when there was no lock file or it was free by then."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return True  # no stop of any agent has run here
+    try:
+        import fcntl
+
+        return flock_until(fd, fcntl.LOCK_SH, until)
+    finally:
+        os.close(fd)
+
+
+def flock_until(fd: int, operation: int, until: float) -> bool:
+    """flock(fd, operation), waiting up to monotonic time `until`; True when taken. A blocking
+    flock bounded by a one-shot timer: a waiter wakes once, when the lock is let go, however
+    many wait (polling woke each of them every few ms)."""
+    import fcntl
+    import signal
+
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        pass
+    except OSError:
+        return False
+    left = until - time.monotonic()
+    if left <= 0:
+        return False
+    waiting = [True]
+
+    def expired(signum, frame):
+        if waiting[0]:
+            raise TimeoutError
+    previous = signal.signal(signal.SIGALRM, expired)
+    taken = False
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, left)
+            fcntl.flock(fd, operation)
+            taken = True
+        finally:
+            waiting[0] = False
+    except (TimeoutError, OSError):
+        pass
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+    return taken
