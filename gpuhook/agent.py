@@ -49,6 +49,7 @@ MAX_REQUEST = 65536  # bytes of one request datagram (the front's args and envir
 FDS = 3  # a start: the state's memfd, the front's stdout, its stderr
 STOP_FDS = 1  # a stop: the state's memfd only (nobody reads a stop's output, and the runtime
 # waits for its hook's stdout and stderr to close: a stop must not hold them)
+MAX_SOCKET_PATH = 107  # bytes: sun_path holds 108, its NUL included
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
 STOP_WAIT = stoporder.STOP_WAIT  # seconds a start waits for the stops that came before it
@@ -222,6 +223,7 @@ class Agent:
         self.waiting = collections.deque()  # jobs not handed to a spare yet, in arrival order
         self.running = {}  # pidfd -> job
         self.spare = None
+        self.bound = None  # (st_dev, st_ino) of the socket file it made
         self.namespaces = own_namespaces()
         self.lock_path = stoporder.lock_path(path)
         self.seq = 0
@@ -229,6 +231,8 @@ class Agent:
 
     # -- the socket ----------------------------------------------------------------------
     def listen(self) -> None:
+        if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:  # checked before anything is made
+            raise InputError(f"the agent's socket path is longer than {MAX_SOCKET_PATH} bytes")
         directory = os.path.dirname(self.path) or "."
         os.makedirs(directory, mode=0o700, exist_ok=True)
         st = os.lstat(directory)
@@ -247,6 +251,8 @@ class Agent:
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
+        bound = os.lstat(self.path)
+        self.bound = (bound.st_dev, bound.st_ino)
         listener.listen(128)
         listener.setblocking(False)
         self.listener = listener
@@ -254,8 +260,9 @@ class Agent:
 
     def close(self) -> None:
         if self.listener is not None:
-            try:
-                if os.stat(self.path).st_ino == os.fstat(self.listener.fileno()).st_ino:
+            try:  # the socket file this agent made (a socket fd's inode is not the file's)
+                now = os.lstat(self.path)
+                if (now.st_dev, now.st_ino) == self.bound:
                     os.unlink(self.path)
             except OSError:
                 pass

@@ -153,6 +153,23 @@ def test_the_agents_socket_is_roots_alone(agent):
     assert parent.st_uid == 0 and parent.st_mode & 0o777 == 0o700
 
 
+def test_an_agent_that_ends_takes_its_socket_away(tmp_path):
+    """Attacker pass 10, M1: it compared the socket file's inode with its socket fd's (never
+    the same), and left the file behind."""
+    running = Agent(tmp_path)
+    assert running.stop() == 0
+    assert os.listdir(os.path.dirname(running.socket)) == []
+
+
+def test_a_socket_path_too_long_is_one_line_and_makes_nothing(tmp_path):
+    """Attacker pass 10, M2: the directory was made before bind failed on the path's length."""
+    directory = tmp_path / ("d" * 100)
+    result = subprocess.run([sys.executable, "-m", "gpuhook", "agent", "--socket", f"{directory}/agent.sock"],
+                            capture_output=True, text=True, cwd=REPO, timeout=30)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "longer than 107 bytes" in result.stderr and not directory.exists()
+
+
 def stop_state(directory, name: str, escapes: int) -> bytes:
     """A stopped container's state whose config.json asks for GPU 0 behind `escapes` \\u
     escapes (each one the prescan must decode)."""
