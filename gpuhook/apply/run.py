@@ -212,12 +212,14 @@ def begin(plan, deadline: float, pending: "Pending") -> "Pending":
         if plan.userns:
             pending.user_fd = open_container_userns(plan.pid)
         proc_files = read_proc_files(plan.proc_mask) if plan.proc_mask else {}
-        pending.place = hierarchy.placement(plan.pid)
         pending.worker = workers.take()
         pending.worker.context = (plan.rootfs, plan.container_id)
         pending.worker.send_order(encode_order(
             plan, _identity(ns_fd), None if pending.user_fd is None else _identity(pending.user_fd), proc_files,
             deadline - CLEANUP_MARGIN))
+        # The cgroup's place only once the worker has its order: the grant needs it, the
+        # worker does not (0.3-0.5 ms off a start's critical path).
+        pending.place = hierarchy.placement(plan.pid)
         pending.granted = not (plan.rules and _shares_the_runtimes_cgroup(pending.place))
         if not pending.granted:
             # crun --cgroup-manager=disabled, podman --cgroups=disabled: the container lives in
