@@ -224,6 +224,7 @@ class Agent:
         self.running = {}  # pidfd -> job
         self.spare = None
         self.bound = None  # (st_dev, st_ino) of the socket file it made
+        self.hint = None  # (config path, environment) of the last start: a spare loads it ahead
         self.namespaces = own_namespaces()
         self.lock_path = stoporder.lock_path(path)
         self.seq = 0
@@ -435,7 +436,7 @@ class Agent:
         if pid == 0:
             code = INTERNAL_ERROR
             try:
-                code = _spare(theirs.fileno(), go_r, self.lock_path)
+                code = _spare(theirs.fileno(), go_r, self.lock_path, self.hint)
             finally:
                 os._exit(code & 0xFF)
         theirs.close()
@@ -480,6 +481,8 @@ class Agent:
             self._finish(job, None)
             return
         job.pid, job.pidfd = spare.pid, spare.pidfd
+        if not job.stop:  # the next spare loads this start's configuration while it waits
+            self.hint = (job.config_path, {k: v for k, v in job.env.items() if k == "GPUHOOK_CONFIG"})
         if job.stop:
             # In the spare's queue now: the runtime goes on, answered before the spare is
             # woken. The spare closes its end of the channel once it read the bundle
@@ -526,7 +529,7 @@ def _answer(code) -> bytes:
     return f"exit {code}".encode() if code >= 0 else f"signal {-code}".encode()
 
 
-def _spare(channel: int, go: int, lock_path: str) -> int:
+def _spare(channel: int, go: int, lock_path: str, hint) -> int:
     """In a spare: hold nothing of the agent's (no listener, no other request's fds: a runtime
     waits for its hook's stdout to close), wait to be woken (`go` closed), take the one request
     in the channel, become its hook process; with none there (retired, or the agent ended
@@ -549,6 +552,12 @@ def _spare(channel: int, go: int, lock_path: str) -> int:
         worker.start_early(close=(channel, go))
     except OSError:
         pass  # the start forks its own (gpuhook.entry)
+    if hint is not None:
+        # The configuration the last start named, loaded now rather than on the next start's
+        # critical path; that start's own load takes it only if the file is unchanged.
+        from gpuhook import config
+
+        config.preload(*hint)
     while os.read(go, 1):  # nothing is written: it ends when the agent closes its end
         pass
     os.close(go)

@@ -342,7 +342,23 @@ def defaults() -> Config:
     return from_mapping({}, "defaults")
 
 
-def load(path: str | None = None, environ: dict | None = None, use_cache: bool = True) -> Config:
+# A Config loaded ahead of a request, by the agent's spare that will serve it (`preload`):
+# config file path -> (that file's identity then, the Config). `load` returns it while the
+# file is the same; anything else about the file reloads it.
+_PRELOADED: dict = {}
+
+
+def preload(path: str | None, environ: dict | None) -> None:
+    """Load the configuration now, for a `load` of the same file later (gpuhook.agent: a spare
+    loads the file the last start named while it waits). Never raises, prints nothing."""
+    try:
+        load(path, environ, remember=True)
+    except Exception:  # noqa: BLE001 - the request's own load says what is wrong
+        _PRELOADED.clear()
+
+
+def load(path: str | None = None, environ: dict | None = None, use_cache: bool = True,
+         remember: bool = False) -> Config:
     """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file. Reads only.
 
     The parsed TOML is cached in <state-dir>/config-cache, keyed by the file's identity and
@@ -354,7 +370,9 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
     is (docs/security.md). When the file had to be parsed, the entry to cache is left in the
     Config's `cache_entry`; a start that goes on to apply writes it
     (gpuhook.apply.statefiles.write_caches), a dry run or a command never does. `use_cache`
-    False neither reads the cache nor leaves an entry.
+    False neither reads the cache nor leaves an entry. A Config `preload` loaded from the
+    same file, unchanged since (its identity: device, inode, size, mtime and ctime), is
+    returned as it is.
     """
     explicit = path
     if explicit is None and environ is not None:
@@ -373,12 +391,23 @@ def load(path: str | None = None, environ: dict | None = None, use_cache: bool =
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"config file {target} is not a regular file")
         identity = files.file_identity(st)
+        early = _PRELOADED.get(target)
+        if early is not None and early[0] == identity and use_cache:
+            return early[1]
         with os.fdopen(os.dup(fd), "rb") as f:
             raw = f.read(1 << 20)
     except OSError as err:
         raise ConfigError(f"cannot read config file {target}: {err.strerror}") from err
     finally:
         os.close(fd)
+    config = _load_bytes(raw, target, identity, use_cache)
+    if remember:
+        _PRELOADED.clear()
+        _PRELOADED[target] = (identity, config)
+    return config
+
+
+def _load_bytes(raw: bytes, target: str, identity: list, use_cache: bool) -> Config:
     guess = _state_dir_line(raw) if use_cache else None
     if guess is not None:
         cached = files.read(cache_path(guess, target))

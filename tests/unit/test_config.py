@@ -160,3 +160,21 @@ def test_every_key_is_a_declared_attribute_of_its_table():
     assert config.health.mode == "fallback" and config.state_dir == "/run/gpuhook"
     with pytest.raises(AttributeError):
         config.no_such_key  # noqa: B018
+
+
+def test_a_preloaded_configuration_serves_a_load_only_while_its_file_is_unchanged(tmp_path, monkeypatch):
+    """gpuhook.agent's spares load the last start's configuration ahead of the next start; that
+    start gets it only if the file is the one loaded (device, inode, size, mtime, ctime)."""
+    path = tmp_path / "config.toml"
+    path.write_text(f'state-dir = "{tmp_path}/state"\nlog-file = ""\n')
+    monkeypatch.setattr(cfg, "_PRELOADED", {})
+    cfg.preload(str(path), {})
+    early = cfg._PRELOADED[str(path)][1]
+    assert cfg.load(str(path), {}) is early
+    assert cfg.load(None, {"GPUHOOK_CONFIG": str(path)}) is early  # the same file, named otherwise
+    path.write_text(f'state-dir = "{tmp_path}/state"\nlog-file = "{tmp_path}/log"\n')
+    changed = cfg.load(str(path), {})
+    assert changed is not early and changed.log_file == f"{tmp_path}/log"
+    path.write_text("not toml [")
+    cfg.preload(str(path), {})  # a bad file: nothing kept, nothing printed
+    assert cfg._PRELOADED == {}
