@@ -402,6 +402,7 @@ class _Context:
         self.launcher = launcher
         self.hook = H.hooksd_hook(launcher=launcher)
         self.sim_gpu = None
+        self.state_root = f"{workdir}/state"  # run.py puts it on a tmpfs; a trace counts calls, not ms
 
 
 def trace(tree: str, health: str, image: str, cold: bool, workdir: str) -> tuple:
