@@ -230,14 +230,37 @@ def test_every_stop_the_agent_answered_is_carried_out_even_when_the_agent_dies(g
         time.sleep(0.1)
 
 
+def _blocked_in_read(pid: int) -> bool:
+    """`pid` sleeps in read(2) (x86-64 and arm64 number it 0 and 63): a spare waiting to be
+    woken, a worker waiting for its order."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            number = f.read().split()[0]
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state == "S" and number in ("0", "63")
+
+
+def _children(pid: int) -> list:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
 def children_once_idle(agent) -> list:
-    """(pid, fds) of the agent's children once the requests' children have ended: the spare."""
+    """(pid, fds) of the agent's children once the requests' children have ended and the next
+    spare is set up: one child, waiting to be woken, whose worker waits for its order. (The
+    child counted while a stop's child was still ending, or a spare still setting up, made
+    this test fail now and then.)"""
     deadline = time.monotonic() + 10
     while True:
-        with open(f"/proc/{agent.process.pid}/task/{agent.process.pid}/children") as f:
-            children = [int(pid) for pid in f.read().split()]
-        if len(children) == 1 or time.monotonic() > deadline:
-            break
+        children = _children(agent.process.pid)
+        if len(children) == 1 and _blocked_in_read(children[0]):
+            workers = _children(children[0])
+            if len(workers) == 1 and _blocked_in_read(workers[0]):
+                break
+        assert time.monotonic() < deadline, children
         time.sleep(0.01)
     return [(pid, sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd"))) for pid in children]
 
