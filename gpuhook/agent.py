@@ -259,14 +259,17 @@ class Agent:
         self.listener = listener
         self.selector.register(listener, selectors.EVENT_READ, "listen")
 
+    def _unlink(self) -> None:
+        try:  # the socket file this agent made (a socket fd's inode is not the file's)
+            now = os.lstat(self.path)
+            if (now.st_dev, now.st_ino) == self.bound:
+                os.unlink(self.path)
+        except OSError:
+            pass
+
     def close(self) -> None:
         if self.listener is not None:
-            try:  # the socket file this agent made (a socket fd's inode is not the file's)
-                now = os.lstat(self.path)
-                if (now.st_dev, now.st_ino) == self.bound:
-                    os.unlink(self.path)
-            except OSError:
-                pass
+            self._unlink()
             self.listener.close()
             self.listener = None
         self._retire_spare()
@@ -278,10 +281,18 @@ class Agent:
             self.stopping = True
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        while not (self.stopping or (until is not None and until())) or self.waiting or self.running:
-            if self.stopping and self.listener is not None:
+        while True:
+            finishing = self.stopping or (until is not None and until())
+            if finishing and self.listener is not None:
+                # No new connection (the path is gone: fronts run the Python hook), and those
+                # queued already are served: closing the listener would reset them, and their
+                # fronts, whose request went out, would fail the start (attacker pass 11, B1).
                 self.selector.unregister(self.listener)
+                self._unlink()
+                self._accept()
                 self.close()
+            if finishing and not (self.waiting or self.running or self.unread):
+                break
             events = self.selector.select(self._timeout())
             if not events and self._spare_due():
                 self._make_spare()  # between requests: no request waits for this fork
