@@ -617,8 +617,17 @@ def _child(job: Job) -> int:
 
     caller.SINCE[0] = job.queued_at  # the hook's deadline counts from the request, wait included
     job.state = _read_state(job.fds[0])
+    names = None
     if job.stop:
         wants_none, job.spec = entry.prescan_state(job.state)
+        if not wants_none:
+            # The pod's names for its log line, while starts count this stop as reading its
+            # bundle: parsing a huge config.json under the lock held every later start up to
+            # STOP_WAIT (attacker pass 11, B2).
+            from gpuhook import hook
+
+            names = hook.stop_names(job.state, job.spec)
+            job.spec = None
         null = os.open("/dev/null", os.O_RDWR)
         os.dup2(null, 0)
         os.dup2(null, 1)
@@ -655,7 +664,7 @@ def _child(job: Job) -> int:
     os.environ.update(job.env)
     caller.CALLER[0] = job.peer
     if job.stop:  # the prescan ran above (the bundle may be gone by now)
-        code = entry.run_checked(job.stage, job.config_path, job.state, job.spec)
+        code = entry.run_checked(job.stage, job.config_path, job.state, job.spec, names)
     else:
         code = entry.run_stage(job.stage, job.config_path, job.state)
     for stream in (sys.stdout, sys.stderr):

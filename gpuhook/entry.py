@@ -76,13 +76,14 @@ def prescan_state(state: bytes) -> tuple:
     return False, (spec if spec and len(spec) <= prescan.MAX_CONFIG_BYTES else None)
 
 
-def run_checked(stage: str, config_path: str | None, state: bytes, spec: bytes | None) -> int:
+def run_checked(stage: str, config_path: str | None, state: bytes, spec: bytes | None,
+                names: dict | None = None) -> int:
     """The hook for a container the prescan could not rule out (`spec`: its config.json, read
     already, or None)."""
     if stage == "poststop":  # no namespace worker at a stop: it neither plans nor mounts
         from gpuhook.hook import run_hook
 
-        return run_hook(stage, state, config_path, spec)
+        return run_hook(stage, state, config_path, spec, names=names)
     _wait_for_stops()
     from gpuhook.apply import worker
 

@@ -183,10 +183,28 @@ def _k8s_names(spec, state) -> dict:
     return journal.k8s_names({**spec.annotations, **state.annotations})
 
 
+def stop_names(state_bytes: bytes, spec_bytes: bytes | None, base_dir: str | None = None) -> dict | None:
+    """The pod's names for a stop's log line: from the bundle's config.json, else from the
+    state's annotations; None when the state itself does not parse. Never raises."""
+    try:
+        state = oci.parse_state(state_bytes, base_dir)
+    except GpuhookError:
+        return None
+    try:
+        spec = oci.parse_spec(spec_bytes if spec_bytes is not None else oci.read_config_bytes(state.bundle),
+                              state.bundle)
+        return _k8s_names(spec, state)
+    except GpuhookError:
+        return journal.k8s_names(state.annotations)
+
+
 def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: float, log: dict,
-             base_dir: str | None = None) -> None:
+             base_dir: str | None = None, names: dict | None = None) -> None:
     """After a container stopped: clean up what it left on its GPUs (gpuhook.health). Only
-    the state's id is needed; a bundle that is already gone costs the log its names only."""
+    the state's id is needed; a bundle that is already gone costs the log its names only.
+    `names`: the pod's names, found already (gpuhook.agent finds them before a stop waits
+    for the ones before it: parsing a huge config.json must not hold other stops and
+    starts)."""
     state = oci.parse_state(state_bytes, base_dir)
     log["container"] = state.id
     from gpuhook.apply import served
@@ -196,12 +214,7 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
     if stops and all(doc.get("stopped") is True for _, doc in stops):
         log["decision"] = "nothing to do: another poststop hook of this container already cleaned up"
         return
-    try:
-        spec = oci.parse_spec(spec_bytes if spec_bytes is not None else oci.read_config_bytes(state.bundle),
-                              state.bundle)
-        log.update(_k8s_names(spec, state))
-    except GpuhookError:
-        log.update(journal.k8s_names(state.annotations))
+    log.update(names if names is not None else stop_names(state_bytes, spec_bytes, base_dir) or {})
     from gpuhook.apply import grants, leftovers
 
     leftovers.reap(config.state_dir, log, container_id=state.id)
@@ -217,9 +230,10 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
 
 
 def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
-             spec_bytes: bytes | None = None, base_dir: str | None = None) -> int:
+             spec_bytes: bytes | None = None, base_dir: str | None = None, names: dict | None = None) -> int:
     """Entry for the runtime. Returns the exit code; prints one line on failure. `base_dir`
-    lets a state file given by hand name its bundle relatively."""
+    lets a state file given by hand name its bundle relatively; `names`, a stop's pod names
+    found already (`stop_names`)."""
     started = caller.SINCE[0] or time.monotonic()  # served by the agent: since the request came
     log = {"stage": stage}
     if caller.CALLER[0]:  # a child of the agent (gpuhook.agent) serves the native front
@@ -232,7 +246,7 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         deadline = started + config.deadline_seconds
         if stage == "poststop":
             backstop.phase = "cleaning up after the container"
-            poststop(state_bytes, spec_bytes, config, deadline, log, base_dir)
+            poststop(state_bytes, spec_bytes, config, deadline, log, base_dir, names)
         else:
             state, spec = read_container(state_bytes, spec_bytes, base_dir)
             log.update(container=state.id, **_k8s_names(spec, state))

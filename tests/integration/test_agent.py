@@ -356,3 +356,27 @@ def test_a_start_waits_for_a_stop_the_agent_serving_it_does_not_know(gpus, front
     finally:
         if running:
             assert running.stop() == 0
+
+
+def test_a_stop_parsing_a_huge_config_holds_the_next_start_only_briefly(gpus, front, agent, tmp_path):
+    """Attacker pass 11, B2: a config.json the prescan reads at once (one GPU request, then
+    ~30 MB of mounts) but the full parser takes a second and more over: the stop parsed it
+    for its log line's pod names while holding stops.lock, and every later start waited for
+    it. It is parsed now while starts count the stop as reading its bundle."""
+    bundle = tmp_path / "bundles" / "many-mounts"
+    bundle.mkdir(parents=True)
+    mount = '{"destination":"/m","type":"bind","source":"/tmp","options":["rbind"]}'
+    with open(bundle / "config.json", "w") as f:
+        f.write('{"ociVersion":"1.0.2","process":{"env":["NVIDIA_VISIBLE_DEVICES=0"]},"root":{"path":"rootfs"},'
+                '"mounts":[%s]}' % ",".join([mount] * 400000))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "many-mounts", "status": "stopped", "pid": 0,
+                        "bundle": str(bundle)}).encode()
+    stop = run_front(front, "poststop", b"", gpus.config, agent.socket)
+    stop.stdin.write(state)
+    stop.stdin.close()
+    assert stop.wait(60) == 0
+    result = gpus.run("after-mounts", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
+                      edit=with_front(gpus, front, agent.socket, stages=("prestart",)))
+    assert result.returncode == 0, result.stderr
+    assert "many-mounts" not in {r.get("container") for r in log_records(gpus, "poststop")}  # still parsing
+    wait_for_record(gpus, "poststop", "many-mounts")
