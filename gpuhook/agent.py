@@ -107,6 +107,7 @@ class Job:
         self.pidfd = -1
         self.ready = -1  # a stop: the agent's end of its spare's channel, which the child closes once it read the bundle
         self.lock = None  # a stop: the lock file that serialises the stops' work
+        self.front = -1  # a start: a pidfd of its front, watched until it is answered
         self.request = b""  # the request as the front sent it, for the spare
 
     @property
@@ -301,6 +302,8 @@ class Agent:
                     self._accept()
                 elif key.data == "conn":
                     self._read(key.fileobj)
+                elif isinstance(key.data, tuple) and key.data[0] == "front":
+                    self._front_gone(key.data[1])
                 elif isinstance(key.data, tuple):
                     self._read_done(key.data[1])
                 else:
@@ -399,6 +402,11 @@ class Agent:
             # nothing of it is lost if the agent ends, and no stop's input slows this loop.
             self._hand(job)
             return
+        try:  # the front, watched: a runtime that gives up on its hook kills it
+            job.front = os.pidfd_open(job.peer)
+            self.selector.register(job.front, selectors.EVENT_READ, ("front", job))
+        except OSError:
+            job.front = -1
         self.waiting.append(job)
 
     def _launch(self) -> None:
@@ -413,6 +421,28 @@ class Agent:
                 continue
             self.waiting.remove(job)
             self._hand(job)
+
+    def _front_gone(self, job: "Job") -> None:
+        """A start's front ended before its answer: the runtime killed its hook (its timeout).
+        Its work ends too, as the Python hook's would, killed: one still waiting is dropped,
+        a child at work is killed (its worker then takes back what it did). Without this
+        the child went on, holding the runtime's pipes, past the runtime's timeout (attacker
+        pass 11, B3). A child that has answered and is ending loses nothing."""
+        self._unwatch_front(job)
+        if job in self.waiting:
+            self.waiting.remove(job)
+            self._finish(job, None)
+        elif job.pidfd in self.running:
+            try:
+                signal.pidfd_send_signal(job.pidfd, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def _unwatch_front(self, job: "Job") -> None:
+        if job.front >= 0:
+            self.selector.unregister(job.front)
+            os.close(job.front)
+            job.front = -1
 
     def _read_done(self, job: "Job") -> None:
         """A stop's child has read the state and the bundle (or ended): starts may count it."""
@@ -526,6 +556,7 @@ class Agent:
     def _finish(self, job: Job, code) -> None:
         """Answer the front: `run` (code None: nothing of the hook ran), `exit N`, or
         `signal N` for a child killed by signal N (the front prints the line and exits 70)."""
+        self._unwatch_front(job)
         _close_fds(job.fds)
         job.fds = []
         if job.conn is not None:

@@ -380,3 +380,23 @@ def test_a_stop_parsing_a_huge_config_holds_the_next_start_only_briefly(gpus, fr
     assert result.returncode == 0, result.stderr
     assert "many-mounts" not in {r.get("container") for r in log_records(gpus, "poststop")}  # still parsing
     wait_for_record(gpus, "poststop", "many-mounts")
+
+
+def test_a_start_the_runtime_gave_up_on_ends_with_its_front(gpus, front, agent):
+    """Attacker pass 11, B3: runc kills a hook past its `timeout`; the front died, but the
+    agent's child went on (here: waiting for a stop at its work, then injecting GPUs) and held
+    runc's pipes, so runc failed only seconds later, and a start it had given up on was
+    carried out. The start now ends with its front, as the Python hook would, killed."""
+    hold_stops_lock(agent.socket, 4.0)
+    edit = with_front(gpus, front, agent.socket, stages=("prestart",))
+
+    def short_timeout(spec):
+        edit(spec)
+        spec["hooks"]["prestart"][0]["timeout"] = 1
+    began = time.monotonic()
+    result = gpus.run("given-up", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False, edit=short_timeout)
+    took = time.monotonic() - began
+    assert result.returncode != 0 and "timeout" in result.stderr, result.stderr
+    assert took < 3, took
+    time.sleep(3.5)  # past the stop's lock: nothing of the start happens then
+    assert log_records(gpus, "prestart") == []
