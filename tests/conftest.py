@@ -8,7 +8,7 @@ GPU). A test that asks for a root fixture (ROOT_FIXTURES) is marked `root` too, 
 in tests/unit.
 
 Tests that need root, runc, busybox or a C compiler skip on a developer machine that lacks
-them, but FAIL under CI (GPUHOOK_STRICT=1, set by .ci/run): a missing tool must never turn
+them, but FAIL under CI (GPUHOOK_STRICT=1, set by scripts/test, which .ci/run runs): a missing tool must never turn
 into a green run.
 """
 
