@@ -311,17 +311,23 @@ def test_a_stop_reading_a_huge_bundle_holds_the_next_start_only_briefly(gpus, fr
     STOP_READ_WAIT; the spare closed the channel that tells the agent so as soon as it took
     the request, and the start waited for the whole of that stop (up to STOP_WAIT): any
     container could hold back the next start by its own config.json."""
+    start_behind_stop(gpus, front, agent, stop_state(tmp_path / "bundles", "huge", 8 << 20), "huge")  # 50 MB
+
+
+def start_behind_stop(gpus, front, agent, state: bytes, name: str) -> None:
+    """A stop of container `name`, answered; then a GPU start through the agent, which must be
+    done while that stop still reads or parses its bundle; then the stop, carried out."""
     stop = run_front(front, "poststop", b"", gpus.config, agent.socket)
-    stop.stdin.write(stop_state(tmp_path / "bundles", "huge", 8 << 20))  # 50 MB: a prescan of about 2 s
+    stop.stdin.write(state)
     stop.stdin.close()
     assert stop.wait(60) == 0
-    result = gpus.run("after-huge", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
+    result = gpus.run(f"after-{name}", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
                       edit=with_front(gpus, front, agent.socket, stages=("prestart",)))
     assert result.returncode == 0, result.stderr
-    assert "huge" not in {r.get("container") for r in log_records(gpus, "poststop")}  # still reading
+    assert name not in {r.get("container") for r in log_records(gpus, "poststop")}  # still at its bundle
     (start,) = log_records(gpus, "prestart")
     assert start["agent"] is True
-    wait_for_record(gpus, "poststop", "huge")
+    wait_for_record(gpus, "poststop", name)
 
 
 def hold_stops_lock(socket_path: str, seconds: float) -> float:
@@ -371,15 +377,7 @@ def test_a_stop_parsing_a_huge_config_holds_the_next_start_only_briefly(gpus, fr
                 '"mounts":[%s]}' % ",".join([mount] * 400000))
     state = json.dumps({"ociVersion": "1.0.2", "id": "many-mounts", "status": "stopped", "pid": 0,
                         "bundle": str(bundle)}).encode()
-    stop = run_front(front, "poststop", b"", gpus.config, agent.socket)
-    stop.stdin.write(state)
-    stop.stdin.close()
-    assert stop.wait(60) == 0
-    result = gpus.run("after-mounts", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
-                      edit=with_front(gpus, front, agent.socket, stages=("prestart",)))
-    assert result.returncode == 0, result.stderr
-    assert "many-mounts" not in {r.get("container") for r in log_records(gpus, "poststop")}  # still parsing
-    wait_for_record(gpus, "poststop", "many-mounts")
+    start_behind_stop(gpus, front, agent, state, "many-mounts")
 
 
 def test_a_start_the_runtime_gave_up_on_ends_with_its_front(gpus, front, agent):
