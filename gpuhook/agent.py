@@ -280,8 +280,16 @@ class Agent:
         """Serve until SIGTERM or SIGINT (or `until()` is true); then finish what was accepted."""
         def stop(signum, frame):
             self.stopping = True
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+        # Put back when it returns: a process that served (a test) and forks later must not
+        # hand its children a SIGTERM that only sets this flag.
+        previous = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._loop(until)
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def _loop(self, until) -> None:
         while True:
             finishing = self.stopping or (until is not None and until())
             if finishing and self.listener is not None:

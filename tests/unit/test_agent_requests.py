@@ -215,3 +215,14 @@ def test_requests_queued_when_the_agent_stops_are_answered_not_reset(tmp_path):
         assert client.recv(16) == b"run"
         client.close()
     assert not os.path.exists(server.path)
+
+
+def test_serving_leaves_the_signal_handlers_as_they_were(tmp_path):
+    """serve() handles SIGTERM to finish what was accepted; after it returns, SIGTERM means
+    what it meant before. A handler left behind made pool workers forked later by the same
+    process (the test run) ignore the pool's SIGTERM, and the run hung."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    server = agent.Agent(str(tmp_path / "agent" / "agent.sock"))
+    server.listen()
+    server.serve(until=lambda: True)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
