@@ -398,3 +398,37 @@ def test_a_start_the_runtime_gave_up_on_ends_with_its_front(gpus, front, agent):
     assert took < 3, took
     time.sleep(3.5)  # past the stop's lock: nothing of the start happens then
     assert log_records(gpus, "prestart") == []
+
+
+def test_requests_queued_when_the_agent_stops_are_answered_not_reset(tmp_path):
+    """Attacker pass 11, B1: on SIGTERM the agent closed its listener with connections still in
+    its backlog; their fronts had sent their request, and failed the start (exit 70). Those
+    are served now (here: declined, `run`), and no new one can connect."""
+    server = agent_module.Agent(str(tmp_path / "agent" / "agent.sock"))
+    server.listen()
+    clients = []
+    for _ in range(5):
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client.connect(server.path)
+        client.send(agent_module.PROTOCOL + b"\0" + b"1\0nostage\0" + b"0\0")
+        clients.append(client)
+    server.stopping = True  # SIGTERM came before the loop took them
+    server.serve()
+    for client in clients:
+        client.settimeout(5)
+        assert client.recv(16) == b"run"
+        client.close()
+    assert not os.path.exists(server.path)
+
+
+def test_serving_leaves_the_signal_handlers_as_they_were(tmp_path):
+    """serve() handles SIGTERM to finish what was accepted; after it returns, SIGTERM means
+    what it meant before. A handler left behind made pool workers forked later by the same
+    process (the test run) ignore the pool's SIGTERM, and the run hung."""
+    import signal as signal_module
+
+    before = signal_module.getsignal(signal_module.SIGTERM), signal_module.getsignal(signal_module.SIGINT)
+    server = agent_module.Agent(str(tmp_path / "agent" / "agent.sock"))
+    server.listen()
+    server.serve(until=lambda: True)
+    assert (signal_module.getsignal(signal_module.SIGTERM), signal_module.getsignal(signal_module.SIGINT)) == before

@@ -193,36 +193,3 @@ def test_a_start_waits_for_the_stops_lock_shared_and_only_so_long(tmp_path):
     assert 0.15 <= time.monotonic() - began < 2
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
-
-def test_requests_queued_when_the_agent_stops_are_answered_not_reset(tmp_path):
-    """Attacker pass 11, B1: on SIGTERM the agent closed its listener with connections still in
-    its backlog; their fronts had sent their request, and failed the start (exit 70). Those
-    are served now (here: declined, `run`), and no new one can connect."""
-    import socket
-
-    server = agent.Agent(str(tmp_path / "agent" / "agent.sock"))
-    server.listen()
-    clients = []
-    for _ in range(5):
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        client.connect(server.path)
-        client.send(payload([b"nostage"]))
-        clients.append(client)
-    server.stopping = True  # SIGTERM came before the loop took them
-    server.serve()
-    for client in clients:
-        client.settimeout(5)
-        assert client.recv(16) == b"run"
-        client.close()
-    assert not os.path.exists(server.path)
-
-
-def test_serving_leaves_the_signal_handlers_as_they_were(tmp_path):
-    """serve() handles SIGTERM to finish what was accepted; after it returns, SIGTERM means
-    what it meant before. A handler left behind made pool workers forked later by the same
-    process (the test run) ignore the pool's SIGTERM, and the run hung."""
-    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    server = agent.Agent(str(tmp_path / "agent" / "agent.sock"))
-    server.listen()
-    server.serve(until=lambda: True)
-    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
