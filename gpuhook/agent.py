@@ -40,7 +40,7 @@ import time
 
 from gpuhook import entry, prescan, stoporder
 from gpuhook.errors import INTERNAL_ERROR, InputError
-from gpuhook.kernel import mountinfo
+from gpuhook.kernel import files
 
 PROTOCOL = b"gpuhook-agent/3"
 DEFAULT_SOCKET = stoporder.DEFAULT_SOCKET
@@ -151,7 +151,7 @@ def _same_namespaces(pid: int, mine: tuple) -> bool:
 
 def _umask_of(pid: int) -> int | None:
     try:
-        return int(mountinfo.proc_field(f"/proc/{pid}/status", b"Umask:"), 8)
+        return int(files.proc_field(f"/proc/{pid}/status", b"Umask:"), 8)
     except (OSError, ValueError):
         return None
 

@@ -88,3 +88,22 @@ def read(path: str, limit: int = 16 << 20):
 def file_identity(st) -> list:
     """What changes whenever a file's content can have changed."""
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def proc_field(path: str, key: bytes) -> bytes:
+    """The value of the line `key` (e.g. b"mnt_id:") in a small /proc file of "key: value"
+    lines (fdinfo, status): one read of at most 8 KiB. OSError (EIO) when it has no such line."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, 8192)
+    finally:
+        os.close(fd)
+    if data.startswith(key):
+        start = len(key)
+    else:
+        at = data.find(b"\n" + key)
+        if at < 0:
+            raise OSError(5, f"no {key.decode()} line")
+        start = at + 1 + len(key)
+    end = data.find(b"\n", start)
+    return data[start:end if end >= 0 else len(data)].strip()

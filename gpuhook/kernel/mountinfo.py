@@ -15,6 +15,8 @@ bytes.
 
 import os
 
+from gpuhook.kernel import files
+
 LIMIT = 16 << 20  # a mount table larger than this is refused, not read without bound
 
 
@@ -150,25 +152,6 @@ def subtree(mounts: list, top_id: int) -> list:
     return found
 
 
-def proc_field(path: str, key: bytes) -> bytes:
-    """The value of the line `key` (e.g. b"mnt_id:") in a small /proc file of "key: value"
-    lines (fdinfo, status): one read of at most 8 KiB. OSError (EIO) when it has no such line."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        data = os.read(fd, 8192)
-    finally:
-        os.close(fd)
-    if data.startswith(key):
-        start = len(key)
-    else:
-        at = data.find(b"\n" + key)
-        if at < 0:
-            raise OSError(5, f"no {key.decode()} line")
-        start = at + 1 + len(key)
-    end = data.find(b"\n", start)
-    return data[start:end if end >= 0 else len(data)].strip()
-
-
 def mount_id(fd: int) -> int:
     """The id of the mount an open fd is on (its `mnt_id` in /proc/self/fdinfo)."""
-    return int(proc_field(f"/proc/self/fdinfo/{fd}", b"mnt_id:"))
+    return int(files.proc_field(f"/proc/self/fdinfo/{fd}", b"mnt_id:"))
