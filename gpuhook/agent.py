@@ -432,19 +432,14 @@ class Agent:
 
     def _front_gone(self, job: "Job") -> None:
         """A start's front ended before its answer: the runtime killed its hook (its timeout).
-        Its work ends too, as the Python hook's would, killed: one still waiting is dropped,
-        a child at work is killed (its worker then takes back what it did). Without this
-        the child went on, holding the runtime's pipes, past the runtime's timeout (attacker
-        pass 11, B3). A child that has answered and is ending loses nothing."""
+        One still waiting here is dropped (attacker pass 11, B3). A child at work watches its
+        front itself and ends as at its deadline, its worker's work taken back (the hook's
+        backstop, gpuhook.hook): killed from here, its worker died with it and left its
+        mounts (attacker pass 12, A1), and an agent that had ended killed nothing (A2)."""
         self._unwatch_front(job)
         if job in self.waiting:
             self.waiting.remove(job)
             self._finish(job, None)
-        elif job.pidfd in self.running:
-            try:
-                signal.pidfd_send_signal(job.pidfd, signal.SIGKILL)
-            except OSError:
-                pass
 
     def _unwatch_front(self, job: "Job") -> None:
         if job.front >= 0:
@@ -702,6 +697,11 @@ def _child(job: Job) -> int:
     os.environ.clear()
     os.environ.update(job.env)
     caller.CALLER[0] = job.peer
+    if not job.stop:
+        try:  # the hook's backstop watches it: a start ends with its front (gpuhook.hook)
+            caller.FRONT[0] = os.pidfd_open(job.peer)
+        except OSError:
+            pass
     if job.stop:  # the prescan ran above (the bundle may be gone by now)
         code = entry.run_checked(job.stage, job.config_path, job.state, job.spec, names)
     else:

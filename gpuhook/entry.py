@@ -84,7 +84,6 @@ def run_checked(stage: str, config_path: str | None, state: bytes, spec: bytes |
         from gpuhook.hook import run_hook
 
         return run_hook(stage, state, config_path, spec, names=names)
-    _wait_for_stops()
     from gpuhook.apply import worker
 
     # The namespace worker loads its modules on another core while this process plans
@@ -100,14 +99,3 @@ def run_checked(stage: str, config_path: str | None, state: bytes, spec: bytes |
     finally:
         worker.discard()
 
-
-def _wait_for_stops() -> None:
-    """A start waits (up to STOP_WAIT from its request) for the agent's stops still at their
-    work, so that the GPUs they clean up are clean before this start checks them; those of an
-    agent that has since ended, too (gpuhook.stoporder)."""
-    import time
-
-    from gpuhook import stoporder
-    from gpuhook.kernel import caller
-
-    stoporder.wait_for_stops(stoporder.environ_lock_path(), (caller.SINCE[0] or time.monotonic()) + stoporder.STOP_WAIT)

@@ -20,7 +20,7 @@ import sys
 import time
 
 from gpuhook import config as cfg
-from gpuhook import journal
+from gpuhook import journal, stoporder
 from gpuhook.kernel import caller
 from gpuhook.request import oci
 from gpuhook.errors import INTERNAL_ERROR, DeadlineError, GpuhookError, InputError, from_os_error, printable
@@ -69,13 +69,17 @@ class Backstop:
                 time.sleep(1)
 
     def _watch(self) -> None:
+        reason = None
         while True:
             left = self.deadline + BACKSTOP_GRACE - time.monotonic()
             if left <= 0:
                 break
-            time.sleep(min(left, 0.5))  # the deadline moves once the config is read
+            if self._front_ended(min(left, 0.5)):  # the deadline moves once the config is read
+                reason = "the runtime ended the hook before it was done (its timeout): gpuhook stopped"
             if self.returned:
                 return
+            if reason:
+                break
         code = 0 if self.stage == "poststop" else DeadlineError.exit_code
         if not self.lock.acquire(blocking=False):  # the main thread is writing its line
             time.sleep(max(0.0, self.deadline + FINAL_GRACE - time.monotonic()))
@@ -88,7 +92,7 @@ class Backstop:
                 where = self._where()
             except Exception:  # noqa: BLE001 - the line comes first
                 where = self.phase
-            message = f"hook deadline passed during {where} ({self.seconds:g} s): gpuhook stopped"
+            message = reason or f"hook deadline passed during {where} ({self.seconds:g} s): gpuhook stopped"
             try:
                 note = self._stop_workers(log)
             except Exception as err:  # noqa: BLE001 - the line and the record come first
@@ -98,10 +102,31 @@ class Backstop:
             log.update(decision="failed", error=message, backstop=True,
                           seconds=round(self.seconds + BACKSTOP_GRACE, 4))
             if self.stage != "poststop":
-                os.write(2, (printable(f"gpuhook: {message}")[:1000] + "\n").encode())
+                try:
+                    os.write(2, (printable(f"gpuhook: {message}")[:1000] + "\n").encode())
+                except OSError:
+                    pass  # nobody reads it any more: the log line still goes out
             journal.write(self.log_to[0], log, self.log_to[1], self.log_to[2])
         finally:
             os._exit(code)
+
+    @staticmethod
+    def _front_ended(seconds: float) -> bool:
+        """Sleep `seconds`; True at once when the front the agent serves (caller.FRONT) has
+        ended: the runtime killed its hook, past the hook's `timeout`. The hook then ends as at
+        its deadline: its worker stopped, what it did taken back (gpuhook.apply.leftovers), one
+        log line. The agent, even one that ended meanwhile, has no part in it (attacker pass
+        12, A1 and A2)."""
+        if caller.FRONT[0] < 0:
+            time.sleep(seconds)
+            return False
+        import select
+
+        try:
+            return bool(select.select([caller.FRONT[0]], [], [], seconds)[0])
+        except OSError:
+            time.sleep(seconds)
+            return False
 
     def _where(self) -> str:
         workers = sys.modules.get("gpuhook.apply.worker")
@@ -248,6 +273,12 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
             backstop.phase = "cleaning up after the container"
             poststop(state_bytes, spec_bytes, config, deadline, log, base_dir, names)
         else:
+            # The stops before this start, at their work, are done first (the GPUs they clean
+            # up are clean before this start checks them; gpuhook.stoporder). Under the
+            # backstop: a runtime that gives up meanwhile ends this hook (`_front_ended`).
+            backstop.phase = "waiting for the stops before it"
+            stoporder.wait_for_stops(stoporder.environ_lock_path(), started + stoporder.STOP_WAIT)
+            backstop.phase = "reading the container's state and bundle"
             state, spec = read_container(state_bytes, spec_bytes, base_dir)
             log.update(container=state.id, **_k8s_names(spec, state))
             docker_root = os.environ.get("GPUHOOK_DOCKER_DATA_ROOT")  # set by the Docker launcher only

@@ -13,6 +13,7 @@ import os
 
 CALLER = [0]  # the front's pid when the agent serves this hook; 0 when the runtime ran this process
 SINCE = [0.0]  # when the agent got the request (time.monotonic): the hook's deadline counts from then
+FRONT = [-1]  # a pidfd of the front, when the agent serves a start: the hook ends when the front does
 
 
 def pid() -> int:

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from conftest import REPO, GpuContainers, require, require_root_tools
+from conftest import REPO, GpuContainers, assert_rootfs_clean, require, require_root_tools
 from gpuhook import agent as agent_module
+from gpuhook.simulate import nvml as simnvml
 from helpers import testbed
 from helpers.runtimes import log_records, wait_for_record
 
@@ -380,24 +381,57 @@ def test_a_stop_parsing_a_huge_config_holds_the_next_start_only_briefly(gpus, fr
     start_behind_stop(gpus, front, agent, state, "many-mounts")
 
 
+def with_timeout(gpus, front, socket_path, seconds: int):
+    """Only a prestart hook, through the front, that the runtime kills past `seconds`."""
+    edit = with_front(gpus, front, socket_path, stages=("prestart",))
+
+    def short(spec):
+        edit(spec)
+        spec["hooks"]["prestart"][0]["timeout"] = seconds
+    return short
+
+
+GAVE_UP = "the runtime ended the hook before it was done (its timeout): gpuhook stopped"
+
+
 def test_a_start_the_runtime_gave_up_on_ends_with_its_front(gpus, front, agent):
     """Attacker pass 11, B3: runc kills a hook past its `timeout`; the front died, but the
     agent's child went on (here: waiting for a stop at its work, then injecting GPUs) and held
     runc's pipes, so runc failed only seconds later, and a start it had given up on was
-    carried out. The start now ends with its front, as the Python hook would, killed."""
+    carried out. The start now ends with its front: a failed record, nothing injected."""
     hold_stops_lock(agent.socket, 4.0)
-    edit = with_front(gpus, front, agent.socket, stages=("prestart",))
-
-    def short_timeout(spec):
-        edit(spec)
-        spec["hooks"]["prestart"][0]["timeout"] = 1
     began = time.monotonic()
-    result = gpus.run("given-up", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False, edit=short_timeout)
+    result = gpus.run("given-up", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
+                      edit=with_timeout(gpus, front, agent.socket, 1))
     took = time.monotonic() - began
     assert result.returncode != 0 and "timeout" in result.stderr, result.stderr
     assert took < 3, took
     time.sleep(3.5)  # past the stop's lock: nothing of the start happens then
-    assert log_records(gpus, "prestart") == []
+    (record,) = log_records(gpus, "prestart")
+    assert record["decision"] == "failed" and record["error"] == GAVE_UP, record
+    assert_rootfs_clean(result.rootfs)
+
+
+def test_a_start_killed_by_the_runtime_mid_apply_takes_back_its_mounts(gpus, front, agent):
+    """Attacker pass 12, A1: the agent killed the child of a start whose front died; the
+    namespace worker died with it (its parent-death signal) and left its mounts, files and
+    links in the rootfs. The child now ends as at its deadline: worker stopped, its journal
+    taken back. Here the worker has done its steps and waits for the commit while the health
+    step waits for NVML (4 s to initialise); runc gives up after 1 s."""
+    simnvml.set_host(gpus.sim["nvml_state"], init_latency_ms=4000)
+    gpus.configure(health={"mode": "always"})
+    try:
+        began = time.monotonic()
+        result = gpus.run("killed-mid-apply", env=["NVIDIA_VISIBLE_DEVICES=0"], hook=False,
+                          edit=with_timeout(gpus, front, agent.socket, 1))
+        took = time.monotonic() - began
+    finally:
+        simnvml.set_host(gpus.sim["nvml_state"], init_latency_ms=0)
+    assert result.returncode != 0 and "timeout" in result.stderr, result.stderr
+    assert took < 3, took
+    (record,) = [r for r in log_records(gpus, "prestart") if r.get("container") == "killed-mid-apply"]
+    assert record["decision"] == "failed" and record["error"] == GAVE_UP, record
+    assert_rootfs_clean(result.rootfs)
 
 
 def test_requests_queued_when_the_agent_stops_are_answered_not_reset(tmp_path):
