@@ -251,7 +251,7 @@ def _readonly_copy(rootfs: str, root_fd: int, info: int, new_mount_api: bool, ow
         if not new_mount_api:
             flags = linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV | \
                 linux.MS_NOEXEC
-            for m in mountinfo.subtree(mountinfo.read(info), mountinfo.mount_id(top)):
+            for m in mountinfo.read_subtree(info, mountinfo.mount_id(top)):
                 linux.mount(None, m.point, None, flags)
         return top
     finally:
@@ -278,16 +278,22 @@ def _detach_foreign(top: int, info: int, own_mounts) -> None:
     what is mounted below with it, and asks the detached filesystem nothing."""
     top_id = mountinfo.mount_id(top)
     for _ in range(DETACH_ROUNDS):
-        tree = mountinfo.subtree(mountinfo.read(info), top_id)
+        tree = mountinfo.read_subtree(info, top_id)
         kept = _kept(tree, top_id, own_mounts)
         foreign = [m for m in tree if m.id not in kept and m.parent in kept]
         if not foreign:
             return
+        # umount2 detaches the topmost mount at a path: where two mounts share a mount point,
+        # or a call fails, the next round reads the table again. Otherwise each call took the
+        # mount it named, with all below it, and _verify reads the table before the pivot.
+        again = len({m.point for m in tree}) != len(tree)
         for m in foreign:
             try:
                 linux.umount2(m.point, linux.MNT_DETACH | UMOUNT_NOFOLLOW)
             except OSError:
-                pass  # gone already with a parent, or moved: the next round sees where
+                again = True  # gone already with a parent, or moved: the next round sees where
+        if not again:
+            return
     raise SandboxError("cannot detach the container's volumes, /proc and /sys from the ldconfig sandbox")
 
 
@@ -320,7 +326,7 @@ def _verify(top: int, info: int, rootfs: str, out_dir: str, own_mounts) -> None:
     reachable from the root it was opened under."""
     outputs = 0
     top_id = mountinfo.mount_id(top)
-    tree = mountinfo.subtree(mountinfo.read(info), top_id)
+    tree = mountinfo.read_subtree(info, top_id)
     kept = _kept(tree, top_id, own_mounts)
     for m in tree:
         if m.fstype in SPECIAL_FILESYSTEMS:

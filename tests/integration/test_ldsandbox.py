@@ -73,3 +73,42 @@ def test_a_rootfs_path_through_a_symlink_gets_its_cache(tmp_path):
     root = tmp_path / "link" / "rootfs"
     out = sandbox_in_private_namespace(root, True)
     assert out.get("magic") == "glibc-ld.so.cache1.1", out
+
+
+STACKED = r"""
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from gpuhook.apply import ldsandbox; from gpuhook.kernel import linux
+root = {root!r}
+linux.mount(root, root, None, linux.MS_BIND)
+linux.mount("proc", root + "/proc", "proc", 0)
+for i in range(2):  # two volumes on one mount point, the upper one with a mount inside it
+    linux.mount("tmpfs", root + "/data", "tmpfs", 0, "size=1m")
+os.mkdir(root + "/data/inner")
+linux.mount("tmpfs", root + "/data/inner", "tmpfs", 0, "size=1m")
+fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+ld = os.open("/sbin/ldconfig", os.O_RDONLY | os.O_CLOEXEC)
+try:
+    data, output = ldsandbox.build_cache(root, fd, ld, ["/usr/lib64"], time.monotonic() + 20, {new_api!r})
+    print(json.dumps({{"magic": data[:20].decode()}}))
+except ldsandbox.SandboxError as err:
+    print(json.dumps({{"error": str(err)}}))
+"""
+
+
+@pytest.mark.parametrize("new_api", [True, False], ids=["open_tree+mount_setattr", "mount+remount"])
+def test_volumes_stacked_on_one_mount_point_are_all_detached(tmp_path, new_api):
+    """umount2 detaches the topmost mount at a path: the one beneath, on the same mount
+    point, is only found by reading the table again (the sandbox reads it once less where no
+    two mounts share a point)."""
+    require_root_tools("unshare", "ldconfig")
+    root = tmp_path / "rootfs"
+    for d in ("etc", "proc", "dev", "usr/lib64", "data"):
+        (root / d).mkdir(parents=True)
+    before = host_mounts()
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
+                           STACKED.format(repo=REPO, root=str(root), new_api=new_api)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert host_mounts() == before
+    assert json.loads(done.stdout) == {"magic": "glibc-ld.so.cache1.1"}

@@ -76,3 +76,29 @@ def test_a_hierarchy_covered_by_a_later_mount_is_hidden():
 ])
 def test_a_cgroup_path_is_joined_onto_its_mount_one_way(point, root, path, expected):
     assert mountinfo.cgroup_directory(point, root, path) == expected
+
+
+def test_read_subtree_is_subtree_of_the_whole_table():
+    """read_subtree parses only the subtree's lines; it must give what subtree(read()) does,
+    in the same order, for any shape (loops, lines that are not entries, self-parented roots)."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = rng.sample(range(1, 500), rng.randint(1, 60))
+        lines = []
+        for i, mid in enumerate(ids):
+            parent = rng.choice(ids[:i + 1]) if i else rng.choice([mid, 999])
+            lines.append(f"{mid} {parent} 0:{i} / /m{i}\\040x rw,relatime shared:{i} - tmpfs tmpfs rw".encode())
+        if rng.random() < 0.3:
+            lines.insert(rng.randrange(len(lines) + 1), b"not a mountinfo line")
+        data = b"\n".join(lines) + b"\n"
+        fd = os.memfd_create("mountinfo")
+        try:
+            os.write(fd, data)
+            top = rng.choice(ids)
+            got = [(m.id, m.parent, m.point) for m in mountinfo.read_subtree(fd, top)]
+            want = [(m.id, m.parent, m.point) for m in mountinfo.subtree(mountinfo.parse(data), top)]
+        finally:
+            os.close(fd)
+        assert got == want
