@@ -136,9 +136,11 @@ def patch_ldconfig(ldconfig) -> None:
 
     patch(ldconfig, "build_cache", "ldconfig.build_cache")
     patch(ldconfig, "install_cache", "ldconfig.install_cache")
-    for name in ("_sandbox", "_collect", "_readonly_copy", "_detach_foreign", "_output_dir", "_verify", "_hand_back"):
+    # _sandbox is not timed: it becomes ldconfig (exec), so it never returns to say when it ended
+    for name in ("_fork_in_new_pid_namespace", "_ready", "_readonly_copy", "_detach_foreign", "_output_dir",
+                 "_verify", "_hand_back"):
         patch(ldsandbox, name, f"ldsandbox.{name}")
-    patch(child, "run", "child.run (ldconfig itself: fork, exec, wait)")
+    patch(child, "wait_for", "child.wait_for (ldconfig itself: exec, run, exit)")
     patch(child, "kill_group", "child.kill_group")
     for name in ("unshare", "umount2", "pivot_root"):
         patch(linux, name, f"linux.{name}")

@@ -11,10 +11,11 @@ and echo them in its warnings, or read /dev/zero until the host runs out of memo
 So ldconfig runs here in a sandbox where those paths do not exist, rather than in one where
 they are forbidden:
 
-1. a new mount namespace, everything private (nothing propagates in or out), and new PID,
-   network, IPC and UTS namespaces: ldconfig is pid 1 of its own PID namespace (it sees no
-   other process to signal or trace), has only a loopback that is down (no host abstract
-   UNIX socket, no network) and no SysV IPC object or POSIX queue of the host;
+1. a process forked as pid 1 of a new PID namespace, which then takes a new mount namespace,
+   everything private (nothing propagates in or out), and new network, IPC and UTS
+   namespaces, and at the end becomes ldconfig: ldconfig is pid 1 of its own PID namespace
+   (it sees no other process to signal or trace), has only a loopback that is down (no host
+   abstract UNIX socket, no network) and no SysV IPC object or POSIX queue of the host;
 2. a read-only, nosuid, nodev, noexec copy of the rootfs holding gpuhook's own mounts (the
    driver's files) and nothing else: every other submount (procfs, sysfs, the runtime's /dev,
    the pod's volumes, which may be filesystems that never answer) is detached, and an empty
@@ -25,23 +26,24 @@ they are forbidden:
 4. ldconfig itself (opened by the hook on the host before it joined any namespace, executed by
    fd, statically linked so no loader from the image is involved) runs with no capabilities
    at all, no_new_privs, an empty environment, and hard limits on memory, CPU time, file size
-   and open files, under the hook's wall-clock deadline; a process that does not end after
+   and open files, under the hook's wall-clock deadline, which the worker keeps: it kills
+   ldconfig (and with pid 1 its whole namespace) there; a process that does not end after
    its SIGKILL (stuck in the kernel) is not waited for, but reported (`SandboxError.left`);
-5. the cache it built is read from the tmpfs by fd, checked, and handed back; the caller
-   installs it into the rootfs by directory fd (gpuhook.apply.rootfs.replace_file). ldconfig's output is returned for gpuhook's
-   log, never for the container's user.
+5. the sandbox hands the worker the output tmpfs's directory fd just before the exec; once
+   ldconfig has ended (and its namespaces with it), the worker reads the cache through that
+   fd (one regular file, no link followed, size-limited) and the caller installs it into the
+   rootfs by directory fd (gpuhook.apply.rootfs.replace_file). ldconfig's output is returned
+   for gpuhook's log, never for the container's user.
 """
 
+import array
 import os
 import resource  # imported here: after the pivot no module can be loaded
 import select
 import stat
 import time
 
-from gpuhook import fastjson
-from gpuhook.kernel import paths
-from gpuhook.apply.order import write_all
-from gpuhook.kernel import child, linux, mountinfo
+from gpuhook.kernel import child, linux, mountinfo, paths
 
 CACHE_LIMIT = 32 << 20  # largest ld.so.cache accepted (a big image's is a few MiB)
 OUTPUT_LIMIT = 4096  # bytes of ldconfig's output kept for the log
@@ -59,13 +61,12 @@ PT_INTERP = 3
 DETACH_ROUNDS = 32
 UMOUNT_NOFOLLOW = 0x8  # umount2(2): do not follow a final symlink
 KILL_GRACE = 0.3  # seconds a killed process gets to end before it counts as stuck in the kernel
-KILL_MARGIN = 0.3 + 2 * KILL_GRACE  # the sandbox stops ldconfig itself this long before the deadline
-# The namespaces the sandbox leaves. After unshare(CLONE_NEWPID) the sandbox itself stays in
-# the caller's PID namespace; the next process it forks, ldconfig, is pid 1 of the new one:
-# it is still this process's child (killed, with its group, and reaped from here), and when
-# it ends the kernel kills whatever it left in that namespace.
-NAMESPACES = (linux.CLONE_NEWNS | linux.CLONE_NEWPID | linux.CLONE_NEWNET | linux.CLONE_NEWIPC
-              | linux.CLONE_NEWUTS)
+READY = b"exec"  # the sandbox's message (with the output directory's fd) just before it executes ldconfig
+# The namespaces the sandbox leaves, besides its PID namespace: it is forked as pid 1 of a new
+# one (`_fork_in_new_pid_namespace`) and becomes ldconfig, which is therefore pid 1 there: it
+# is still the worker's child (killed, with its group, and reaped from there), and when it
+# ends the kernel kills whatever it left in that namespace.
+NAMESPACES = linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
 
 
 class SandboxError(Exception):
@@ -108,66 +109,105 @@ def build_cache(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadli
     `new_mount_api` (kernels before 5.12) the read-only copy is made with mount(2).
     `own_mounts` are the mount points (as /proc/self/mountinfo shows them) of the mounts
     gpuhook made in the rootfs: the only submounts the copy keeps.
+
+    The sandbox is forked as pid 1 of a new PID namespace, sets itself up (`_sandbox`) and
+    becomes ldconfig: one fork of this Python process, not two (a fork here costs ~0.6 ms and
+    the forked process's first steps as much again). Before it executes ldconfig it hands
+    this process its output tmpfs (a directory fd, over `channel`); this process reads
+    ldconfig's output, waits for it under the deadline and then reads the cache it wrote.
     """
-    memfd = os.memfd_create("gpuhook-ld.so.cache", os.MFD_CLOEXEC)
-    read_end, write_end = os.pipe()
+    import _socket  # not socket.py: its enum import costs the hook more than the rest of this step
+
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    read_end, write_end = os.pipe()  # ldconfig's stdout and stderr
+    out_fd = pid = -1
     try:
-        pid = os.fork()
-        if pid == 0:  # the sandbox: never returns
+        pid = _fork_in_new_pid_namespace()
+        if pid == 0:  # the sandbox: becomes ldconfig, or ends
             code = 1
             try:
+                ours.close()
                 os.close(read_end)
-                code = _sandbox(rootfs, root_fd, ldconfig_fd, list(directories), deadline, memfd, write_end,
+                code = _sandbox(rootfs, root_fd, ldconfig_fd, list(directories), theirs, write_end,
                                 new_mount_api, frozenset(own_mounts))
             finally:
                 os._exit(code)
+        theirs.close()
         os.close(write_end)
         write_end = -1
-        report = _collect(pid, read_end, deadline)
-        if not report.get("ok"):
-            raise SandboxError(report.get("error") or "ldconfig sandbox failed", report.get("output", ""),
-                               report.get("left") or ())
-        size = report.get("size", 0)
-        data = os.pread(memfd, size, 0) if size else b""
+        out_fd = _ready(ours, pid, deadline)
+        # Stopped a little before the deadline, so that a kill and its grace end by then.
+        result = child.wait_for(pid, read_end, deadline - KILL_GRACE, OUTPUT_LIMIT)
+        read_end = -1
+        output = result.output.decode("utf-8", "replace")
+        if result.timed_out:
+            raise SandboxError("host ldconfig did not finish before the deadline; killed", output,
+                               [_stuck("host ldconfig", pid)] if result.stuck else ())
+        if result.status != 0:
+            how = f"was killed by signal {-result.status}" if result.status < 0 else f"exited with {result.status}"
+            raise SandboxError(f"host ldconfig {how} (its output is in gpuhook's log)", output)
+        data = _hand_back(out_fd, output)
         if not data.startswith(CACHE_MAGICS):
-            raise SandboxError("host ldconfig did not write an ld.so.cache", report.get("output", ""))
-        return data, report.get("output", "")
+            raise SandboxError("host ldconfig did not write an ld.so.cache", output)
+        return data, output
     finally:
-        os.close(memfd)
-        os.close(read_end)
-        if write_end >= 0:
-            os.close(write_end)
+        ours.close()
+        theirs.close()
+        for fd in (read_end, write_end, out_fd):
+            if fd >= 0:
+                os.close(fd)
 
 
-def _collect(pid: int, read_end: int, deadline: float) -> dict:
-    """The sandbox's report; at the deadline the sandbox is killed (and not waited for
-    beyond KILL_GRACE: it may be stuck in the kernel)."""
-    chunks = []
+def _fork_in_new_pid_namespace() -> int:
+    """fork(), the child being pid 1 of a new PID namespace. unshare(CLONE_NEWPID) changes only
+    where the caller's next children go; that is put back after the fork where it can be (this
+    process's /proc shows its namespace, and it holds CAP_SYS_ADMIN over it: not a worker in
+    a container's user namespace). Where not, a later fork of the caller fails: the worker
+    forks nothing after its sandbox."""
+    try:
+        mine = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        mine = -1
+    try:
+        linux.unshare(linux.CLONE_NEWPID)
+        pid = os.fork()
+        if pid != 0 and mine >= 0:
+            try:
+                linux.setns(mine, linux.CLONE_NEWPID)
+            except OSError:
+                pass
+        return pid
+    finally:
+        if mine >= 0:
+            os.close(mine)
+
+
+def _ready(channel, pid: int, deadline: float) -> int:
+    """The output tmpfs's directory fd the sandbox sends just before it executes ldconfig; a
+    sandbox that fails sends why instead (or dies: end of file), and is killed and reaped."""
+    import _socket
+
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            stuck = not child.kill_group(pid, KILL_GRACE)
-            raise SandboxError("host ldconfig did not finish before the deadline; killed",
-                               left=[_stuck("the ldconfig sandbox", pid)] if stuck else ())
-        ready, _, _ = select.select([read_end], [], [], left)
-        if not ready:
+            error = "host ldconfig did not finish before the deadline; killed"
+            break
+        if not select.select([channel], [], [], left)[0]:
             continue
-        data = os.read(read_end, 65536)
-        if not data:
-            break
-        chunks.append(data)
-        if sum(map(len, chunks)) > 1 << 20:
-            break
+        fds = array.array("i")
+        data, ancdata, flags, _ = channel.recvmsg(4096, _socket.CMSG_SPACE(2 * fds.itemsize),
+                                                  _socket.MSG_CMSG_CLOEXEC)
+        for level, kind, payload in ancdata:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+        if data == READY and len(fds) == 1 and not flags & (_socket.MSG_TRUNC | _socket.MSG_CTRUNC):
+            return fds[0]
+        for fd in fds:
+            os.close(fd)
+        error = data.decode("utf-8", "replace") if data else "the ldconfig sandbox died"
+        break
     stuck = not child.kill_group(pid, KILL_GRACE)
-    try:
-        report = fastjson.loads(b"".join(chunks))
-    except ValueError:
-        report = None
-    if not isinstance(report, dict):
-        raise SandboxError("the ldconfig sandbox died", left=[_stuck("the ldconfig sandbox", pid)] if stuck else ())
-    if stuck:
-        report["left"] = list(report.get("left") or ()) + [_stuck("the ldconfig sandbox", pid)]
-    return report
+    raise SandboxError(error, left=[_stuck("the ldconfig sandbox", pid)] if stuck else ())
 
 
 def _stuck(what: str, pid: int) -> str:
@@ -175,11 +215,12 @@ def _stuck(what: str, pid: int) -> str:
             f"does not answer) and ends when that call returns; it holds no file of the container")
 
 
-def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, new_mount_api, own_mounts) -> int:
-    """The sandbox process: set up, run ldconfig, hand back the cache. Never raises."""
-    report = {"ok": False}
+def _sandbox(rootfs, root_fd, ldconfig_fd, directories, channel, output, new_mount_api, own_mounts) -> int:
+    """The sandbox process, pid 1 of its PID namespace: set up, hand over the output
+    directory, become ldconfig. Returns (an exit code) only where that failed; never raises."""
+    ready = False
     try:
-        linux.prctl_set_pdeathsig(linux.SIGKILL)
+        linux.prctl_set_pdeathsig(linux.SIGKILL)  # kept across the exec: ldconfig is no set-id program
         os.setpgid(0, 0)
         linux.unshare(NAMESPACES)
         linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
@@ -195,26 +236,28 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, deadline, memfd, out, ne
         linux.pivot_root(".", ".")
         linux.umount2(".", linux.MNT_DETACH)
         os.chdir("/")
+        for fd in (info, top):
+            os.close(fd)
         argv = ["ldconfig", "-X", "-C", f"{out_dir}/ld.so.cache", *directories]
-        # Ends a little before the caller's deadline, so this process (not the caller's kill
-        # of it) stops ldconfig, with its whole process group.
-        timeout = max(0.1, deadline - KILL_MARGIN - time.monotonic())
-        result = child.run(argv, timeout, env={}, executable=ldconfig_fd,
-                           output_cap=OUTPUT_LIMIT, before_exec=_confine, stdin=devnull)
-        report["output"] = result.output.decode("utf-8", "replace")
-        if result.stuck:
-            report["left"] = [_stuck("host ldconfig", result.pid)]
-        if result.timed_out:
-            raise SandboxError("host ldconfig did not finish before the deadline; killed")
-        if result.status != 0:
-            how = f"was killed by signal {-result.status}" if result.status < 0 else f"exited with {result.status}"
-            raise SandboxError(f"host ldconfig {how} (its output is in gpuhook's log)")
-        report["size"] = _hand_back(out_fd, memfd)
-        report["ok"] = True
+        import _socket
+
+        channel.sendmsg([READY], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [out_fd]))])
+        ready = True
+        os.dup2(devnull, 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        _confine()
+        os.execve(ldconfig_fd, argv, {})
     except BaseException as err:  # noqa: BLE001 - reported to the worker
-        report["error"] = str(err) if isinstance(err, SandboxError) else _describe(err)
-    write_all(out, fastjson.dumps(report).encode())
-    return 0
+        message = str(err) if isinstance(err, SandboxError) else _describe(err)
+        try:
+            if ready:  # the worker waits for ldconfig now: its output is where this goes
+                os.write(output, f"cannot run host ldconfig: {message}\n".encode())
+            else:
+                channel.send(message.encode()[:4000])
+        except OSError:
+            pass
+    return 127 if ready else 1
 
 
 def _describe(err: BaseException) -> str:
@@ -348,19 +391,20 @@ def _confine() -> None:
     linux.drop_all_capabilities()
 
 
-def _hand_back(out_fd: int, memfd: int) -> int:
-    """Copy the cache ldconfig wrote into the caller's memfd; returns its size."""
-    fd = os.open("ld.so.cache", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=out_fd)
+def _hand_back(out_fd: int, output: str) -> bytes:
+    """The cache ldconfig wrote in the output tmpfs (`out_fd`, its directory), read once
+    ldconfig has ended: a regular file of at most CACHE_LIMIT bytes, nothing else."""
+    try:
+        fd = os.open("ld.so.cache", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=out_fd)
+    except OSError:
+        raise SandboxError("host ldconfig did not write an ld.so.cache", output) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > CACHE_LIMIT:
-            raise SandboxError("host ldconfig wrote something other than a cache file")
+            raise SandboxError("host ldconfig wrote something other than a cache file", output)
         data = os.read(fd, CACHE_LIMIT + 1)
     finally:
         os.close(fd)
     if len(data) > CACHE_LIMIT:
-        raise SandboxError("the ld cache is larger than gpuhook accepts")
-    view = memoryview(data)
-    while view:
-        view = view[os.write(memfd, view):]
-    return len(data)
+        raise SandboxError("the ld cache is larger than gpuhook accepts", output)
+    return data

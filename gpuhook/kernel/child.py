@@ -113,12 +113,19 @@ def run(argv: list[str], timeout: float, env: dict | None = None, executable=Non
         os.setpgid(pid, pid)
     except OSError:
         pass
+    return wait_for(pid, read_end, start + timeout, output_cap, start)
+
+
+def wait_for(pid: int, read_end: int, end: float, output_cap: int = 64 << 10, start: float | None = None) -> Result:
+    """Wait for the child `pid` (the leader of its own process group) until `end` (monotonic),
+    taking its output from `read_end` (closed here) up to `output_cap`; at `end` kill its
+    group (`kill_group`). Whatever it left in its group goes when it has exited."""
+    start = time.monotonic() if start is None else start
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
         pidfd = -1  # kernels before 5.3: poll in short slices instead
     chunks, size = [], 0
-    end = start + timeout
     status = None
     reading = True
     try:
