@@ -601,8 +601,12 @@ def _spare(channel: int, go: int, lock_path: str, hint) -> int:
         # The configuration the last start named, loaded now rather than on the next start's
         # critical path; that start's own load takes it only if the file is unchanged.
         from gpuhook import config
+        from gpuhook.discover import inventory
 
         config.preload(*hint)
+        # And the inventory cache that configuration names, parsed; the start still takes
+        # the host's fingerprint, and uses this only if that is unchanged.
+        inventory.preload(config.preloaded())
     while os.read(go, 1):  # nothing is written: it ends when the agent closes its end
         pass
     os.close(go)

@@ -357,6 +357,11 @@ def preload(path: str | None, environ: dict | None) -> None:
         _PRELOADED.clear()
 
 
+def preloaded():
+    """The Config `preload` loaded, or None."""
+    return next(iter(_PRELOADED.values()))[1] if _PRELOADED else None
+
+
 def load(path: str | None = None, environ: dict | None = None, use_cache: bool = True,
          remember: bool = False) -> Config:
     """Load the configuration from `path`, $GPUHOOK_CONFIG or the default file. Reads only.

@@ -160,3 +160,23 @@ def test_unwritable_state_dir_still_works(host):
     tmp_path, config = host
     (tmp_path / "run").write_text("a file where the directory should be")
     assert start_inventory(config).gpus
+
+
+def test_a_preloaded_cache_serves_the_next_read_only_while_the_host_is_unchanged(host, monkeypatch):
+    """gpuhook.agent's spare preloads the cache while it waits: the start still takes the
+    host's fingerprint, and uses the preloaded document only when it is the same."""
+    tmp_path, config = host
+    first = start_inventory(config)
+    inventory.preload(config)
+    real_read = inventory.files.read
+    monkeypatch.setattr(inventory.files, "read", lambda path, *a: pytest.fail(f"read {path} again"))
+    assert inventory.read(config)[0] == first  # served from the preload, which is used up
+    assert not inventory._PRELOADED
+    monkeypatch.setattr(inventory.files, "read", real_read)
+    inventory.preload(config)
+    version = tmp_path / "proc/driver/nvidia/version"
+    version.write_text(version.read_text().replace(first.driver_version, "560.28.03"))
+    found, _, _, pending = inventory.read(config)
+    assert found.driver_version == "560.28.03" and pending is not None  # the host changed: scanned again
+    inventory.preload(None)  # no configuration loaded: nothing kept
+    assert not inventory._PRELOADED
