@@ -203,11 +203,12 @@ def ensure_dir(root_fd: int, path: str, changes: Changes, parent_fd=None) -> int
                    stat.S_ISDIR, parent_fd)
 
 
-def replace_file(dir_fd: int, name: str, data: bytes, mode: int = 0o644, owner=None) -> None:
+def replace_file(dir_fd: int, name: str, data: bytes, mode: int = 0o644, owner=None, durable: bool = True) -> None:
     """Replace `name` in the directory open as `dir_fd` with `data`, atomically: a temporary
     file made O_EXCL|O_NOFOLLOW in that directory, `mode` and `owner` ((uid, gid) or None)
     set by fd, then renameat. Nothing is resolved by path, so a link planted in the
-    directory is replaced, never followed."""
+    directory is replaced, never followed. `durable`: the data reaches the disk (fsync)
+    before the rename; a file that every container start writes anew need not."""
     tmp = f".{name}.gpuhook-{os.getpid()}-{os.urandom(4).hex()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
@@ -215,7 +216,8 @@ def replace_file(dir_fd: int, name: str, data: bytes, mode: int = 0o644, owner=N
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
             if owner is not None:
                 os.fchown(fd, *owner)
             os.fchmod(fd, mode)

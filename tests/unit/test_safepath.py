@@ -292,3 +292,19 @@ def test_an_entry_that_is_a_mount_point_is_never_stated(tmp_path):
     finally:
         os.close(root)
 
+
+
+def test_replace_file_syncs_only_a_durable_file(tmp_path, monkeypatch):
+    """Installed config files reach the disk before their rename; a container's ld cache,
+    written anew on each start, is not synced (an fsync there is a journal commit of the
+    rootfs's disk on the start path)."""
+    synced = []
+    monkeypatch.setattr(rootfs.os, "fsync", lambda fd: synced.append(fd))
+    parent = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        rootfs.replace_file(parent, "config.toml", b"durable")
+        assert len(synced) == 1
+        rootfs.replace_file(parent, "ld.so.cache", b"per start", durable=False)
+        assert len(synced) == 1 and (tmp_path / "ld.so.cache").read_bytes() == b"per start"
+    finally:
+        os.close(parent)
