@@ -146,5 +146,5 @@ def test_quick_installed_start_and_stop_with_the_packaged_services(tmp_path):
     note = rows["installed.life.installed"]["note"]
     assert '"daemon": "prepared by the health daemon"' in note and "nvml: not loaded" in note
     assert "poststop decisions: cleaned up" in note
-    for name in ("no-daemon", "nogpu"):
+    for name in ("no-daemon", "nogpu", "true"):
         assert rows[f"installed.stop.{name}"]["ratio"] > 0 and rows[f"installed.stop.{name}"]["target"] is None
