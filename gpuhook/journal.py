@@ -23,6 +23,9 @@ import time
 TAG = "gpuhook"
 MAX_LINE_BYTES = 8192
 MAX_STRING = 512  # characters kept of one string value
+# Top-level fields kept longer: ldconfig's output (gpuhook.apply.ldsandbox.OUTPUT_LIMIT bytes),
+# which is the only record of what it met (attacker pass 13: 512 characters hid most of it).
+LONG_STRINGS = {"ldconfig_output": 4096, "detail": 4096}
 MAX_ITEMS = 32  # items kept of one list
 SUMMARY = ("time", "pid", "tag", "stage", "container", "pod", "namespace", "container_name", "pod_uid", "decision",
            "error", "channel", "gpus", "seconds")
@@ -58,14 +61,15 @@ def _private_dir(path: str) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def _cut(value, depth: int = 0):
+def _cut(value, depth: int = 0, limit: int = MAX_STRING):
     """`value` with long strings and lists shortened, and nesting bounded."""
     if isinstance(value, str):
-        return value if len(value) <= MAX_STRING else f"{value[:MAX_STRING]}...(+{len(value) - MAX_STRING} chars)"
+        return value if len(value) <= limit else f"{value[:limit]}...(+{len(value) - limit} chars)"
     if depth > 8:
         return "..."
     if isinstance(value, dict):
-        return {str(k)[:MAX_STRING]: _cut(v, depth + 1) for k, v in list(value.items())[:MAX_ITEMS * 4]}
+        return {str(k)[:MAX_STRING]: _cut(v, depth + 1, LONG_STRINGS.get(k, MAX_STRING) if depth == 0 else MAX_STRING)
+                for k, v in list(value.items())[:MAX_ITEMS * 4]}
     if isinstance(value, (list, tuple)):
         items = [_cut(v, depth + 1) for v in value[:MAX_ITEMS]]
         if len(value) > MAX_ITEMS:

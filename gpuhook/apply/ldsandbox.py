@@ -43,7 +43,7 @@ import select
 import stat
 import time
 
-from gpuhook.kernel import child, linux, mountinfo, paths
+from gpuhook.kernel import child, linux, mountinfo, paths, seccomp
 
 CACHE_LIMIT = 32 << 20  # largest ld.so.cache accepted (a big image's is a few MiB)
 OUTPUT_LIMIT = 4096  # bytes of ldconfig's output kept for the log
@@ -188,7 +188,7 @@ def _ready(channel, pid: int, deadline: float) -> int:
     import _socket
 
     while True:
-        left = deadline - time.monotonic()
+        left = deadline - KILL_GRACE - time.monotonic()  # a kill and its grace end by the deadline
         if left <= 0:
             error = "host ldconfig did not finish before the deadline; killed"
             break
@@ -385,10 +385,13 @@ def _verify(top: int, info: int, rootfs: str, out_dir: str, own_mounts) -> None:
 
 
 def _confine() -> None:
-    """In the ldconfig process just before exec: hard limits, then no capabilities at all."""
+    """In the ldconfig process just before exec: hard limits, no capabilities at all, then the
+    seccomp filter (gpuhook.kernel.seccomp.LDCONFIG_DENIED: no process, namespace, keyring or
+    memory outside its address space; attacker pass 13, B1, B2)."""
     for name, value in LIMITS.items():
         resource.setrlimit(getattr(resource, name), (value, value))
     linux.drop_all_capabilities()
+    seccomp.install(seccomp.deny(seccomp.LDCONFIG_DENIED))
 
 
 def _hand_back(out_fd: int, output: str) -> bytes:

@@ -142,9 +142,15 @@ def wait_for(pid: int, read_end: int, end: float, output_cap: int = 64 << 10, st
                 elif size < output_cap:
                     chunks.append(data[: output_cap - size])
                     size += len(chunks[-1])
-            done, raw = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = os.waitstatus_to_exitcode(raw)
+            # Seen ended but not reaped (WNOWAIT): while it is a zombie its pid, which is its
+            # group's id, cannot be given to another process, so the group is killed now,
+            # then it is reaped (attacker pass 13: a kill after the reap could hit a new group).
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                try:  # the leader exited; anything it left in its group goes too
+                    os.killpg(pid, SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         if status is not None and reading:
             # The leader has exited: take what is already in the pipe, never wait for
             # a descendant that still holds it.
@@ -160,12 +166,5 @@ def wait_for(pid: int, read_end: int, end: float, output_cap: int = 64 << 10, st
         if pidfd >= 0:
             os.close(pidfd)
     timed_out = status is None
-    stuck = False
-    if timed_out:
-        stuck = not kill_group(pid)
-    else:
-        try:  # the leader exited; anything it left in its group goes too
-            os.killpg(pid, SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    stuck = not kill_group(pid) if timed_out else False
     return Result(status, b"".join(chunks), timed_out, time.monotonic() - start, pid, stuck)

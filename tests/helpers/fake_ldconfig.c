@@ -13,6 +13,7 @@
 #include <linux/capability.h>
 #include <stdio.h>
 #include <string.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/shm.h>
@@ -60,6 +61,24 @@ static void try_escape(void) {
     printf("SHM %s\n", shmget((key_t)key, 0, 0) >= 0 ? "ok" : strerror(errno));
 }
 
+/* What a compromised ldconfig would use against the host's shared kernel state (attacker pass
+ * 13): root's keyrings, new processes, memory outside its address space, a user namespace. */
+static void try_shared_kernel_state(void) {
+    long key = syscall(SYS_add_key, "user", "gpuhook-spy", "x", 1, -4 /* KEY_SPEC_USER_KEYRING */);
+    printf("ADD_KEY %s\n", key >= 0 ? "ok" : strerror(errno));
+    long found = syscall(SYS_request_key, "user", "gpuhook-spy", NULL, 0);
+    printf("REQUEST_KEY %s\n", found >= 0 ? "ok" : strerror(errno));
+    long joined = syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, NULL);
+    printf("KEYCTL %s\n", joined >= 0 ? "ok" : strerror(errno));
+    pid_t child = fork();
+    if (child == 0)
+        _exit(0);
+    printf("FORK %s\n", child >= 0 ? "ok" : strerror(errno));
+    long memfd = syscall(SYS_memfd_create, "spy", 0);
+    printf("MEMFD %s\n", memfd >= 0 ? "ok" : strerror(errno));
+    printf("UNSHARE_USER %s\n", unshare(CLONE_NEWUSER) == 0 ? "ok" : strerror(errno));
+}
+
 int main(int argc, char **argv) {
 #if defined(HANG)
     (void)argc; (void)argv;
@@ -93,6 +112,7 @@ int main(int argc, char **argv) {
     try_open("/sys/kernel/uevent_seqnum");
     try_open("/dev/zero");
     try_escape();
+    try_shared_kernel_state();
     FILE *w = fopen("/etc/written-by-ldconfig", "w");
     printf("WRITE_ROOTFS %s\n", w ? "ok" : strerror(errno));
     FILE *cache = fopen(cache_path(argc, argv), "w");

@@ -87,7 +87,11 @@ def test_host_ldconfig_runs_with_no_capability_no_procfs_and_a_read_only_rootfs(
     assert "OPEN /proc/self/mountinfo No such file or directory" in seen
     assert "OPEN /sys/kernel/uevent_seqnum No such file or directory" in seen
     assert "OPEN /dev/zero Permission denied" in seen  # the copy of the rootfs is nodev
-    assert "WRITE_ROOTFS Read-only file system" in seen
+    assert "WRITE_ROOTFS Read-only file system" in seen, "\n".join(seen)
+    # The seccomp filter (attacker pass 13, B1, B2): no keyring of the host's root, no new
+    # process, no memory outside its address space, no user namespace of its own.
+    for call in ("ADD_KEY", "REQUEST_KEY", "KEYCTL", "FORK", "MEMFD", "UNSHARE_USER"):
+        assert f"{call} Operation not permitted" in seen, (call, seen)
     with open(result.rootfs + "/etc/ld.so.cache", "rb") as f:
         assert f.read().startswith(b"glibc-ld.so.cache1.1")  # what it wrote, installed
 
@@ -121,7 +125,7 @@ def test_host_ldconfig_can_neither_signal_host_processes_nor_reach_host_sockets(
         assert "PID 1" in seen, seen  # pid 1 of a namespace of its own
         assert "KILL No such process" in seen, seen
         assert "CONNECT Connection refused" in seen, seen
-        assert "SHM No such file or directory" in seen, seen
+        assert "SHM Operation not permitted" in seen, seen  # refused outright (seccomp)
         assert victim.poll() is None, "the host process was signalled"
         with pytest.raises(BlockingIOError):
             listener.accept()

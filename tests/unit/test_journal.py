@@ -43,3 +43,13 @@ def test_a_line_that_fits_is_written_whole():
     record = {"stage": "prestart", "container": "c1", "decision": "gpus injected", "health": health_report(10)}
     record["health"]["gpus"] = record["health"]["gpus"][:2]
     assert line(record) == {**json.loads(json.dumps(record))}
+
+
+def test_ldconfigs_output_is_kept_to_its_own_limit_other_strings_to_512():
+    """ldconfig's output is the only record of what it met: kept to 4096 characters, where
+    another string keeps 512 (attacker pass 13). Only at the top level of the line."""
+    output = "x" * 5000
+    line = json.loads(journal.line_bytes({"ldconfig_output": output, "error": output, "nested": {"ldconfig_output": output}}))
+    assert line["ldconfig_output"].startswith("x" * 4096 + "...(+904 chars)")
+    assert line["error"] == "x" * 512 + "...(+4488 chars)"
+    assert line["nested"]["ldconfig_output"] == "x" * 512 + "...(+4488 chars)"

@@ -1,0 +1,115 @@
+"""A seccomp filter that refuses a list of system calls, for a process that runs trusted code on
+hostile input (the host's ldconfig in its sandbox, gpuhook.apply.ldsandbox).
+
+Namespaces, capabilities and rlimits leave some of the kernel shared with a process that is
+still uid 0 of the host (attacker pass 13):
+
+- the kernel's keyrings are per uid of the user namespace: root's user and persistent
+  keyrings, and every runtime's session keyrings (`_ses.<container>`), are open to any process
+  of host uid 0, capabilities or not (B1: a compromised ldconfig read a host secret, wrote it
+  into the container's ld cache, planted keys in root's and another container's keyrings);
+- rlimits are per process, RLIMIT_NPROC does not bind the host's root user, and memfd and
+  SysV shared memory count against no address space: a compromised ldconfig forked 31,578
+  processes (host forks failed) and held 1.9 GiB in memfds until the hook's deadline (B2).
+
+`deny` builds a classic BPF program that returns EPERM for each of the named calls, for any
+call of another ABI than the kernel's own (i386 or x32 on x86_64), and allows everything else;
+`install` loads it (no_new_privs must be set: gpuhook.kernel.linux.drop_all_capabilities).
+A filter outlives execve: it is the last thing installed before the exec.
+
+System call numbers are per architecture: x86_64 from asm/unistd_64.h, aarch64 from
+asm-generic/unistd.h (tests/unit/test_seccomp.py compares them with the headers where they
+are installed). gpuhook runs on these two; elsewhere `deny` raises OSError (ENOSYS).
+"""
+
+import ctypes
+import os
+import struct
+
+from gpuhook.kernel import linux
+
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_ERRNO = 0x00050000
+EPERM = 1
+X32_SYSCALL_BIT = 0x40000000
+# struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6]
+NR_OFFSET, ARCH_OFFSET = 0, 4
+# classic BPF opcodes (linux/filter.h, linux/bpf_common.h)
+LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS
+JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+JGE_K = 0x35  # BPF_JMP | BPF_JGE | BPF_K
+RET_K = 0x06  # BPF_RET | BPF_K
+
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+NUMBERS = {
+    "x86_64": {
+        "fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "unshare": 272, "setns": 308,
+        "add_key": 248, "request_key": 249, "keyctl": 250,
+        "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "userfaultfd": 323,
+        "bpf": 321, "perf_event_open": 298, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
+        "mount": 165, "umount2": 166, "pivot_root": 155, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+    },
+    "aarch64": {  # no fork or vfork there: clone does both
+        "clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
+        "add_key": 217, "request_key": 218, "keyctl": 219,
+        "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "shmat": 196,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "userfaultfd": 282,
+        "bpf": 280, "perf_event_open": 241, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
+        "mount": 40, "umount2": 39, "pivot_root": 41, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+    },
+}
+
+# What the host's ldconfig never calls and a compromised one must not: new processes or
+# threads (it is one process: no fork bomb, and its 512 MiB address space is all the memory
+# it has), new namespaces (a user namespace of its own would let it mount tmpfs without a
+# size limit), the keyrings, memory outside its address space (memfd, SysV shm, io_uring,
+# userfaultfd), other processes' memory, BPF and perf, and the mount API.
+LDCONFIG_DENIED = tuple(NUMBERS["x86_64"])
+
+
+def _instruction(code: int, jt: int, jf: int, k: int) -> bytes:
+    return struct.pack("HBBI", code, jt, jf, k)
+
+
+def deny(names, machine: str | None = None) -> bytes:
+    """The filter program (struct sock_filter[] as bytes) that refuses `names` with EPERM on
+    `machine` (default: this one's); names this architecture has no call for are skipped."""
+    machine = machine or os.uname().machine
+    if machine not in AUDIT_ARCH:
+        raise OSError(38, f"seccomp: unsupported architecture {machine}")  # ENOSYS
+    numbers = sorted({NUMBERS[machine][name] for name in names if name in NUMBERS[machine]})
+    refuse = _instruction(RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM)
+    head = [_instruction(LD_W_ABS, 0, 0, ARCH_OFFSET),
+            _instruction(JEQ_K, 1, 0, AUDIT_ARCH[machine]),  # the kernel's own ABI: go on
+            refuse,  # i386 (int 0x80) on x86_64, aarch32 on aarch64: other numbers, refused
+            _instruction(LD_W_ABS, 0, 0, NR_OFFSET)]
+    checks = []
+    if machine == "x86_64":  # x32 calls carry this bit: refused whatever their number
+        checks.append(X32_SYSCALL_BIT)
+    checks += numbers
+    body = []
+    for index, number in enumerate(checks):
+        to_refuse = len(checks) - index  # past the rest of the checks and the allow
+        if to_refuse > 255:
+            raise ValueError("seccomp: too many calls for one program")
+        op = JGE_K if machine == "x86_64" and index == 0 else JEQ_K
+        body.append(_instruction(op, to_refuse, 0, number))
+    return b"".join(head + body + [_instruction(RET_K, 0, 0, SECCOMP_RET_ALLOW), refuse])
+
+
+class _Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def install(program: bytes) -> None:
+    """Load `program` (from `deny`) as this thread's seccomp filter; it holds for whatever this
+    process executes. Needs no_new_privs (or CAP_SYS_ADMIN). Raises OSError."""
+    buffer = ctypes.create_string_buffer(program, len(program))
+    prog = _Fprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
+    linux._check(linux._libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
+                                   ctypes.byref(prog), ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl PR_SET_SECCOMP")
