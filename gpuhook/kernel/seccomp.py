@@ -52,6 +52,7 @@ NUMBERS = {
         "bpf": 321, "perf_event_open": 298, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
         "mount": 165, "umount2": 166, "pivot_root": 155, "open_tree": 428, "move_mount": 429, "fsopen": 430,
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+        "socket": 41, "socketpair": 53,
     },
     "aarch64": {  # no fork or vfork there: clone does both
         "clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
@@ -61,6 +62,7 @@ NUMBERS = {
         "bpf": 280, "perf_event_open": 241, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
         "mount": 40, "umount2": 39, "pivot_root": 41, "open_tree": 428, "move_mount": 429, "fsopen": 430,
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+        "socket": 198, "socketpair": 199,
     },
 }
 
@@ -68,7 +70,8 @@ NUMBERS = {
 # threads (it is one process: no fork bomb, and its 512 MiB address space is all the memory
 # it has), new namespaces (a user namespace of its own would let it mount tmpfs without a
 # size limit), the keyrings, memory outside its address space (memfd, SysV shm, io_uring,
-# userfaultfd), other processes' memory, BPF and perf, and the mount API.
+# userfaultfd), other processes' memory, BPF and perf, the mount API, and sockets (its network
+# namespace has none to reach; a socket file in the image would still take a connect).
 LDCONFIG_DENIED = tuple(NUMBERS["x86_64"])
 
 

@@ -77,6 +77,8 @@ static void try_shared_kernel_state(void) {
     long memfd = syscall(SYS_memfd_create, "spy", 0);
     printf("MEMFD %s\n", memfd >= 0 ? "ok" : strerror(errno));
     printf("UNSHARE_USER %s\n", unshare(CLONE_NEWUSER) == 0 ? "ok" : strerror(errno));
+    int s = socket(AF_UNIX, SOCK_STREAM, 0);
+    printf("SOCKET %s\n", s >= 0 ? "ok" : strerror(errno));
 }
 
 int main(int argc, char **argv) {
