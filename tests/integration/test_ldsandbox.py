@@ -32,12 +32,12 @@ print(json.dumps(out))
 """
 
 
-def sandbox_in_private_namespace(root, new_api: bool) -> dict:
-    """Run SCRIPT over `root` in a private mount namespace; what it reported. The host's
+def sandbox_in_private_namespace(root, new_api: bool, script: str = SCRIPT) -> dict:
+    """Run `script` over `root` in a private mount namespace; what it reported. The host's
     mount table must be unchanged."""
     before = host_mounts()
     done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
-                           SCRIPT.format(repo=REPO, root=str(root), new_api=new_api)],
+                           script.format(repo=REPO, root=str(root), new_api=new_api)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert host_mounts() == before
@@ -105,10 +105,4 @@ def test_volumes_stacked_on_one_mount_point_are_all_detached(tmp_path, new_api):
     root = tmp_path / "rootfs"
     for d in ("etc", "proc", "dev", "usr/lib64", "data"):
         (root / d).mkdir(parents=True)
-    before = host_mounts()
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
-                           STACKED.format(repo=REPO, root=str(root), new_api=new_api)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert host_mounts() == before
-    assert json.loads(done.stdout) == {"magic": "glibc-ld.so.cache1.1"}
+    assert sandbox_in_private_namespace(root, new_api, STACKED) == {"magic": "glibc-ld.so.cache1.1"}
