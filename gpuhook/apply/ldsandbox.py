@@ -53,7 +53,15 @@ LIMITS = {  # resource limits of the ldconfig process (setrlimit(2))
     "RLIMIT_FSIZE": CACHE_LIMIT,
     "RLIMIT_NOFILE": 64,
     "RLIMIT_CORE": 0,
+    # Not the runtime's (attacker pass 14): no real-time priority, no raised nice, no locked
+    # memory, no POSIX queue bytes, few pending signals (each POSIX timer can queue one).
+    "RLIMIT_RTPRIO": 0,
+    "RLIMIT_NICE": 0,
+    "RLIMIT_MEMLOCK": 0,
+    "RLIMIT_MSGQUEUE": 0,
+    "RLIMIT_SIGPENDING": 16,
 }
+HOSTNAME = b"ldconfig"  # its UTS namespace is a copy of the host's: the host's name is not its to see
 SPECIAL_FILESYSTEMS = ("proc", "sysfs")  # their magic links and files lead out of any root
 OUTPUT_CANDIDATES = ("proc", "dev", "tmp", "run")  # where the output tmpfs can go, in order
 CACHE_MAGICS = (b"glibc-ld.so.cache1.1", b"ld.so-1.7.0")
@@ -223,6 +231,7 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, channel, output, new_mou
         linux.prctl_set_pdeathsig(linux.SIGKILL)  # kept across the exec: ldconfig is no set-id program
         os.setpgid(0, 0)
         linux.unshare(NAMESPACES)
+        linux.sethostname(HOSTNAME)
         linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
         # Read again after each change: it shows the live table (proc_pid_mountinfo(5)).
         info = mountinfo.open_table()
@@ -391,7 +400,7 @@ def _confine() -> None:
     for name, value in LIMITS.items():
         resource.setrlimit(getattr(resource, name), (value, value))
     linux.drop_all_capabilities()
-    seccomp.install(seccomp.deny(seccomp.LDCONFIG_DENIED))
+    seccomp.install(seccomp.deny(seccomp.LDCONFIG_DENIED, args=seccomp.LDCONFIG_DENIED_ARGS))
 
 
 def _hand_back(out_fd: int, output: str) -> bytes:

@@ -128,6 +128,10 @@ def drop_all_capabilities() -> None:
     prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
+def sethostname(name: bytes) -> None:
+    _check(_libc.sethostname(name, ctypes.c_size_t(len(name))), "sethostname")
+
+
 def umount2(target, flags: int = 0) -> None:
     _check(_libc.umount2(_b(target), flags), "umount2", target)
 

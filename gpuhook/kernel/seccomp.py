@@ -53,6 +53,9 @@ NUMBERS = {
         "mount": 165, "umount2": 166, "pivot_root": 155, "open_tree": 428, "move_mount": 429, "fsopen": 430,
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
         "socket": 41, "socketpair": 53,
+        "prctl": 157, "semget": 64, "msgget": 68, "mq_open": 240, "io_setup": 206, "inotify_init": 253,
+        "inotify_init1": 294, "fanotify_init": 300, "flock": 73, "sysinfo": 99, "sync": 162, "syncfs": 306,
+        "fcntl": 72,
     },
     "aarch64": {  # no fork or vfork there: clone does both
         "clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
@@ -63,46 +66,76 @@ NUMBERS = {
         "mount": 40, "umount2": 39, "pivot_root": 41, "open_tree": 428, "move_mount": 429, "fsopen": 430,
         "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
         "socket": 198, "socketpair": 199,
+        "prctl": 167, "semget": 190, "msgget": 186, "mq_open": 180, "io_setup": 0,
+        "inotify_init1": 26, "fanotify_init": 262, "flock": 32, "sysinfo": 179, "sync": 81, "syncfs": 267,
+        "fcntl": 25,
     },
 }
 
-# What the host's ldconfig never calls and a compromised one must not: new processes or
-# threads (it is one process: no fork bomb, and its 512 MiB address space is all the memory
-# it has), new namespaces (a user namespace of its own would let it mount tmpfs without a
-# size limit), the keyrings, memory outside its address space (memfd, SysV shm, io_uring,
-# userfaultfd), other processes' memory, BPF and perf, the mount API, and sockets (its network
-# namespace has none to reach; a socket file in the image would still take a connect).
-LDCONFIG_DENIED = tuple(NUMBERS["x86_64"])
+# What the host's ldconfig never calls and a compromised one must not (attacker passes 13 and
+# 14): new processes or threads (it is one process: no fork bomb, and its 512 MiB address space
+# is all the memory it has), new namespaces (a user namespace of its own would let it mount
+# tmpfs without a size limit), the keyrings, memory outside its address space or counted host-
+# wide (memfd, SysV shm, semaphores and message queues, POSIX queues, AIO contexts, io_uring,
+# userfaultfd), host-wide quotas of root (inotify, fanotify), locks and leases on the host's
+# driver files it sees (flock here, fcntl's lock and lease commands in LDCONFIG_DENIED_ARGS),
+# other processes' memory, BPF and perf, the mount API, sockets (its network namespace has none
+# to reach; a socket file in the image would still take a connect), prctl's PR_SET_PDEATHSIG
+# (dropping it let it outlive the hook), the host's uptime, process count and memory (sysinfo),
+# and a host-wide sync.
+F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE = 6, 7, 37, 38, 1024
+PR_SET_PDEATHSIG = 1
+# call -> (argument index, values refused): fcntl may still read flags, not lock or lease;
+# prctl may still read (capability bounding set, no_new_privs), not drop its parent-death signal
+LDCONFIG_DENIED_ARGS = {"fcntl": (1, (F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE)),
+                        "prctl": (0, (PR_SET_PDEATHSIG,))}
+LDCONFIG_DENIED = tuple(name for name in dict.fromkeys([*NUMBERS["x86_64"], *NUMBERS["aarch64"]])
+                        if name not in LDCONFIG_DENIED_ARGS)
+ARGS_OFFSET = 16  # seccomp_data.args[0]; each argument is 8 bytes, its low half first (little-endian)
 
 
 def _instruction(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("HBBI", code, jt, jf, k)
 
 
-def deny(names, machine: str | None = None) -> bytes:
+def deny(names, machine: str | None = None, args: dict | None = None) -> bytes:
     """The filter program (struct sock_filter[] as bytes) that refuses `names` with EPERM on
-    `machine` (default: this one's); names this architecture has no call for are skipped."""
+    `machine` (default: this one's), and the calls of `args` (name -> (argument index,
+    values)) whose argument is one of those values (compared on its low 32 bits); names this
+    architecture has no call for are skipped."""
     machine = machine or os.uname().machine
     if machine not in AUDIT_ARCH:
         raise OSError(38, f"seccomp: unsupported architecture {machine}")  # ENOSYS
-    numbers = sorted({NUMBERS[machine][name] for name in names if name in NUMBERS[machine]})
-    refuse = _instruction(RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM)
-    head = [_instruction(LD_W_ABS, 0, 0, ARCH_OFFSET),
-            _instruction(JEQ_K, 1, 0, AUDIT_ARCH[machine]),  # the kernel's own ABI: go on
-            refuse,  # i386 (int 0x80) on x86_64, aarch32 on aarch64: other numbers, refused
-            _instruction(LD_W_ABS, 0, 0, NR_OFFSET)]
-    checks = []
+    table = NUMBERS[machine]
+    numbers = sorted({table[name] for name in names if name in table})
+    refuse = (RET_K, None, None, SECCOMP_RET_ERRNO | EPERM)
+    # (code, jt, jf, k) with "R" for a jump to the final refusal, resolved below
+    program = [(LD_W_ABS, 0, 0, ARCH_OFFSET),
+               (JEQ_K, 1, 0, AUDIT_ARCH[machine]),  # the kernel's own ABI: go on
+               refuse,  # i386 (int 0x80) on x86_64, aarch32 on aarch64: other numbers, refused
+               (LD_W_ABS, 0, 0, NR_OFFSET)]
     if machine == "x86_64":  # x32 calls carry this bit: refused whatever their number
-        checks.append(X32_SYSCALL_BIT)
-    checks += numbers
-    body = []
-    for index, number in enumerate(checks):
-        to_refuse = len(checks) - index  # past the rest of the checks and the allow
-        if to_refuse > 255:
-            raise ValueError("seccomp: too many calls for one program")
-        op = JGE_K if machine == "x86_64" and index == 0 else JEQ_K
-        body.append(_instruction(op, to_refuse, 0, number))
-    return b"".join(head + body + [_instruction(RET_K, 0, 0, SECCOMP_RET_ALLOW), refuse])
+        program.append((JGE_K, "R", 0, X32_SYSCALL_BIT))
+    program += [(JEQ_K, "R", 0, number) for number in numbers]
+    for name, (index, values) in sorted((args or {}).items()):
+        if name not in table:
+            continue
+        block = [(LD_W_ABS, 0, 0, ARGS_OFFSET + 8 * index)]
+        block += [(JEQ_K, "R", 0, value) for value in values]
+        block.append((RET_K, 0, 0, SECCOMP_RET_ALLOW))
+        program.append((JEQ_K, 0, len(block), table[name]))  # not this call: past its block
+        program += block
+    program.append((RET_K, 0, 0, SECCOMP_RET_ALLOW))
+    program.append(refuse)
+    end = len(program) - 1
+    out = []
+    for at, (code, jt, jf, k) in enumerate(program):
+        if jt == "R":
+            jt = end - at - 1
+            if jt > 255:
+                raise ValueError("seccomp: too many calls for one program")
+        out.append(_instruction(code, jt or 0, jf or 0, k))
+    return b"".join(out)
 
 
 class _Fprog(ctypes.Structure):

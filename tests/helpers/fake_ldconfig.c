@@ -79,6 +79,14 @@ static void try_shared_kernel_state(void) {
     printf("UNSHARE_USER %s\n", unshare(CLONE_NEWUSER) == 0 ? "ok" : strerror(errno));
     int s = socket(AF_UNIX, SOCK_STREAM, 0);
     printf("SOCKET %s\n", s >= 0 ? "ok" : strerror(errno));
+    /* attacker pass 14: outliving the hook, host-wide kernel memory and quotas, locks */
+    printf("PDEATHSIG %s\n", prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0) == 0 ? "ok" : strerror(errno));
+    printf("SEMGET %s\n", syscall(SYS_semget, 0 /* IPC_PRIVATE */, 1, 01000 | 0600) >= 0 ? "ok" : strerror(errno));
+    printf("INOTIFY %s\n", syscall(SYS_inotify_init1, 0) >= 0 ? "ok" : strerror(errno));
+    printf("FLOCK %s\n", syscall(SYS_flock, 0, 1 /* LOCK_SH */) == 0 ? "ok" : strerror(errno));
+    char host[65] = "";
+    gethostname(host, sizeof host - 1);
+    printf("HOSTNAME %s\n", host);
 }
 
 int main(int argc, char **argv) {

@@ -90,8 +90,10 @@ def test_host_ldconfig_runs_with_no_capability_no_procfs_and_a_read_only_rootfs(
     assert "WRITE_ROOTFS Read-only file system" in seen, "\n".join(seen)
     # The seccomp filter (attacker pass 13, B1, B2): no keyring of the host's root, no new
     # process, no memory outside its address space, no user namespace of its own.
-    for call in ("ADD_KEY", "REQUEST_KEY", "KEYCTL", "FORK", "MEMFD", "UNSHARE_USER", "SOCKET"):
+    for call in ("ADD_KEY", "REQUEST_KEY", "KEYCTL", "FORK", "MEMFD", "UNSHARE_USER", "SOCKET", "PDEATHSIG",
+                 "SEMGET", "INOTIFY", "FLOCK"):
         assert f"{call} Operation not permitted" in seen, (call, seen)
+    assert "HOSTNAME ldconfig" in seen  # not the host's name
     with open(result.rootfs + "/etc/ld.so.cache", "rb") as f:
         assert f.read().startswith(b"glibc-ld.so.cache1.1")  # what it wrote, installed
 

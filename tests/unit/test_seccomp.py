@@ -33,7 +33,7 @@ def _in_child(action) -> tuple:
         try:
             os.close(read_end)
             linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
-            seccomp.install(seccomp.deny(seccomp.LDCONFIG_DENIED))
+            seccomp.install(seccomp.deny(seccomp.LDCONFIG_DENIED, args=seccomp.LDCONFIG_DENIED_ARGS))
             try:
                 action()
                 err = 0
@@ -57,6 +57,31 @@ def test_denied_calls_fail_with_eperm_and_others_work():
     assert _in_child(lambda: linux.unshare(0x10000000)) == (1, True)  # CLONE_NEWUSER
     assert _in_child(lambda: os.fork()) == (1, True)
     assert _in_child(lambda: os.close(os.open("/dev/null", os.O_RDONLY))) == (0, True)
+    assert _in_child(lambda: linux.prctl_set_pdeathsig(0)) == (1, True)  # it would outlive the hook
+
+
+def _locks(command: int):
+    import fcntl
+
+    def action():
+        fd = os.open("/dev/null", os.O_RDONLY)
+        try:
+            fcntl.fcntl(fd, fcntl.F_GETFL)  # reading flags stays allowed
+            if command == -1:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            else:
+                fcntl.fcntl(fd, command, 0)
+        finally:
+            os.close(fd)
+    return action
+
+
+@pytest.mark.skipif(os.uname().machine not in seccomp.AUDIT_ARCH, reason="no table for this architecture")
+@pytest.mark.parametrize("command", [-1, seccomp.F_SETLEASE, seccomp.F_SETLK, seccomp.F_OFD_SETLK])
+def test_locks_and_leases_are_refused_fcntl_flags_are_not(command):
+    """A compromised ldconfig took a lease and locks on the host's driver files it sees
+    (attacker pass 14): flock, and fcntl's lock and lease commands, are refused."""
+    assert _in_child(_locks(command)) == (1, True)
 
 
 def test_a_program_jumps_past_every_check_to_the_refusal():
