@@ -10,8 +10,10 @@ Groups (all by default; --only takes a comma-separated list):
            `python3 -I -S -c pass` with the same interpreter: wall time and peak RSS
   runc     `runc run` of a busybox container with the hook vs with /bin/true as the hook
   gpu      `runc run` on an 8-GPU simulated host with NVIDIA_VISIBLE_DEVICES=0 vs no hook
-  health   benchmarks/health_bench.py (when it exists): 1, 8 and 16 GPUs, each check slowed by 1 s
+  health   benchmarks/health_bench.py: 1, 8 and 16 GPUs, each check slowed by 1 s
   daemon   a GPU start with health on, NVML init 1.5 s: without and with the health daemon, and health off
+           (the Python command alone: informational)
+  installed  start and stop as the packages install gpuhook (front, agent, health daemon) vs no hook
   importtime   (also --importtime) `-X importtime` of the no-GPU path and the warm GPU path
   breakdown    (also --breakdown) where the warm GPU path's time goes, by phase
 
@@ -1386,7 +1388,10 @@ def write_markdown(path: str, doc: dict) -> None:
            f"- machine: {meta['machine'].get('cpu', '?')}, {meta['machine']['cpus']} CPUs, kernel "
            f"{meta['machine']['kernel']}, cgroup {meta['machine']['cgroup']}, Python {meta['machine']['python']}, "
            f"{meta['machine'].get('runc', 'runc ?')}",
-           f"- hook invocation: {substitution_text(meta['hook'])}",
+           f"- hook invocation: {substitution_text(meta['hook'])}. The rows that say so (the gpu group's "
+           "target rows, the runc and installed groups) put the native front (native/build.py's binary) back "
+           "in front of that Python command, as hooks.d registers it, with the agent running where a row says "
+           "the agent served its starts",
            f"- repetitions: {json.dumps(meta['settings'])}",
            "", markdown_table(doc["rows"]), "", "Against the targets:", "", *verdict_lines(doc["rows"]), ""]
     notes = [f"- `{r['id']}`: {r['note']}" for r in doc["rows"] if r.get("note")]
@@ -1525,6 +1530,8 @@ def main(argv=None) -> int:
     print(text_table(doc["rows"]))
     verdicts = verdict_lines(doc["rows"])
     if verdicts:
+        if ctx.mode == "quick":
+            verdicts.insert(0, "(--quick: a few rounds only, to check the runner; these verdicts are not measurements)")
         print("\n" + "\n".join(verdicts))
     if doc.get("importtime"):
         print("\n" + importtime_text(doc["importtime"]))

@@ -21,6 +21,10 @@ HOST_ROOT = click.option("--host-root", metavar="DIR", help=(
     "podman, crio, containerd: the node's / is mounted at DIR (a DaemonSet's init container): copy "
     "this gpuhook to DIR/opt/gpuhook/lib and register it at the node's paths, run by the node's "
     "/usr/bin/python3 (3.11+; --python to name another) (docs/kubernetes.md)."))
+UNINSTALL_HOST_ROOT = click.option("--host-root", metavar="DIR", help=(
+    "podman, crio, containerd: the node's / is mounted at DIR (a DaemonSet's init container): "
+    "take back what install --host-root DIR put at the node's paths, and the copy of gpuhook in "
+    "DIR/opt/gpuhook/lib unless another runtime there still uses it (docs/kubernetes.md)."))
 DRY_RUN = click.option("--dry-run", is_flag=True, help="Print the change as a unified diff; change nothing.")
 
 TARGETS_HELP = (
@@ -101,7 +105,7 @@ def install_command(target, bundle, hooks_dir, annotated, spec_path, containerd_
 @OUTPUT
 @CONTAINERD_CONFIG
 @BIN_DIR
-@HOST_ROOT
+@UNINSTALL_HOST_ROOT
 @DRY_RUN
 def uninstall_command(target, bundle, hooks_dir, spec_path, containerd_config, bin_dir, host_root, dry_run):
     plan = install.plan_uninstall(target, bundle=bundle, hooks_dir=hooks_dir, spec_path=spec_path,
