@@ -98,4 +98,3 @@ def run_checked(stage: str, config_path: str | None, state: bytes, spec: bytes |
         return run_hook(stage, state, config_path, spec)
     finally:
         worker.discard()
-

@@ -36,6 +36,7 @@ they are forbidden:
    for gpuhook's log, never for the container's user.
 """
 
+import _socket  # not socket.py: its enum import costs the hook more than the rest of this step
 import array
 import os
 import resource  # imported here: after the pivot no module can be loaded
@@ -124,8 +125,6 @@ def build_cache(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadli
     this process its output tmpfs (a directory fd, over `channel`); this process reads
     ldconfig's output, waits for it under the deadline and then reads the cache it wrote.
     """
-    import _socket  # not socket.py: its enum import costs the hook more than the rest of this step
-
     ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     read_end, write_end = os.pipe()  # ldconfig's stdout and stderr
     out_fd = pid = -1
@@ -193,8 +192,6 @@ def _fork_in_new_pid_namespace() -> int:
 def _ready(channel, pid: int, deadline: float) -> int:
     """The output tmpfs's directory fd the sandbox sends just before it executes ldconfig; a
     sandbox that fails sends why instead (or dies: end of file), and is killed and reaped."""
-    import _socket
-
     while True:
         left = deadline - KILL_GRACE - time.monotonic()  # a kill and its grace end by the deadline
         if left <= 0:
@@ -248,8 +245,6 @@ def _sandbox(rootfs, root_fd, ldconfig_fd, directories, channel, output, new_mou
         for fd in (info, top):
             os.close(fd)
         argv = ["ldconfig", "-X", "-C", f"{out_dir}/ld.so.cache", *directories]
-        import _socket
-
         channel.sendmsg([READY], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [out_fd]))])
         ready = True
         os.dup2(devnull, 0)

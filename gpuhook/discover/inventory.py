@@ -98,23 +98,22 @@ def _dir_identity(path: str):
     return [st.st_dev, st.st_ino, st.st_mtime_ns]
 
 
-# cache path -> (the host's fingerprint then, the cache document read then, its Inventory).
-# `read` uses them while the fingerprint, taken again, is the same; see `preload`.
+# cache path -> (the cache document read ahead, its Inventory); see `preload`.
 _PRELOADED: dict = {}
 
 
 def preload(config) -> None:
     """Read and parse the inventory cache now, for a `read` of the same cache later
     (gpuhook.agent: a spare does this while it waits for a request). That `read` still takes
-    the host's fingerprint itself, and uses what was read here only when it is unchanged:
-    what the cache says is what it said for that same fingerprint. Never raises."""
+    the host's fingerprint itself and compares it with the document's key, as for a document
+    read from the file then. Never raises."""
     _PRELOADED.clear()
     if config is None:
         return
     try:
-        key, doc, _ = _cached(config)
+        _, doc, _ = _cached(config)
         if doc is not None:
-            _PRELOADED[cache_path(config)] = (key, doc, inventory_from_dict(doc["inventory"]))
+            _PRELOADED[cache_path(config)] = (doc, inventory_from_dict(doc["inventory"]))
     except Exception:  # noqa: BLE001 - the request's own read says what is wrong
         _PRELOADED.clear()
 
@@ -125,7 +124,7 @@ def _cached(config):
     version = driver_version(config.proc_root)
     key = fingerprint(config, version)
     early = _PRELOADED.get(cache_path(config))
-    doc = early[1] if early is not None and early[0] == key else files.read(cache_path(config))
+    doc = early[0] if early is not None else files.read(cache_path(config))
     if not isinstance(doc, dict) or not isinstance(doc.get("key"), dict):
         return key, None, None
     old_key = doc["key"]
@@ -145,7 +144,7 @@ def read(config, want_facts: bool = False) -> tuple:
     if doc is not None:
         try:
             early = _PRELOADED.pop(cache_path(config), None)
-            parsed = early[2] if early is not None and early[1] is doc else inventory_from_dict(doc["inventory"])
+            parsed = early[1] if early is not None and early[0] is doc else inventory_from_dict(doc["inventory"])
             inventory = parsed._replace(ipc=ipc(config.driver_root))
         except (KeyError, TypeError, ValueError, AttributeError):
             doc = None  # damaged or from another version: rebuild below

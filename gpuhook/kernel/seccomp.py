@@ -43,34 +43,59 @@ JGE_K = 0x35  # BPF_JMP | BPF_JGE | BPF_K
 RET_K = 0x06  # BPF_RET | BPF_K
 
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-NUMBERS = {
-    "x86_64": {
-        "fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "unshare": 272, "setns": 308,
-        "add_key": 248, "request_key": 249, "keyctl": 250,
-        "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30,
-        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "userfaultfd": 323,
-        "bpf": 321, "perf_event_open": 298, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
-        "mount": 165, "umount2": 166, "pivot_root": 155, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-        "socket": 41, "socketpair": 53,
-        "prctl": 157, "semget": 64, "msgget": 68, "mq_open": 240, "io_setup": 206, "inotify_init": 253,
-        "inotify_init1": 294, "fanotify_init": 300, "flock": 73, "sysinfo": 99, "sync": 162, "syncfs": 306,
-        "fcntl": 72,
-    },
-    "aarch64": {  # no fork or vfork there: clone does both
-        "clone": 220, "clone3": 435, "unshare": 97, "setns": 268,
-        "add_key": 217, "request_key": 218, "keyctl": 219,
-        "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "shmat": 196,
-        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "userfaultfd": 282,
-        "bpf": 280, "perf_event_open": 241, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
-        "mount": 40, "umount2": 39, "pivot_root": 41, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-        "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-        "socket": 198, "socketpair": 199,
-        "prctl": 167, "semget": 190, "msgget": 186, "mq_open": 180, "io_setup": 0,
-        "inotify_init1": 26, "fanotify_init": 262, "flock": 32, "sysinfo": 179, "sync": 81, "syncfs": 267,
-        "fcntl": 25,
-    },
+# call -> (x86_64 number, aarch64 number); None where that architecture has no such call
+# (aarch64 has no fork, vfork or inotify_init: clone and inotify_init1 do their work)
+_CALLS = {
+    "fork": (57, None),
+    "vfork": (58, None),
+    "clone": (56, 220),
+    "clone3": (435, 435),
+    "unshare": (272, 97),
+    "setns": (308, 268),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "keyctl": (250, 219),
+    "memfd_create": (319, 279),
+    "memfd_secret": (447, 447),
+    "shmget": (29, 194),
+    "shmat": (30, 196),
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
+    "userfaultfd": (323, 282),
+    "bpf": (321, 280),
+    "perf_event_open": (298, 241),
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "pivot_root": (155, 41),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "fsconfig": (431, 431),
+    "fsmount": (432, 432),
+    "fspick": (433, 433),
+    "mount_setattr": (442, 442),
+    "socket": (41, 198),
+    "socketpair": (53, 199),
+    "prctl": (157, 167),
+    "semget": (64, 190),
+    "msgget": (68, 186),
+    "mq_open": (240, 180),
+    "io_setup": (206, 0),
+    "inotify_init": (253, None),
+    "inotify_init1": (294, 26),
+    "fanotify_init": (300, 262),
+    "flock": (73, 32),
+    "sysinfo": (99, 179),
+    "sync": (162, 81),
+    "syncfs": (306, 267),
+    "fcntl": (72, 25),
 }
+NUMBERS = {machine: {name: pair[i] for name, pair in _CALLS.items() if pair[i] is not None}
+           for i, machine in enumerate(("x86_64", "aarch64"))}
 
 # What the host's ldconfig never calls and a compromised one must not (attacker passes 13 and
 # 14): new processes or threads (it is one process: no fork bomb, and its 512 MiB address space
@@ -89,8 +114,7 @@ PR_SET_PDEATHSIG = 1
 # prctl may still read (capability bounding set, no_new_privs), not drop its parent-death signal
 LDCONFIG_DENIED_ARGS = {"fcntl": (1, (F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE)),
                         "prctl": (0, (PR_SET_PDEATHSIG,))}
-LDCONFIG_DENIED = tuple(name for name in dict.fromkeys([*NUMBERS["x86_64"], *NUMBERS["aarch64"]])
-                        if name not in LDCONFIG_DENIED_ARGS)
+LDCONFIG_DENIED = tuple(name for name in _CALLS if name not in LDCONFIG_DENIED_ARGS)
 ARGS_OFFSET = 16  # seccomp_data.args[0]; each argument is 8 bytes, its low half first (little-endian)
 
 
