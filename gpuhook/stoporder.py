@@ -8,6 +8,12 @@ lock shared (`wait_for_stops`): so it waits as well for stops the agent serving 
 know of: those of an agent that ended or restarted, and those under way while the agent
 declined the start and the Python hook ran it (docs/agent.md, attacker pass 10, B2 and B3).
 
+The native front does not wait for the agent's answer to a stop either: it forks a child that
+sends the request and waits, and exits at once. Before the fork it takes `stops.pending`
+shared, and the child keeps it until the agent has the stop (or, declined, until the child holds
+`stops.lock` itself). A start takes `stops.pending` exclusive first, then lets it go: so it waits
+for a stop the runtime has finished with but the agent has not received yet.
+
 Standard library only; fcntl and signal are loaded when a lock file is there.
 """
 
@@ -17,6 +23,7 @@ import time
 DEFAULT_SOCKET = "/run/gpuhook/agent.sock"
 SOCKET_VARIABLE = "GPUHOOK_AGENT_SOCKET"
 LOCK_NAME = "stops.lock"
+PENDING_NAME = "stops.pending"  # held shared by each stop on its way to the agent (native/)
 STOP_WAIT = 5.0  # seconds a start waits for the stops that came before it
 
 
@@ -31,18 +38,23 @@ def environ_lock_path(environ=None) -> str:
 
 
 def wait_for_stops(path: str, until: float) -> bool:
-    """Wait until no stop holds the lock at `path` (a shared flock taken and let go), up to
-    monotonic time `until`. True when there was no lock file or it was free by then."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return True  # no stop of any agent has run here
-    try:
-        import fcntl
+    """Wait until no stop is on its way to the agent (`stops.pending` beside `path`, an
+    exclusive flock taken and let go), then until no stop holds the lock at `path` (a shared
+    one), all up to monotonic time `until`. True when neither file was there or both were free
+    by then."""
+    free = True
+    for name, exclusive in ((os.path.join(os.path.dirname(path), PENDING_NAME), True), (path, False)):
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue  # no stop of any agent or front has used it here
+        try:
+            import fcntl
 
-        return flock_until(fd, fcntl.LOCK_SH, until)
-    finally:
-        os.close(fd)
+            free = flock_until(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, until) and free
+        finally:
+            os.close(fd)
+    return free
 
 
 def flock_until(fd: int, operation: int, until: float) -> bool:

@@ -17,7 +17,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from gpuhook import agent, entry, prescan  # noqa: E402
+from gpuhook import agent, entry, prescan, stoporder  # noqa: E402
 
 # Hardened as Debian builds C (dpkg-buildflags): it runs as root on hostile input.
 CFLAGS = ["-O2", "-g0", "-std=c11", "-Wall", "-Wextra", "-Werror", "-Wconversion", "-D_FORTIFY_SOURCE=2",
@@ -43,6 +43,10 @@ def header() -> str:
         f"#define FRONT_PROTOCOL_TEXT {c_string(str(prescan.FRONT_PROTOCOL).encode())}",
         f"#define FRONT_ENVIRONMENT {c_string(f'{prescan.FRONT_VARIABLE}={prescan.FRONT_PROTOCOL}'.encode())}",
         f"#define AGENT_VERSION {c_string(agent.PROTOCOL)}",
+        f"#define AGENT_DEFAULT_SOCKET {c_string(agent.DEFAULT_SOCKET.encode())}",
+        f"#define STOP_LOCK_NAME {c_string(stoporder.LOCK_NAME.encode())}",
+        f"#define STOP_PENDING_NAME {c_string(stoporder.PENDING_NAME.encode())}",
+        f"#define STOP_LOCK_WAIT_S {int(agent.STOP_LOCK_WAIT)}u",
         "",
     ])
 

@@ -25,12 +25,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -310,8 +313,9 @@ static int state_memfd(const struct buf *state, unsigned flags)
 	return fd;
 }
 
-/* Run the Python hook; with `state`, on a memfd holding exactly those bytes as its stdin. */
-static int hand_off(char **python, const struct buf *state)
+/* Run the Python hook; with `state`, on a memfd holding exactly those bytes as its stdin.
+ * `keep` >= 0: that fd (a detached stop's lock, stop_detached) becomes the hook's fd 3. */
+static int hand_off_keeping(char **python, const struct buf *state, int keep)
 {
 	if (state) {
 		int fd = state_memfd(state, 0);
@@ -319,14 +323,25 @@ static int hand_off(char **python, const struct buf *state)
 			goto fail;
 		close(fd);
 	}
+	unsigned first = 3;
+	if (keep >= 0) {
+		if (keep != 3 ? dup2(keep, 3) != 3 : fcntl(3, F_SETFD, 0) != 0)
+			goto fail;
+		first = 4;
+	}
 	/* Nothing the runtime left open reaches the Python hook (runc passes its own fds on). */
-	if (syscall(SYS_close_range, 3U, ~0U, 0U) != 0)
-		for (int fd = 3; fd < 1024; fd++)
+	if (syscall(SYS_close_range, first, ~0U, 0U) != 0)
+		for (int fd = (int)first; fd < 1024; fd++)
 			close(fd);
 	execve(python[0], python, clean_environment);
 fail:
 	fprintf(stderr, "gpuhook: cannot start the hook %s: %s\n", python[0], strerror(errno));
 	return 4;  /* gpuhook/errors.py: a host problem */
+}
+
+static int hand_off(char **python, const struct buf *state)
+{
+	return hand_off_keeping(python, state, -1);
 }
 
 /* ---- The resident agent (gpuhook/agent.py): the front is its client. ----
@@ -339,12 +354,11 @@ fail:
  * agent carries out after answering must not hold them). One reply datagram: "run" (the agent
  * declines: run the Python hook here), "exit N" (the hook ran there: exit N) or "signal N" (the
  * hook's process there was killed by signal N: one line, exit INTERNAL_ERROR). */
-#define AGENT_DEFAULT_SOCKET "/run/gpuhook/agent.sock"
 #define AGENT_REQUEST_MAX 65536u
 #define AGENT_REPLY_TIMEOUT_S 120
 #define INTERNAL_ERROR 70  /* gpuhook/errors.py */
 
-enum agent_result { AGENT_UNUSED, AGENT_DECLINED, AGENT_EXITED };
+enum agent_result { AGENT_UNUSED, AGENT_DECLINED, AGENT_EXITED, AGENT_NO_ANSWER };
 
 static const char *kept_value(const char *prefix)
 {
@@ -355,20 +369,22 @@ static const char *kept_value(const char *prefix)
 	return NULL;
 }
 
-/* A connected socket to the agent, or -1 when it must not or cannot be used: its directory
- * must be a root-owned directory no group or other may write to, the socket a root-owned
- * socket (lstat: no symlink followed), and connect must succeed within a second. */
-static int agent_connect(void)
+static const char *agent_socket_path(void)
 {
 	const char *path = kept_value("GPUHOOK_AGENT_SOCKET=");
-	if (!path)
-		path = AGENT_DEFAULT_SOCKET;
-	struct sockaddr_un addr = {.sun_family = AF_UNIX};
+	return path ? path : AGENT_DEFAULT_SOCKET;
+}
+
+/* 0 when the agent's socket may be used: its directory a root-owned directory no group or
+ * other may write to, the socket a root-owned socket (lstat: no symlink followed). Fills
+ * `addr` with the socket's address and `dir` with its directory. */
+static int agent_checked(struct sockaddr_un *addr, char dir[sizeof addr->sun_path])
+{
+	const char *path = agent_socket_path();
 	size_t len = strlen(path);
 	const char *slash = strrchr(path, '/');
-	if (len == 0 || path[0] != '/' || len >= sizeof addr.sun_path || !slash)
+	if (len == 0 || path[0] != '/' || len >= sizeof addr->sun_path || !slash)
 		return -1;
-	char dir[sizeof addr.sun_path];
 	size_t dlen = slash == path ? 1 : (size_t)(slash - path);
 	memcpy(dir, path, dlen);
 	dir[dlen] = '\0';
@@ -377,7 +393,19 @@ static int agent_connect(void)
 		return -1;
 	if (lstat(path, &st) != 0 || !S_ISSOCK(st.st_mode) || st.st_uid != 0)
 		return -1;
-	memcpy(addr.sun_path, path, len + 1);
+	*addr = (struct sockaddr_un){.sun_family = AF_UNIX};
+	memcpy(addr->sun_path, path, len + 1);
+	return 0;
+}
+
+/* A connected socket to the agent, or -1 when it must not or cannot be used (agent_checked),
+ * or connect does not succeed within a second. */
+static int agent_connect(void)
+{
+	struct sockaddr_un addr;
+	char dir[sizeof addr.sun_path];
+	if (agent_checked(&addr, dir) != 0)
+		return -1;
 	int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (sock < 0)
 		return -1;
@@ -408,10 +436,10 @@ static long long monotonic_ms(void)
 	return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* Ask the agent to run the hook (`args`: what follows the launcher). AGENT_UNUSED: the request
- * never went out, run Python here; AGENT_DECLINED: the agent said "run"; AGENT_EXITED: *code
- * is the exit status (the agent's, or INTERNAL_ERROR with one line on stderr). */
-static enum agent_result ask_agent(int nargs, char **args, const struct buf *state, int *code)
+/* Send the agent the request to run the hook (`args`: what follows the launcher): the
+ * connected socket once the request is in the agent's queue, or -1 when it never went out
+ * (run Python here). */
+static int agent_send(int nargs, char **args, const struct buf *state)
 {
 	static char req[AGENT_REQUEST_MAX];
 	char number[24];
@@ -419,30 +447,30 @@ static enum agent_result ask_agent(int nargs, char **args, const struct buf *sta
 	while (clean_environment[nenv])
 		nenv++;
 	if (put_token(req, &at, AGENT_VERSION) != 0)
-		return AGENT_UNUSED;
+		return -1;
 	snprintf(number, sizeof number, "%d", nargs);
 	if (put_token(req, &at, number) != 0)
-		return AGENT_UNUSED;
+		return -1;
 	for (int i = 0; i < nargs; i++)
 		if (put_token(req, &at, args[i]) != 0)
-			return AGENT_UNUSED;
+			return -1;
 	snprintf(number, sizeof number, "%zu", nenv);
 	if (put_token(req, &at, number) != 0)
-		return AGENT_UNUSED;
+		return -1;
 	for (size_t i = 0; i < nenv; i++)
 		if (put_token(req, &at, clean_environment[i]) != 0)
-			return AGENT_UNUSED;
+			return -1;
 
 	int sock = agent_connect();
 	if (sock < 0)
-		return AGENT_UNUSED;
+		return -1;
 	/* Sealed: what the agent's child reads is exactly what the runtime gave this process. */
 	int mfd = state_memfd(state, MFD_ALLOW_SEALING);
 	if (mfd < 0 || fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
 		if (mfd >= 0)
 			close(mfd);
 		close(sock);
-		return AGENT_UNUSED;
+		return -1;
 	}
 	int fds[3] = {mfd, 1, 2};
 	size_t nfds = strcmp(args[0], "poststop") == 0 ? 1 : 3;
@@ -466,11 +494,19 @@ static enum agent_result ask_agent(int nargs, char **args, const struct buf *sta
 	close(mfd);
 	if (sent < 0) {  /* nothing went out (EPIPE, ECONNRESET, a full queue past SO_SNDTIMEO) */
 		close(sock);
-		return AGENT_UNUSED;
+		return -1;
 	}
+	return sock;
+}
 
-	/* From here the hook may be under way: never run it a second time here. */
-	long long deadline = monotonic_ms() + AGENT_REPLY_TIMEOUT_S * 1000LL;
+/* The agent's answer on `sock` (closed here), waited for up to `seconds`. AGENT_DECLINED: the
+ * agent said "run"; AGENT_EXITED: *code is the exit status (the agent's, or INTERNAL_ERROR with
+ * one line on stderr for "signal N"); AGENT_NO_ANSWER: none, or none valid, in time (*code
+ * INTERNAL_ERROR, one line on stderr). The hook may be under way from the moment the request
+ * went out: a start never runs it a second time unless declined. */
+static enum agent_result agent_answer(int sock, int *code, int seconds)
+{
+	long long deadline = monotonic_ms() + seconds * 1000LL;
 	struct pollfd pfd = {.fd = sock, .events = POLLIN};
 	int ready;
 	for (;;) {
@@ -486,8 +522,8 @@ static enum agent_result ask_agent(int nargs, char **args, const struct buf *sta
 	*code = INTERNAL_ERROR;
 	if (ready == 0) {
 		close(sock);
-		fprintf(stderr, "gpuhook: the gpuhook agent did not answer in %d s\n", AGENT_REPLY_TIMEOUT_S);
-		return AGENT_EXITED;
+		fprintf(stderr, "gpuhook: the gpuhook agent did not answer in %d s\n", seconds);
+		return AGENT_NO_ANSWER;
 	}
 	char reply[16];
 	struct iovec riov = {.iov_base = reply, .iov_len = sizeof reply - 1};
@@ -520,7 +556,88 @@ static enum agent_result ask_agent(int nargs, char **args, const struct buf *sta
 		}
 	}
 	fputs("gpuhook: the gpuhook agent ended without an answer\n", stderr);
-	return AGENT_EXITED;
+	return AGENT_NO_ANSWER;
+}
+
+/* Ask the agent to run the hook. AGENT_UNUSED: the request never went out, run Python here;
+ * otherwise as agent_answer. */
+static enum agent_result ask_agent(int nargs, char **args, const struct buf *state, int *code)
+{
+	int sock = agent_send(nargs, args, state);
+	if (sock < 0)
+		return AGENT_UNUSED;
+	enum agent_result r = agent_answer(sock, code, AGENT_REPLY_TIMEOUT_S);
+	return r == AGENT_NO_ANSWER ? AGENT_EXITED : r;  /* *code is INTERNAL_ERROR, the line written */
+}
+
+static void no_op(int signum)
+{
+	(void)signum;
+}
+
+/* flock(`operation`) on the file `name` in the agent's directory (gpuhook/stoporder.py), opened
+ * with `flags` (close-on-exec), waiting up to `seconds`: the fd, locked or not (whoever holds
+ * the lock is at work, and no one waits without bound), or -1 when it cannot be opened. */
+static int lock_in(const char *dir, const char *name, int flags, int operation, unsigned seconds)
+{
+	char path[sizeof ((struct sockaddr_un *)0)->sun_path + 64];
+	if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, name) >= sizeof path)
+		return -1;
+	int fd = open(path, flags | O_NOFOLLOW | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return -1;
+	if (flock(fd, operation | LOCK_NB) == 0)
+		return fd;
+	struct sigaction alarm_action = {.sa_handler = no_op};  /* no SA_RESTART: flock ends in EINTR */
+	sigemptyset(&alarm_action.sa_mask);
+	if (sigaction(SIGALRM, &alarm_action, NULL) == 0) {
+		alarm(seconds);
+		while (flock(fd, operation) != 0 && errno != EINTR)
+			;
+		alarm(0);
+	}
+	return fd;
+}
+
+/* A stop (poststop) for the agent. The runtime's delete waits for none of gpuhook's cleanup
+ * (the agent answers a stop before doing it), nor for the agent's answer: this process forks a
+ * child that sends the request and waits for the answer, and exits 0 (docs/agent.md, "Stops").
+ * Before the fork it takes the pending lock shared; the child holds it until the agent has the
+ * stop, and a start takes it exclusive first (gpuhook/stoporder.py), so a start that comes
+ * later waits for this stop as if the runtime had waited. A stop the agent declines, that
+ * cannot reach it, or that gets no answer, the child runs in the Python hook, holding the stop
+ * lock as the agent's stops do. Without a usable agent socket this process runs the stop as before (-1). */
+static int stop_detached(int nargs, char **args, char **python, const struct buf *state)
+{
+	struct sockaddr_un addr;
+	char dir[sizeof addr.sun_path];
+	if (agent_checked(&addr, dir) != 0)
+		return -1;
+	int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+	if (null < 0)
+		return -1;
+	int pending = lock_in(dir, STOP_PENDING_NAME, O_RDONLY | O_CREAT, LOCK_SH, 1);
+	/* The runtime goes on once this process has exited and every copy of its stdin, stdout
+	 * and stderr is closed: the child gets none of them. */
+	int moved = dup2(null, 0) == 0 && dup2(null, 1) == 1 && dup2(null, 2) == 2;
+	close(null);
+	pid_t pid = moved ? fork() : -1;
+	if (pid > 0)
+		return 0;
+	if (pid < 0)  /* here, then, as before (a stop's output is not read: /dev/null or not) */
+		return -1;
+	setsid();  /* a signal to the runtime's process group or session is not for this child */
+	int sock = agent_send(nargs, args, state);
+	int code;
+	/* Without an answer (the agent was killed before it had the stop, or hangs), the stop may
+	 * never run: it runs here. Run twice (the agent handed it over and died before answering),
+	 * it is done once: the second finds the first one's work done (gpuhook.apply.served). */
+	if (sock >= 0 && agent_answer(sock, &code, STOP_LOCK_WAIT_S) == AGENT_EXITED)
+		_exit(code & 0xFF);
+	int held = lock_in(dir, STOP_LOCK_NAME, O_RDWR | O_CREAT, LOCK_EX, STOP_LOCK_WAIT_S);
+	if (pending >= 0)
+		close(pending);
+	_exit(hand_off_keeping(python, state, held));
 }
 
 /* The Python hook for a plain invocation its prescan could not rule out: through the agent
@@ -529,6 +646,9 @@ static enum agent_result ask_agent(int nargs, char **args, const struct buf *sta
 static int run_hook(int argc, char **argv, int launcher, const struct buf *state)
 {
 	if (!kept_value("GPUHOOK_DOCKER_DATA_ROOT=")) {
+		char **args = argv + launcher + 1;
+		if (strcmp(args[0], "poststop") == 0 && stop_detached(argc - launcher - 1, args, argv + 1, state) == 0)
+			return 0;
 		int code;
 		enum agent_result r = ask_agent(argc - launcher - 1, argv + launcher + 1, state, &code);
 		if (r == AGENT_EXITED)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -35,9 +36,11 @@ class Agent:
     (tokens, the memfd's bytes, the identities of the other two fds) and answers `reply`
     (bytes to send, or None to close without an answer)."""
 
-    def __init__(self, directory, reply):
+    def __init__(self, directory, reply, answer_after=None):
         self.path = os.path.join(directory, "agent.sock")
         self.reply = reply
+        self.answer_after = answer_after  # a threading.Event the answer waits for
+        self.received = threading.Event()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.bind(self.path)
         self.sock.listen(4)
@@ -67,7 +70,11 @@ class Agent:
             finally:
                 for fd in fds:
                     os.close(fd)
-            self.request = {"tokens": data.split(b"\0"), "state": state, "fds": ids, "flags": flags}
+            self.request = {"tokens": data.split(b"\0"), "state": state, "fds": ids, "flags": flags,
+                            "peer": conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)}
+            self.received.set()
+            if self.answer_after is not None:
+                self.answer_after.wait(20)
             if self.reply is not None:
                 conn.send(self.reply)
 
@@ -140,11 +147,123 @@ def test_a_stop_goes_to_the_agent_with_the_state_alone(native, agent_dir):  # no
     agent = Agent(agent_dir, b"exit 0").serve()
     env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
     code, out, err, python_stdin, _ = front(native, GPU_STATE, env, ("poststop",))
+    assert agent.connected()  # the front's child sends it (below)
     agent.close()
     assert (code, out, err, python_stdin) == (0, b"", b"", None)
     assert agent.request["tokens"][:3] == [gpuhook_agent.PROTOCOL, b"1", b"poststop"]
     assert agent.request["state"] == GPU_STATE
     assert len(agent.request["fds"]) == gpuhook_agent.STOP_FDS == 1
+
+
+def _wait_for(path, seconds=20):
+    until = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert time.monotonic() < until, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_a_stop_does_not_wait_for_the_agents_answer_but_starts_wait_for_the_stop(native, agent_dir):  # noqa: F811
+    """The runtime's delete waits for nothing of the stop (docs/agent.md, "Stops"): the front
+    exits 0 with its stdout and stderr closed while the agent has not answered. A child of the
+    front sent the request and holds `stops.pending` until the answer: a start waits for it
+    (gpuhook.stoporder), and goes on once the agent has the stop."""
+    from gpuhook import stoporder
+
+    answer = threading.Event()
+    agent = Agent(agent_dir, b"exit 0", answer_after=answer).serve()
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
+    try:
+        began = time.monotonic()
+        code, out, err, python_stdin, _ = front(native, GPU_STATE, env, ("poststop",))
+        assert (code, out, err, python_stdin) == (0, b"", b"", None)
+        assert time.monotonic() - began < 5
+        assert agent.received.wait(10)
+        peer = agent.request["peer"]
+        child = int.from_bytes(peer[:4], "little")
+        lock = os.path.join(agent_dir, stoporder.LOCK_NAME)
+        assert stoporder.wait_for_stops(lock, time.monotonic() + 0.3) is False  # the stop is on its way
+        assert os.stat(os.path.join(agent_dir, stoporder.PENDING_NAME)).st_mode & 0o777 == 0o600
+        # The child is in a session of its own, holding none of the runtime's fds.
+        assert os.getsid(child) == child
+        for fd in (0, 1, 2):
+            assert os.readlink(f"/proc/{child}/fd/{fd}") == "/dev/null"
+    finally:
+        answer.set()
+    began = time.monotonic()
+    assert stoporder.wait_for_stops(lock, began + 10) is True
+    assert time.monotonic() - began < 5
+    assert agent.connected()
+    agent.close()
+    assert agent.request["state"] == GPU_STATE and len(agent.request["fds"]) == 1
+
+
+def test_a_declined_stop_runs_the_python_hook_in_the_background_holding_the_stop_lock(native, agent_dir, tmp_path):  # noqa: F811
+    """`run` for a stop: the front has exited already; its child runs the Python hook with the
+    state, and holds `stops.lock` for it (fd 3), as the agent's stops hold it: starts wait."""
+    from gpuhook import stoporder
+
+    binary, _ = native
+    recorder = tmp_path / "python3"
+    lock = os.path.join(agent_dir, stoporder.LOCK_NAME)
+    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nflock -n -s {lock} true; echo $? > "$0.locked"\n'
+                        f'readlink /proc/$$/fd/3 > "$0.fd3"\nls /proc/$$/fd > "$0.fds"\ntouch "$0.done"\n')
+    recorder.chmod(0o755)
+    agent = Agent(agent_dir, b"run").serve()
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
+    code, out, err, python_stdin, _ = front((binary, str(recorder)), GPU_STATE, env, ("poststop",))
+    assert (code, out, err) == (0, b"", b"")
+    _wait_for(f"{recorder}.done")
+    assert agent.connected()
+    agent.close()
+    assert open(f"{recorder}.stdin", "rb").read() == GPU_STATE
+    assert open(f"{recorder}.locked").read().strip() == "1"  # held: a shared flock is refused
+    assert open(f"{recorder}.fd3").read().strip() == lock
+    fds = {int(fd) for fd in open(f"{recorder}.fds").read().split()}
+    assert not fds - {0, 1, 2, 3, 10, 11}  # 10, 11: dash's own (its script, a saved fd 1)
+    assert stoporder.wait_for_stops(lock, time.monotonic() + 5) is True  # let go when the hook ended
+
+
+@pytest.mark.parametrize("how", ["refused", "no answer", "not an answer"])
+def test_a_stop_the_agent_does_not_take_runs_the_python_hook_in_the_background(native, agent_dir, how):  # noqa: F811
+    """A socket nobody listens on (an agent that was killed), or an agent that ends without an
+    answer (killed before it had the stop): the front has exited; its child runs the Python
+    hook with the state. A stop that may never run otherwise runs here (test_agent.py: the
+    agent killed with stops in its queue)."""
+    binary, recorder = native
+    agent = Agent(agent_dir, {"refused": b"exit 3", "no answer": None, "not an answer": b"exit 256"}[how])
+    if how == "refused":
+        agent.sock.close()
+    else:
+        agent.serve()
+    for suffix in (".stdin", ".env"):
+        if os.path.exists(recorder + suffix):
+            os.unlink(recorder + suffix)
+    code, out, err, _, _ = front(native, GPU_STATE, {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": agent.path},
+                                 ("poststop",))
+    assert (code, out, err) == (0, b"", b"")
+    _wait_for(recorder + ".env")
+    assert open(recorder + ".stdin", "rb").read() == GPU_STATE
+    if how != "refused":
+        assert agent.connected()
+        agent.close()
+
+
+@pytest.mark.parametrize("how", ["no socket", "others may write"])
+def test_a_stop_without_a_usable_agent_socket_runs_here_as_before(native, agent_dir, how):  # noqa: F811
+    """Nothing detached where there is no agent to hand the stop to: the runtime waits for the
+    Python hook, as without the front."""
+    agent = Agent(agent_dir, b"exit 3")
+    if how == "no socket":
+        agent.close()
+        os.unlink(agent.path)
+    else:
+        os.chmod(agent_dir, 0o777)
+    code, _, err, python_stdin, _ = front(native, GPU_STATE, {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": agent.path},
+                                          ("poststop",))
+    assert (code, err, python_stdin) == (HANDED_OFF, b"", GPU_STATE)
+    if how != "no socket":
+        assert not agent.connected()
+        agent.close()
 
 
 def test_run_sends_the_hook_back_to_python_with_the_state_and_the_socket_variable(native, agent_dir):  # noqa: F811

@@ -193,3 +193,42 @@ def test_a_start_waits_for_the_stops_lock_shared_and_only_so_long(tmp_path):
     assert 0.15 <= time.monotonic() - began < 2
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
+
+
+def test_a_start_waits_for_a_stop_on_its_way_to_the_agent_and_two_starts_do_not_hold_each_other(tmp_path):
+    """gpuhook.stoporder: the native front holds `stops.pending` shared from before it forks
+    the child that sends a stop until the agent has it; a start takes it exclusive (and lets it
+    go), within the same time as the stop lock; starts never hold it, so they do not wait for
+    one another."""
+    from gpuhook import stoporder
+
+    path = str(tmp_path / stoporder.LOCK_NAME)
+    pending = str(tmp_path / stoporder.PENDING_NAME)
+    stop = os.open(pending, os.O_RDONLY | os.O_CREAT, 0o600)
+    fcntl.flock(stop, fcntl.LOCK_SH)
+    began = time.monotonic()
+    assert stoporder.wait_for_stops(path, began + 0.3) is False
+    assert 0.25 <= time.monotonic() - began < 2
+    another = os.open(pending, os.O_RDONLY)  # a second stop on its way: shared, never held up
+    fcntl.flock(another, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    os.close(another)
+    threading.Timer(0.2, os.close, (stop,)).start()
+    began = time.monotonic()
+    assert stoporder.wait_for_stops(path, began + 10) is True
+    assert 0.15 <= time.monotonic() - began < 2
+    # Let go: the next start, and the next stop, take it at once.
+    assert stoporder.wait_for_stops(path, time.monotonic() + 5) is True
+    stop = os.open(pending, os.O_RDONLY)
+    fcntl.flock(stop, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    os.close(stop)
+    # Both: the pending stop first, then the one at its work, all within the start's time.
+    holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    stop = os.open(pending, os.O_RDONLY)
+    fcntl.flock(stop, fcntl.LOCK_SH)
+    threading.Timer(0.2, os.close, (stop,)).start()
+    threading.Timer(0.4, os.close, (holder,)).start()
+    began = time.monotonic()
+    assert stoporder.wait_for_stops(path, began + 10) is True
+    assert 0.35 <= time.monotonic() - began < 2
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
