@@ -21,7 +21,7 @@ from gpuhook import agent, entry, prescan, stoporder  # noqa: E402
 
 # Hardened as Debian builds C (dpkg-buildflags): it runs as root on hostile input.
 CFLAGS = ["-O2", "-g0", "-std=c11", "-Wall", "-Wextra", "-Werror", "-Wconversion", "-D_FORTIFY_SOURCE=2",
-          "-fstack-protector-strong", "-fstack-clash-protection", "-fPIE", "-pie", "-Wl,-z,relro,-z,now"]
+          "-fstack-protector-strong", "-fstack-clash-protection", "-fPIE", "-static-pie", "-Wl,-z,relro,-z,now"]
 
 
 def c_string(data: bytes) -> str:
