@@ -357,6 +357,7 @@ static int hand_off(char **python, const struct buf *state)
 #define AGENT_REQUEST_MAX 65536u
 #define AGENT_REPLY_TIMEOUT_S 120
 #define INTERNAL_ERROR 70  /* gpuhook/errors.py */
+#define RUNTIME_WAIT_MS 100  /* a detached stop waits this long at most for the runtime to end */
 
 enum agent_result { AGENT_UNUSED, AGENT_DECLINED, AGENT_EXITED, AGENT_NO_ANSWER };
 
@@ -617,16 +618,38 @@ static int stop_detached(int nargs, char **args, char **python, const struct buf
 	if (null < 0)
 		return -1;
 	int pending = lock_in(dir, STOP_PENDING_NAME, O_RDONLY | O_CREAT, LOCK_SH, 1);
+	/* The runtime that runs this hook (runc's delete): a pidfd taken while it is surely the one
+	 * (still this process's parent after the pidfd was taken, so not a reused pid). */
+	pid_t parent = getppid();
+	int runtime = parent > 1 ? (int)syscall(SYS_pidfd_open, parent, 0U) : -1;
+	if (runtime >= 0 && getppid() != parent) {
+		close(runtime);
+		runtime = -1;
+	}
 	/* The runtime goes on once this process has exited and every copy of its stdin, stdout
 	 * and stderr is closed: the child gets none of them. */
 	int moved = dup2(null, 0) == 0 && dup2(null, 1) == 1 && dup2(null, 2) == 2;
 	close(null);
 	pid_t pid = moved ? fork() : -1;
+	if (pid != 0 && runtime >= 0)
+		close(runtime);
 	if (pid > 0)
 		return 0;
 	if (pid < 0)  /* here, then, as before (a stop's output is not read: /dev/null or not) */
 		return -1;
 	setsid();  /* a signal to the runtime's process group or session is not for this child */
+	/* The runtime's delete ends right after its poststop hooks: the agent and the stop's work
+	 * wait for that, rather than take the CPU from it (on two CPUs that was most of what a stop
+	 * cost the runtime). A runtime that outlives its hook holds the stop RUNTIME_WAIT_MS at
+	 * most; starts wait for the stop meanwhile (the pending lock). */
+	if (runtime >= 0) {
+		struct pollfd ended = {.fd = runtime, .events = POLLIN};
+		long long until = monotonic_ms() + RUNTIME_WAIT_MS;
+		for (long long left = RUNTIME_WAIT_MS; left > 0; left = until - monotonic_ms())
+			if (poll(&ended, 1, (int)left) >= 0 || errno != EINTR)
+				break;
+		close(runtime);
+	}
 	int sock = agent_send(nargs, args, state);
 	int code;
 	/* Without an answer (the agent was killed before it had the stop, or hangs), the stop may

@@ -72,6 +72,7 @@ class Agent:
                     os.close(fd)
             self.request = {"tokens": data.split(b"\0"), "state": state, "fds": ids, "flags": flags,
                             "peer": conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)}
+            self.received_at = time.monotonic()
             self.received.set()
             if self.answer_after is not None:
                 self.answer_after.wait(20)
@@ -195,6 +196,23 @@ def test_a_stop_does_not_wait_for_the_agents_answer_but_starts_wait_for_the_stop
     assert agent.connected()
     agent.close()
     assert agent.request["state"] == GPU_STATE and len(agent.request["fds"]) == 1
+
+
+def test_a_detached_stop_waits_for_its_runtime_to_end_but_no_more_than_a_tenth_of_a_second(native, agent_dir):  # noqa: F811
+    """The front's child hands the stop over once the runtime that ran the hook has ended (its
+    delete's last steps keep the CPU), or after RUNTIME_WAIT_MS (100 ms) when the runtime lives
+    on: here a shell that sleeps 1.5 s after its hook."""
+    binary, recorder = native
+    agent = Agent(agent_dir, b"exit 0").serve()
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
+    began = time.monotonic()
+    done = subprocess.run(["sh", "-c", '"$@"; sleep 1.5', "sh", binary, recorder, "-I", "-S", LAUNCHER, "poststop"],
+                          input=GPU_STATE, capture_output=True, env=env, timeout=30)
+    ended = time.monotonic()
+    assert (done.returncode, done.stdout, done.stderr) == (0, b"", b"")
+    assert agent.connected()
+    agent.close()
+    assert 0.09 <= agent.received_at - began < 1.0 and ended - began >= 1.5
 
 
 def test_a_declined_stop_runs_the_python_hook_in_the_background_holding_the_stop_lock(native, agent_dir, tmp_path):  # noqa: F811
