@@ -276,14 +276,18 @@ class Agent:
         self._retire_spare()
 
     # -- the loop ------------------------------------------------------------------------
-    def serve(self, until=None) -> None:
-        """Serve until SIGTERM or SIGINT (or `until()` is true); then finish what was accepted."""
+    def serve(self, until=None, ready=None) -> None:
+        """Serve until SIGTERM or SIGINT (or `until()` is true); then finish what was accepted.
+        `ready()` is called once those signals are handled: a SIGTERM right after systemd was
+        told READY=1 ended the agent by the default action, its socket file left behind."""
         def stop(signum, frame):
             self.stopping = True
         # Put back when it returns: a process that served (a test) and forks later must not
         # hand its children a SIGTERM that only sets this flag.
         previous = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
         try:
+            if ready is not None:
+                ready()
             self._loop(until)
         finally:
             for number, handler in previous.items():
@@ -767,9 +771,7 @@ def run(path: str, ready=None) -> None:
     gc.freeze()
     agent = Agent(path)
     agent.listen()
-    if ready is not None:
-        ready()
     try:
-        agent.serve()
+        agent.serve(ready=ready)
     finally:
         agent.close()

@@ -162,6 +162,18 @@ def test_an_agent_that_ends_takes_its_socket_away(tmp_path):
     assert os.listdir(os.path.dirname(running.socket)) == []
 
 
+def test_a_sigterm_right_after_ready_still_ends_the_agent_cleanly(tmp_path):
+    """systemd may stop the agent the moment it said READY=1: the signal handlers are in place
+    before that (it used to die of the default action, its socket file left behind; seen as
+    this file's test above failing under load)."""
+    path = f"{tmp_path}/run/agent.sock"
+    code = ("import os, signal, sys; from gpuhook import agent; "
+            "agent.run(sys.argv[1], ready=lambda: os.kill(os.getpid(), signal.SIGTERM))")
+    done = subprocess.run([sys.executable, "-c", code, path], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(os.path.dirname(path)) == []
+
+
 def test_a_socket_path_too_long_is_one_line_and_makes_nothing(tmp_path):
     """Attacker pass 10, M2: the directory was made before bind failed on the path's length."""
     directory = tmp_path / ("d" * 100)
