@@ -12,14 +12,15 @@ The protocol, and why each check is there: docs/agent.md.
 What the front's process was, the child is made to be where it matters: the front's
 environment (only the variables the front keeps), its umask, and `gpuhook.kernel.caller`
 names the front, so "is this the runtime's own cgroup?" is asked of the runtime's process.
-The agent serves only a root peer in its own mount, PID, user and cgroup namespaces (paths,
+The agent serves only a root peer in its own mount, PID, user and cgroup namespaces (a stop's,
+by the namespace fds it sends: its front has exited by then; paths,
 pids and cgroups then mean the same to both); anything else gets `run`: the front runs the
 Python hook itself. So does every request when the agent is not running: the hook stays
 correct without it.
 
 Every request goes to a spare: a child forked ahead of time that waits on a socket pair for
 one request (`Spare`), so no request waits for a fork. A stop (the front sends it with the
-state only) is answered as soon as its spare holds it, and carried out afterwards, one at a
+state, its namespaces and the runtime's pidfd, and does not wait) is answered as soon as its spare holds it, and carried out afterwards, one at a
 time, in the order they came: runc's delete waits neither for a fork nor for gpuhook's
 cleanup, and a stop the agent answered is lost with nothing but its own process. A start
 waits (up to STOP_WAIT) until every stop that came before it is done, so the GPUs a stop
@@ -42,13 +43,17 @@ from gpuhook import entry, prescan, stoporder
 from gpuhook.errors import INTERNAL_ERROR, InputError
 from gpuhook.kernel import files
 
-PROTOCOL = b"gpuhook-agent/3"
+PROTOCOL = b"gpuhook-agent/4"
 DEFAULT_SOCKET = stoporder.DEFAULT_SOCKET
 SOCKET_VARIABLE = stoporder.SOCKET_VARIABLE
 MAX_REQUEST = 65536  # bytes of one request datagram (the front's args and environment)
 FDS = 3  # a start: the state's memfd, the front's stdout, its stderr
-STOP_FDS = 1  # a stop: the state's memfd only (nobody reads a stop's output, and the runtime
-# waits for its hook's stdout and stderr to close: a stop must not hold them)
+STOP_FDS = 6  # a stop: the state's memfd, the front's mount, PID, user and cgroup namespaces
+# (compared with the agent's: the front has exited by the time the agent reads a stop), a pidfd
+# of the runtime (the stop's work waits for it to end, RUNTIME_WAIT). Not the front's stdout and
+# stderr: nobody reads a stop's output, and the runtime waits for them to close.
+STOP_UMASK = 0o022  # a stop's umask (its front is gone; gpuhook's own files get explicit modes)
+RUNTIME_WAIT = 0.1  # seconds a stop's work waits for the runtime that ran its hook to end
 MAX_SOCKET_PATH = 107  # bytes: sun_path holds 108, its NUL included
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
@@ -147,6 +152,14 @@ def _same_namespaces(pid: int, mine: tuple) -> bool:
     except OSError:
         return False
     return True
+
+
+def _same_namespace_fds(fds, mine: tuple) -> bool:
+    """Whether `fds` are the agent's own mount, PID, user and cgroup namespaces, in that order."""
+    try:
+        return tuple((st.st_dev, st.st_ino) for st in map(os.fstat, fds)) == mine
+    except OSError:
+        return False
 
 
 def _umask_of(pid: int) -> int | None:
@@ -352,9 +365,9 @@ class Agent:
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                               struct.calcsize("3i")))
             # Declined (the front runs the hook itself) once its request is read: closing a
-            # connection with an unread request would reset it, and the front then fails.
-            declined = uid != 0 or pid <= 0 or not _same_namespaces(pid, self.namespaces) \
-                or len(self.running) + len(self.waiting) >= MAX_CHILDREN
+            # connection with an unread request would reset it, and the front then fails. The
+            # namespaces are checked with the request (`_read`): a stop's front has exited.
+            declined = uid != 0 or pid <= 0 or len(self.running) + len(self.waiting) >= MAX_CHILDREN
             self.unread[conn] = (time.monotonic(), 0 if declined else pid)
             self.selector.register(conn, selectors.EVENT_READ, "conn")
             self._read(conn)  # the front sends right after connecting: usually there already
@@ -379,7 +392,7 @@ class Agent:
         _, peer = self.unread[conn]
         fds = array.array("i")
         try:
-            data, ancdata, flags, _ = conn.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(FDS * fds.itemsize),
+            data, ancdata, flags, _ = conn.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(max(FDS, STOP_FDS) * fds.itemsize),
                                                    socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
@@ -394,10 +407,15 @@ class Agent:
         self.selector.unregister(conn)
         request = parse_request(data) if not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else None
         parsed = prescan.split_hook_args(request[0]) if request is not None else None
-        umask = _umask_of(peer) if peer else None
-        if not peer or request is None or parsed is None or parsed[0] not in entry.HOOK_STAGES \
-                or len(fds) != (STOP_FDS if parsed[0] == "poststop" else FDS) \
-                or umask is None or not stat.S_ISREG(os.fstat(fds[0]).st_mode) \
+        stop = parsed is not None and parsed[0] == "poststop"
+        umask = None
+        if peer and parsed is not None and len(fds) == (STOP_FDS if stop else FDS):
+            if stop:  # by the namespaces it sent: its front has exited
+                umask = STOP_UMASK if _same_namespace_fds(fds[1:5], self.namespaces) else None
+            elif _same_namespaces(peer, self.namespaces):
+                umask = _umask_of(peer)
+        if umask is None or request is None or parsed[0] not in entry.HOOK_STAGES \
+                or not stat.S_ISREG(os.fstat(fds[0]).st_mode) \
                 or request[1].get(prescan.FRONT_VARIABLE) != str(prescan.FRONT_PROTOCOL):
             # Not one this agent serves as the hook would (another front's protocol: the
             # Python hook refuses it with its own line): the front runs the hook itself.
@@ -405,6 +423,9 @@ class Agent:
             _reply(conn, b"run")
             conn.close()
             return
+        if stop:  # the state and the runtime's pidfd go on; the namespaces were for the check
+            _close_fds(fds[1:5])
+            fds = [fds[0], fds[5]]
         self.seq += 1
         job = Job(self.seq, conn, parsed[0], parsed[1], request[1], fds, peer, umask)
         job.request = data
@@ -687,7 +708,8 @@ def _child(job: Job) -> int:
     if job.stop:
         worker.discard()
     conn = -1 if job.stop else job.fds[3]
-    keep = sorted([*worker.early_fds(), *([conn] if conn >= 0 else [])])
+    runtime = job.fds[1] if job.stop and len(job.fds) > 1 else -1
+    keep = sorted([*worker.early_fds(), *[fd for fd in (conn, runtime) if fd >= 0]])
     low = 3
     for fd in keep:
         os.closerange(low, fd)
@@ -701,6 +723,17 @@ def _child(job: Job) -> int:
         except OSError:
             pass
         _take_stop_lock(job.lock, job.queued_at + STOP_LOCK_WAIT)
+        if runtime >= 0:
+            # The runtime's delete ends right after its poststop hooks: the stop's work waits
+            # for that rather than take the CPU from it, RUNTIME_WAIT at most. It holds the stop
+            # lock meanwhile, and the agent holds later starts (`_launch`): they wait for it.
+            import select
+
+            try:
+                select.select([runtime], [], [], RUNTIME_WAIT)
+            except (OSError, ValueError):
+                pass
+            os.close(runtime)
     os.umask(job.umask)
     os.environ.clear()
     os.environ.update(job.env)

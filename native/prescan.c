@@ -350,14 +350,15 @@ static int hand_off(char **python, const struct buf *state)
  * SOCK_SEQPACKET (docs/agent.md). One request datagram: NUL-terminated tokens AGENT_VERSION, the
  * number of args, the args after the launcher, the number of environment entries, the entries
  * (the clean environment Python would get), with SCM_RIGHTS [state memfd, fd 1, fd 2], or for a
- * poststop [state memfd] alone (runc waits for its hook's stdout and stderr to close: a stop the
- * agent carries out after answering must not hold them). One reply datagram: "run" (the agent
+ * poststop [state memfd, its mount, PID, user and cgroup namespaces, a pidfd of the runtime]
+ * (runc waits for its hook's stdout and stderr to close: a stop the agent carries out after
+ * answering must not hold them; the agent checks a stop by these fds, its front gone). One reply datagram: "run" (the agent
  * declines: run the Python hook here), "exit N" (the hook ran there: exit N) or "signal N" (the
  * hook's process there was killed by signal N: one line, exit INTERNAL_ERROR). */
 #define AGENT_REQUEST_MAX 65536u
 #define AGENT_REPLY_TIMEOUT_S 120
 #define INTERNAL_ERROR 70  /* gpuhook/errors.py */
-#define RUNTIME_WAIT_MS 100  /* a detached stop waits this long at most for the runtime to end */
+#define STOP_EXTRA_FDS 5  /* a stop's fds after the memfd: its mount, PID, user and cgroup namespaces, the runtime */
 
 enum agent_result { AGENT_UNUSED, AGENT_DECLINED, AGENT_EXITED, AGENT_NO_ANSWER };
 
@@ -439,8 +440,9 @@ static long long monotonic_ms(void)
 
 /* Send the agent the request to run the hook (`args`: what follows the launcher): the
  * connected socket once the request is in the agent's queue, or -1 when it never went out
- * (run Python here). */
-static int agent_send(int nargs, char **args, const struct buf *state)
+ * (run Python here). A start sends the state's memfd and fds 1 and 2; a stop the memfd and
+ * `extra` (stop_fds). */
+static int agent_send(int nargs, char **args, const struct buf *state, const int *extra, size_t nextra)
 {
 	static char req[AGENT_REQUEST_MAX];
 	char number[24];
@@ -473,8 +475,13 @@ static int agent_send(int nargs, char **args, const struct buf *state)
 		close(sock);
 		return -1;
 	}
-	int fds[3] = {mfd, 1, 2};
-	size_t nfds = strcmp(args[0], "poststop") == 0 ? 1 : 3;
+	int fds[1 + STOP_EXTRA_FDS] = {mfd, 1, 2};
+	size_t nfds = 3;
+	if (extra) {
+		for (size_t i = 0; i < nextra && i < STOP_EXTRA_FDS; i++)
+			fds[1 + i] = extra[i];
+		nfds = 1 + (nextra < STOP_EXTRA_FDS ? nextra : STOP_EXTRA_FDS);
+	}
 	union {
 		char buf[CMSG_SPACE(sizeof fds)];
 		struct cmsghdr align;
@@ -564,7 +571,7 @@ static enum agent_result agent_answer(int sock, int *code, int seconds)
  * otherwise as agent_answer. */
 static enum agent_result ask_agent(int nargs, char **args, const struct buf *state, int *code)
 {
-	int sock = agent_send(nargs, args, state);
+	int sock = agent_send(nargs, args, state, NULL, 0);
 	if (sock < 0)
 		return AGENT_UNUSED;
 	enum agent_result r = agent_answer(sock, code, AGENT_REPLY_TIMEOUT_S);
@@ -577,37 +584,73 @@ static void no_op(int signum)
 }
 
 /* flock(`operation`) on the file `name` in the agent's directory (gpuhook/stoporder.py), opened
- * with `flags` (close-on-exec), waiting up to `seconds`: the fd, locked or not (whoever holds
- * the lock is at work, and no one waits without bound), or -1 when it cannot be opened. */
+ * with `flags` (non-blocking, close-on-exec; a regular file only: a FIFO planted there must not
+ * hold the runtime), waiting up to `seconds`: the fd, locked or not (whoever holds the lock is
+ * at work, and no one waits without bound), or -1 when it cannot be opened. */
 static int lock_in(const char *dir, const char *name, int flags, int operation, unsigned seconds)
 {
 	char path[sizeof ((struct sockaddr_un *)0)->sun_path + 64];
 	if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, name) >= sizeof path)
 		return -1;
-	int fd = open(path, flags | O_NOFOLLOW | O_CLOEXEC, 0600);
+	int fd = open(path, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
 	if (fd < 0)
 		return -1;
+	struct stat st;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+		close(fd);
+		return -1;
+	}
 	if (flock(fd, operation | LOCK_NB) == 0)
 		return fd;
-	struct sigaction alarm_action = {.sa_handler = no_op};  /* no SA_RESTART: flock ends in EINTR */
+	/* A blocking flock, interrupted by SIGALRM (no SA_RESTART) when the time is up, and every
+	 * 0.1 s after that: a signal that came before flock began does not leave it blocked. */
+	struct sigaction alarm_action = {.sa_handler = no_op};
 	sigemptyset(&alarm_action.sa_mask);
-	if (sigaction(SIGALRM, &alarm_action, NULL) == 0) {
-		alarm(seconds);
-		while (flock(fd, operation) != 0 && errno != EINTR)
+	struct itimerval timer = {.it_value = {.tv_sec = (time_t)seconds}, .it_interval = {.tv_usec = 100000}};
+	struct itimerval off = {0};
+	long long until = monotonic_ms() + (long long)seconds * 1000;
+	if (sigaction(SIGALRM, &alarm_action, NULL) == 0 && setitimer(ITIMER_REAL, &timer, NULL) == 0) {
+		while (flock(fd, operation) != 0 && errno == EINTR && monotonic_ms() < until)
 			;
-		alarm(0);
+		setitimer(ITIMER_REAL, &off, NULL);
 	}
 	return fd;
 }
 
-/* A stop (poststop) for the agent. The runtime's delete waits for none of gpuhook's cleanup
- * (the agent answers a stop before doing it), nor for the agent's answer: this process forks a
- * child that sends the request and waits for the answer, and exits 0 (docs/agent.md, "Stops").
- * Before the fork it takes the pending lock shared; the child holds it until the agent has the
- * stop, and a start takes it exclusive first (gpuhook/stoporder.py), so a start that comes
- * later waits for this stop as if the runtime had waited. A stop the agent declines, that
- * cannot reach it, or that gets no answer, the child runs in the Python hook, holding the stop
- * lock as the agent's stops do. Without a usable agent socket this process runs the stop as before (-1). */
+/* The fds a stop sends after its memfd (STOP_EXTRA_FDS): this process's mount, PID, user and
+ * cgroup namespaces (the agent compares them with its own: it checks a stop without its front,
+ * which has exited by then) and a pidfd of the runtime that ran this hook (the agent's child
+ * waits for it to end before the stop's work). 0, or -1 with none left open. */
+static int stop_fds(int fds[STOP_EXTRA_FDS])
+{
+	static const char *const kinds[] = {"/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/user",
+	                                    "/proc/self/ns/cgroup"};
+	size_t n = 0;
+	for (; n < 4; n++)
+		if ((fds[n] = open(kinds[n], O_RDONLY | O_CLOEXEC)) < 0)
+			break;
+	/* The runtime: still this process's parent once the pidfd is taken, so not a reused pid. */
+	pid_t parent = getppid();
+	if (n == 4 && parent > 1) {
+		fds[4] = (int)syscall(SYS_pidfd_open, parent, 0U);
+		if (fds[4] >= 0 && getppid() == parent)
+			return 0;
+		if (fds[4] >= 0)
+			close(fds[4]);
+	}
+	while (n > 0)
+		close(fds[--n]);
+	return -1;
+}
+
+/* A stop (poststop) for the agent. The runtime's delete waits for none of gpuhook's cleanup:
+ * this process sends the request and exits 0, and a child waits for the agent's answer
+ * (docs/agent.md, "Stops"). The request is in the agent's queue before the runtime goes on,
+ * so a later start is ordered after it, and it is carried out even if this process and its
+ * child are killed the moment the runtime ends. The pending lock, taken shared before the
+ * request goes out and held by the child until the answer, makes starts wait for a stop the
+ * agent declines or never answers: the child then runs it in the Python hook, holding the
+ * stop lock as the agent's stops do. -1: nothing went out, run the stop here as before. */
 static int stop_detached(int nargs, char **args, char **python, const struct buf *state)
 {
 	struct sockaddr_un addr;
@@ -617,45 +660,36 @@ static int stop_detached(int nargs, char **args, char **python, const struct buf
 	int null = open("/dev/null", O_RDWR | O_CLOEXEC);
 	if (null < 0)
 		return -1;
+	int extra[STOP_EXTRA_FDS];
+	if (stop_fds(extra) != 0) {
+		close(null);
+		return -1;
+	}
 	int pending = lock_in(dir, STOP_PENDING_NAME, O_RDONLY | O_CREAT, LOCK_SH, 1);
-	/* The runtime that runs this hook (runc's delete): a pidfd taken while it is surely the one
-	 * (still this process's parent after the pidfd was taken, so not a reused pid). */
-	pid_t parent = getppid();
-	int runtime = parent > 1 ? (int)syscall(SYS_pidfd_open, parent, 0U) : -1;
-	if (runtime >= 0 && getppid() != parent) {
-		close(runtime);
-		runtime = -1;
+	int sock = agent_send(nargs, args, state, extra, STOP_EXTRA_FDS);
+	for (size_t i = 0; i < STOP_EXTRA_FDS; i++)
+		close(extra[i]);
+	if (sock < 0) {
+		close(null);
+		if (pending >= 0)
+			close(pending);
+		return -1;
 	}
 	/* The runtime goes on once this process has exited and every copy of its stdin, stdout
 	 * and stderr is closed: the child gets none of them. */
 	int moved = dup2(null, 0) == 0 && dup2(null, 1) == 1 && dup2(null, 2) == 2;
 	close(null);
 	pid_t pid = moved ? fork() : -1;
-	if (pid != 0 && runtime >= 0)
-		close(runtime);
 	if (pid > 0)
 		return 0;
-	if (pid < 0)  /* here, then, as before (a stop's output is not read: /dev/null or not) */
-		return -1;
-	setsid();  /* a signal to the runtime's process group or session is not for this child */
-	/* The runtime's delete ends right after its poststop hooks: the agent and the stop's work
-	 * wait for that, rather than take the CPU from it (on two CPUs that was most of what a stop
-	 * cost the runtime). A runtime that outlives its hook holds the stop RUNTIME_WAIT_MS at
-	 * most; starts wait for the stop meanwhile (the pending lock). */
-	if (runtime >= 0) {
-		struct pollfd ended = {.fd = runtime, .events = POLLIN};
-		long long until = monotonic_ms() + RUNTIME_WAIT_MS;
-		for (long long left = RUNTIME_WAIT_MS; left > 0; left = until - monotonic_ms())
-			if (poll(&ended, 1, (int)left) >= 0 || errno != EINTR)
-				break;
-		close(runtime);
-	}
-	int sock = agent_send(nargs, args, state);
+	if (pid == 0)
+		setsid();  /* a signal to the runtime's process group or session is not for the child */
+	/* The child, or this process if it could not fork (then the runtime waits for it). */
 	int code;
 	/* Without an answer (the agent was killed before it had the stop, or hangs), the stop may
 	 * never run: it runs here. Run twice (the agent handed it over and died before answering),
 	 * it is done once: the second finds the first one's work done (gpuhook.apply.served). */
-	if (sock >= 0 && agent_answer(sock, &code, STOP_LOCK_WAIT_S) == AGENT_EXITED)
+	if (agent_answer(sock, &code, STOP_LOCK_WAIT_S) == AGENT_EXITED)
 		_exit(code & 0xFF);
 	int held = lock_in(dir, STOP_LOCK_NAME, O_RDWR | O_CREAT, LOCK_EX, STOP_LOCK_WAIT_S);
 	if (pending >= 0)
@@ -670,8 +704,8 @@ static int run_hook(int argc, char **argv, int launcher, const struct buf *state
 {
 	if (!kept_value("GPUHOOK_DOCKER_DATA_ROOT=")) {
 		char **args = argv + launcher + 1;
-		if (strcmp(args[0], "poststop") == 0 && stop_detached(argc - launcher - 1, args, argv + 1, state) == 0)
-			return 0;
+		if (strcmp(args[0], "poststop") == 0)  /* sent and detached, or run here */
+			return stop_detached(argc - launcher - 1, args, argv + 1, state) == 0 ? 0 : hand_off(argv + 1, state);
 		int code;
 		enum agent_result r = ask_agent(argc - launcher - 1, argv + launcher + 1, state, &code);
 		if (r == AGENT_EXITED)
