@@ -31,6 +31,7 @@ its end; for a stop still reading its own bundle, only STOP_READ_WAIT.
 import array
 import collections
 import os
+import select
 import selectors
 import signal
 import socket
@@ -53,7 +54,7 @@ STOP_FDS = 6  # a stop: the state's memfd, the front's mount, PID, user and cgro
 # of the runtime (the stop's work waits for it to end, RUNTIME_WAIT). Not the front's stdout and
 # stderr: nobody reads a stop's output, and the runtime waits for them to close.
 STOP_UMASK = 0o022  # a stop's umask (its front is gone; gpuhook's own files get explicit modes)
-RUNTIME_WAIT = 0.1  # seconds a stop's work waits for the runtime that ran its hook to end
+RUNTIME_WAIT = 0.1  # seconds the agent holds a stop for the runtime that ran its hook to end
 MAX_SOCKET_PATH = 107  # bytes: sun_path holds 108, its NUL included
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
@@ -103,6 +104,7 @@ class Job:
         self.config_path = config_path
         self.env = env
         self.fds = fds  # [memfd, out, err] (a stop: [memfd]) until handed to a spare
+        self.runtime = -1  # a stop: a pidfd of the runtime that ran its hook, until it has ended
         self.peer = peer
         self.umask = umask
         self.state = None
@@ -235,6 +237,7 @@ class Agent:
         self.selector = selectors.DefaultSelector()
         self.unread = {}  # conn -> (accepted at, peer pid)
         self.waiting = collections.deque()  # jobs not handed to a spare yet, in arrival order
+        self.deferred = []  # stops held until their runtime has ended (RUNTIME_WAIT at most)
         self.running = {}  # pidfd -> job
         self.spare = None
         self.bound = None  # (st_dev, st_ino) of the socket file it made
@@ -317,6 +320,9 @@ class Agent:
                 self._unlink()
                 self._accept()
                 self.close()
+            if finishing:
+                for job in list(self.deferred):  # an agent that ends holds no stop back
+                    self._undefer(job)
             if finishing and not (self.waiting or self.running or self.unread):
                 break
             events = self.selector.select(self._timeout())
@@ -324,21 +330,30 @@ class Agent:
                 self._make_spare()  # between requests: no request waits for this fork
             for key, _ in events:
                 if key.data == "listen":
+                    # The front that connected is about to exit (a stop: its runtime's delete
+                    # ends then) or to wait for the answer (a start): let it get there first.
+                    os.sched_yield()
                     self._accept()
                 elif key.data == "conn":
                     self._read(key.fileobj)
                 elif isinstance(key.data, tuple) and key.data[0] == "front":
                     self._front_gone(key.data[1])
+                elif isinstance(key.data, tuple) and key.data[0] == "runtime":
+                    self._undefer(key.data[1])
                 elif isinstance(key.data, tuple):
                     self._read_done(key.data[1])
                 else:
                     self._reap(key.fileobj)
             self._expire_unread()
+            now = time.monotonic()
+            for job in [job for job in self.deferred if now >= job.queued_at + RUNTIME_WAIT]:
+                self._undefer(job)
             self._launch()
 
     def _timeout(self) -> float:
         now = time.monotonic()
         ends = [at + READ_TIMEOUT for at, _ in self.unread.values()]
+        ends += [job.queued_at + RUNTIME_WAIT for job in self.deferred]
         ends += [end for job in self.waiting if not job.stop
                  for end in (job.queued_at + STOP_READ_WAIT, job.queued_at + STOP_WAIT) if end > now]
         if self._spare_due():
@@ -350,7 +365,7 @@ class Agent:
         a start is at work (its child and its namespace worker want the CPU, and a start that
         comes meanwhile forks its own), nor right after an answer (the front and its runtime
         go on then)."""
-        return self.spare is None and self.listener is not None and not self.waiting \
+        return self.spare is None and self.listener is not None and not self.waiting and not self.deferred \
             and not any(not job.stop for job in self.running.values())
 
     def _accept(self) -> None:
@@ -367,7 +382,7 @@ class Agent:
             # Declined (the front runs the hook itself) once its request is read: closing a
             # connection with an unread request would reset it, and the front then fails. The
             # namespaces are checked with the request (`_read`): a stop's front has exited.
-            declined = uid != 0 or pid <= 0 or len(self.running) + len(self.waiting) >= MAX_CHILDREN
+            declined = uid != 0 or pid <= 0 or len(self.running) + len(self.waiting) + len(self.deferred) >= MAX_CHILDREN
             self.unread[conn] = (time.monotonic(), 0 if declined else pid)
             self.selector.register(conn, selectors.EVENT_READ, "conn")
             self._read(conn)  # the front sends right after connecting: usually there already
@@ -423,17 +438,31 @@ class Agent:
             _reply(conn, b"run")
             conn.close()
             return
-        if stop:  # the state and the runtime's pidfd go on; the namespaces were for the check
+        runtime = -1
+        if stop:  # the namespaces were for the check
             _close_fds(fds[1:5])
-            fds = [fds[0], fds[5]]
+            fds, runtime = [fds[0]], fds[5]
         self.seq += 1
         job = Job(self.seq, conn, parsed[0], parsed[1], request[1], fds, peer, umask)
         job.request = data
         if job.stop:
-            # Handed over at once and answered: its child reads the bundle, and the work follows,
-            # one stop at a time (`STOP_LOCK`). Nothing of a stop waits in this process, so
-            # nothing of it is lost if the agent ends, and no stop's input slows this loop.
-            self._hand(job)
+            # Handed over and answered once its runtime has ended (RUNTIME_WAIT at most): runc's
+            # delete ends right after its poststop hooks, and the stop's work, this loop's
+            # hand-over and the next spare took the CPU from those last steps. Starts that came
+            # after it wait (`_launch`). Then its child reads the bundle, and the work follows,
+            # one stop at a time (`STOP_LOCK`). Nothing of a stop waits in this process longer
+            # (if the agent ends, its front's child, waiting for the answer, runs it), and no
+            # stop's input slows this loop.
+            job.runtime = runtime
+            try:
+                ended = bool(select.select([runtime], [], [], 0)[0])
+            except (OSError, ValueError):
+                ended = True
+            if ended:
+                self._undefer(job)
+            else:
+                self.deferred.append(job)
+                self.selector.register(runtime, selectors.EVENT_READ, ("runtime", job))
             return
         try:  # the front, watched: a runtime that gives up on its hook kills it
             job.front = os.pidfd_open(job.peer)
@@ -442,9 +471,21 @@ class Agent:
             job.front = -1
         self.waiting.append(job)
 
+    def _undefer(self, job: "Job") -> None:
+        """A stop whose runtime has ended (or RUNTIME_WAIT has passed): hand it over."""
+        if job in self.deferred:
+            self.deferred.remove(job)
+            self.selector.unregister(job.runtime)
+        if job.runtime >= 0:
+            os.close(job.runtime)
+            job.runtime = -1
+        self._hand(job)
+
     def _launch(self) -> None:
         now = time.monotonic()
         for job in list(self.waiting):
+            if any(stop.seq < job.seq for stop in self.deferred):
+                continue  # a stop that came before it, held until its runtime ends
             # A stop at its work holds the start up to STOP_WAIT. One still reading its bundle
             # (`ready` open) holds it only STOP_READ_WAIT: that read is a few ms, unless its
             # own container's input is huge, which must not hold back others' for long.
@@ -708,8 +749,7 @@ def _child(job: Job) -> int:
     if job.stop:
         worker.discard()
     conn = -1 if job.stop else job.fds[3]
-    runtime = job.fds[1] if job.stop and len(job.fds) > 1 else -1
-    keep = sorted([*worker.early_fds(), *[fd for fd in (conn, runtime) if fd >= 0]])
+    keep = sorted([*worker.early_fds(), *([conn] if conn >= 0 else [])])
     low = 3
     for fd in keep:
         os.closerange(low, fd)
@@ -723,17 +763,6 @@ def _child(job: Job) -> int:
         except OSError:
             pass
         _take_stop_lock(job.lock, job.queued_at + STOP_LOCK_WAIT)
-        if runtime >= 0:
-            # The runtime's delete ends right after its poststop hooks: the stop's work waits
-            # for that rather than take the CPU from it, RUNTIME_WAIT at most. It holds the stop
-            # lock meanwhile, and the agent holds later starts (`_launch`): they wait for it.
-            import select
-
-            try:
-                select.select([runtime], [], [], RUNTIME_WAIT)
-            except (OSError, ValueError):
-                pass
-            os.close(runtime)
     os.umask(job.umask)
     os.environ.clear()
     os.environ.update(job.env)

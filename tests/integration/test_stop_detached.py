@@ -74,8 +74,8 @@ def test_a_start_after_a_stop_whose_runtime_lives_on_waits_for_that_stop(gpus, f
     the stop in the front's child, and a start that came meanwhile reached the agent first (3
     of 3 with a stop slow to read its bundle). The stop is in the agent's queue before the front
     exits now (test_native_front_agent.py: `test_a_stop_is_in_the_agents_queue_before_the_front_
-    exits` fails on the earlier front); here its work waits for the runtime, 100 ms, holding the
-    stop lock, and the start still comes after it. (With a fast stop the earlier code got this
+    exits` fails on the earlier front); here the agent holds it for its runtime, 100 ms, and the
+    start that came meanwhile still comes after it. (With a fast stop the earlier code got this
     order too, by timing alone.)"""
     gpus.front = front
     running = Agent(tmp_path)
@@ -97,6 +97,28 @@ def test_a_start_after_a_stop_whose_runtime_lives_on_waits_for_that_stop(gpus, f
         assert order.index(("poststop", "lingering-stop")) < order.index(("prestart", "next-start")), order
     finally:
         running.stop()
+
+
+def test_an_agent_that_is_stopped_hands_over_the_stops_it_holds_for_their_runtime(gpus, front, tmp_path):  # noqa: F811
+    """The agent holds a stop until its runtime has ended (100 ms at most). Stopped meanwhile
+    (SIGTERM: systemd's stop or restart), it hands the stop over before it ends, and the stop
+    is carried out."""
+    gpus.front = front
+    running = Agent(tmp_path)
+    with open(tmp_path / "state.json", "wb") as f:
+        f.write(stop_state(tmp_path / "stopped", "held-stop", 0))
+    hook = (f"{front} {sys.executable} -I -S {REPO}/gpuhook/launch.py poststop --config {gpus.config} "
+            f"< {tmp_path}/state.json")
+    runtime = subprocess.Popen(["sh", "-c", f"{hook}; echo hook-done; sleep 5"], stdout=subprocess.PIPE,
+                               env={"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": running.socket})
+    try:
+        assert runtime.stdout.readline() == b"hook-done\n"
+        assert running.stop() == 0
+        stop = wait_for_record(gpus, "poststop", "held-stop")
+        assert stop["agent"] is True, stop
+    finally:
+        runtime.kill()
+        runtime.wait()
 
 
 def test_a_fifo_planted_as_the_pending_lock_holds_neither_the_runtime_nor_the_stop(gpus, front, tmp_path):  # noqa: F811
