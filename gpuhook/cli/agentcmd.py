@@ -17,8 +17,8 @@ def agent_command(socket_path):
     Runs as root, in the host's mount, PID, user and cgroup namespaces (the runtime's):
     packaging/systemd/gpuhook-agent.service starts it. The front uses it when it is there
     and runs the Python hook itself when it is not; a start is correct either way, only
-    faster with it. Stops are answered at once and carried out in order; a start waits for
-    the stops that came before it. SIGTERM finishes what was accepted, then exits.
+    faster with it. The runtime does not wait for a stop, which is carried out in order once
+    the runtime has ended; a start waits for the stops that came before it. SIGTERM finishes what was accepted, then exits.
     """
     path = agent.socket_path(socket_path)
 
