@@ -164,6 +164,17 @@ def _same_namespace_fds(fds, mine: tuple) -> bool:
         return False
 
 
+def _is_pidfd(fd: int) -> bool:
+    """Whether `fd` is a pidfd (its fdinfo names a pid): a stop's runtime, which the loop
+    watches. Another fd there (an epoll chain that epoll_ctl refuses with ELOOP) ended the
+    agent, and with it the answers of the starts it held (attacker pass 16, B1)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            return any(line.startswith(b"Pid:") for line in f)
+    except OSError:
+        return False
+
+
 def _umask_of(pid: int) -> int | None:
     try:
         return int(files.proc_field(f"/proc/{pid}/status", b"Umask:"), 8)
@@ -425,8 +436,9 @@ class Agent:
         stop = parsed is not None and parsed[0] == "poststop"
         umask = None
         if peer and parsed is not None and len(fds) == (STOP_FDS if stop else FDS):
-            if stop:  # by the namespaces it sent: its front has exited
-                umask = STOP_UMASK if _same_namespace_fds(fds[1:5], self.namespaces) else None
+            if stop:  # by the namespaces it sent (its front has exited), with a pidfd last
+                umask = STOP_UMASK if _same_namespace_fds(fds[1:5], self.namespaces) and _is_pidfd(fds[5]) \
+                    else None
             elif _same_namespaces(peer, self.namespaces):
                 umask = _umask_of(peer)
         if umask is None or request is None or parsed[0] not in entry.HOOK_STAGES \
@@ -455,14 +467,15 @@ class Agent:
             # stop's input slows this loop.
             job.runtime = runtime
             try:
-                ended = bool(select.select([runtime], [], [], 0)[0])
-            except (OSError, ValueError):
-                ended = True
-            if ended:
-                self._undefer(job)
-            else:
+                held = not select.select([runtime], [], [], 0)[0]
+                if held:
+                    self.selector.register(runtime, selectors.EVENT_READ, ("runtime", job))
+            except (OSError, ValueError):  # one this loop cannot watch is not waited for
+                held = False
+            if held:
                 self.deferred.append(job)
-                self.selector.register(runtime, selectors.EVENT_READ, ("runtime", job))
+            else:
+                self._undefer(job)
             return
         try:  # the front, watched: a runtime that gives up on its hook kills it
             job.front = os.pidfd_open(job.peer)

@@ -4,8 +4,11 @@ host: the front hands the stop to the agent and exits without its answer (docs/a
 killed the moment runc ends (B1), a start that overtook a stop whose runtime lived on after its
 hook (B2), a FIFO planted as the pending lock that held the runtime (B3)."""
 
+import array
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +16,8 @@ import time
 import pytest
 
 from conftest import REPO
+from gpuhook import agent as agent_module
+from gpuhook import prescan
 from helpers import testbed
 from helpers.runtimes import log_records, wait_for_record
 from test_agent import Agent, front, stop_state, with_front  # noqa: F401  (front: the module's fixture)
@@ -139,3 +144,49 @@ def test_a_fifo_planted_as_the_pending_lock_holds_neither_the_runtime_nor_the_st
         assert stop["agent"] is True, stop
     finally:
         running.stop()
+
+
+def _crafted_stop(socket_path: str, runtime_fd: int) -> socket.socket:
+    """A stop request as the front sends it (root, the agent's namespaces), with `runtime_fd`
+    where the runtime's pidfd goes."""
+    mfd = os.memfd_create("state")
+    os.write(mfd, b'{"ociVersion":"1.0.2","id":"crafted","status":"stopped","pid":0,"bundle":"/nonexistent"}')
+    ns = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in ("mnt", "pid", "user", "cgroup")]
+    env = ["PATH=/usr/bin:/bin", f"{prescan.FRONT_VARIABLE}={prescan.FRONT_PROTOCOL}"]
+    tokens = [agent_module.PROTOCOL, b"1", b"poststop", str(len(env)).encode(), *[e.encode() for e in env]]
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.connect(socket_path)
+    client.sendmsg([b"\0".join(tokens) + b"\0"],
+                   [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [mfd, *ns, runtime_fd]))])
+    for fd in (mfd, *ns):
+        os.close(fd)
+    client.settimeout(10)
+    return client
+
+
+@pytest.mark.parametrize("kind", ["epoll chain", "pipe"])
+def test_a_stop_whose_runtime_fd_is_not_a_pidfd_is_declined_and_the_agent_serves_on(tmp_path, kind):
+    """Attacker pass 16, B1: the agent watched a stop's sixth fd in its own epoll; a chain of
+    epoll fds (select says "not ready", epoll_ctl says ELOOP) ended the agent, and the starts
+    it held failed with exit 70. Only a pidfd is taken; anything else is `run`."""
+    running = Agent(tmp_path)
+    try:
+        if kind == "epoll chain":
+            chain = [select.epoll() for _ in range(7)]
+            for outer, inner in zip(chain, chain[1:]):
+                try:
+                    outer.register(inner.fileno(), select.EPOLLIN)
+                except OSError:
+                    break
+            fd = chain[0].fileno()
+        else:
+            fd, writer = os.pipe()
+        with _crafted_stop(running.socket, fd) as client:
+            assert client.recv(16) == b"run"
+        pidfd = os.pidfd_open(os.getpid())  # the same request with a pidfd is taken
+        with _crafted_stop(running.socket, pidfd) as client:
+            assert client.recv(16) == b"exit 0"
+        os.close(pidfd)
+        assert running.process.poll() is None
+    finally:
+        assert running.stop() == 0
