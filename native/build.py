@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Build native/prescan.c, the no-GPU path of the hook without Python (a prototype,
-benchmarks/README.md, "The native prescan"):
+"""Build native/prescan.c, the native front the packages register as the hook: the no-GPU path
+without Python, and the client of the agent (docs/agent.md; benchmarks/README.md, "The native
+front"):
 
     native/build.py OUTDIR        -> OUTDIR/gpuhook-front (and OUTDIR/markers.h)
 
@@ -61,6 +62,6 @@ def build(outdir: str, cc: str = "gcc") -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
         sys.exit(__doc__)
     print(build(sys.argv[1]))

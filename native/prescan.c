@@ -722,7 +722,7 @@ int main(int argc, char **argv)
 		return 0;
 	}
 	if (argc < 2) {
-		fputs("gpuhook: usage: gpuhook-prescan PYTHON ARGS... (the hook's Python command)\n", stderr);
+		fputs("gpuhook: usage: gpuhook-front PYTHON ARGS... (the hook's Python command)\n", stderr);
 		return 2;
 	}
 	int refused = keep_environment();

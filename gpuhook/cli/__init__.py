@@ -32,7 +32,7 @@ COMMANDS = {
     "cdi": ("cdicmd", "cdi", "Generate a CDI spec for this host with gpuhook as its hook."),
     "install": ("installcmd", "install_command", "Register gpuhook with podman, CRI-O, containerd, Docker or a runc bundle."),
     "uninstall": ("installcmd", "uninstall_command", "Take back what `gpuhook install` added."),
-    "agent": ("agentcmd", "agent_command", "Serve the hook pre-imported for the native front (a GPU start without Python's start-up)."),
+    "agent": ("agentcmd", "agent_command", "Serve the hook pre-imported for the native front (GPU starts and stops without Python's start-up)."),
     "plugin": ("plugincmd", "plugin", "Run the Kubernetes device plugin (PreStartContainer checks and cleans the GPUs)."),
     "prepare": ("healthcmd", "prepare", "Check and clean GPUs before a container gets them; stamp them for the hook."),
     "check": ("healthcmd", "check", "Run the GPU health checks (no changes unless --repair)."),

@@ -17,8 +17,10 @@ def agent_command(socket_path):
     Runs as root, in the host's mount, PID, user and cgroup namespaces (the runtime's):
     packaging/systemd/gpuhook-agent.service starts it. The front uses it when it is there
     and runs the Python hook itself when it is not; a start is correct either way, only
-    faster with it. The runtime does not wait for a stop, which is carried out in order once
-    the runtime has ended; a start waits for the stops that came before it. SIGTERM finishes what was accepted, then exits.
+    faster with it. With it, the runtime does not wait for a stop, which is carried out in
+    order once the runtime has ended (100 ms at most); without it the front runs each stop in
+    the foreground. A start waits for the stops that came before it, up to 5 s. The front finds
+    the agent at $GPUHOOK_AGENT_SOCKET in the hook's own environment, else at the default path. SIGTERM finishes what was accepted, then exits.
     """
     path = agent.socket_path(socket_path)
 
