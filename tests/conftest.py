@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -221,3 +222,22 @@ def private_nvml_state(sim: dict, tmp_path, monkeypatch) -> str:
     shutil.copy(sim["nvml_state"], path)
     monkeypatch.setenv(simnvml.ENV_VAR, path)
     return path
+
+
+def remove_cgroup_everywhere(name: str, child: str) -> None:
+    """A test's parent cgroup `name` (made in the devices hierarchy to deny a rule) in every
+    hierarchy, with the container's `child` below it: runc makes the parent in each hierarchy
+    it uses, and the host is to be left as it was (one set per run was left behind before).
+    Asserts none is left."""
+    import glob
+
+    for root in sorted(glob.glob("/sys/fs/cgroup/*/")):
+        for path in (os.path.join(root, name, child), os.path.join(root, name)):
+            for _ in range(50):
+                if not os.path.isdir(path):
+                    break
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    time.sleep(0.1)
+    assert not glob.glob(f"/sys/fs/cgroup/*/{name}")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import LIBDIR, assert_rootfs_clean, fake_ldconfig, host_mounts
+from conftest import LIBDIR, assert_rootfs_clean, fake_ldconfig, host_mounts, remove_cgroup_everywhere
 
 pytestmark = pytest.mark.root
 
@@ -59,12 +59,7 @@ def test_cgroup_write_failure_names_the_rule(gpus, tmp_path):
         assert host_mounts() == before
         assert_rootfs_clean(result.rootfs)
     finally:
-        for _ in range(50):
-            try:
-                os.rmdir(parent)
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup_everywhere(os.path.basename(parent), "fault-cgroup")
 
 
 def test_a_failed_grant_puts_the_images_own_ld_cache_back(gpus):
@@ -96,12 +91,7 @@ def test_a_failed_grant_puts_the_images_own_ld_cache_back(gpus):
         assert sorted(os.listdir(f"{result.rootfs}/etc")) == ["ld.so.cache", "ld.so.conf"]
         assert not os.path.exists(result.rootfs + LIBDIR)
     finally:
-        for _ in range(50):
-            try:
-                os.rmdir(parent)
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup_everywhere(os.path.basename(parent), "fault-cgroup")
 
 
 def test_a_replaced_ld_cache_leaves_no_copy_behind(gpus):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import LIBDIR, host_mounts
+from conftest import LIBDIR, host_mounts, remove_cgroup_everywhere
 
 from test_bad_input import snapshot
 
@@ -313,12 +313,7 @@ def test_an_aborted_start_puts_back_a_magic_linked_ld_cache_without_following_it
         assert sorted(os.listdir(result.rootfs + "/etc")) == ["ld.so.cache", "ld.so.conf"]
         assert HOST_SECRET not in result.stderr + json.dumps(gpus.log_lines())
     finally:
-        for _ in range(50):
-            try:
-                os.rmdir(parent)
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup_everywhere(os.path.basename(parent), "aborted")
 
 
 def test_swapping_etc_for_a_magic_link_while_ldconfig_scans_never_reaches_the_host(gpus, sentinel):
