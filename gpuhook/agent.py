@@ -44,7 +44,7 @@ from gpuhook import entry, prescan, stoporder
 from gpuhook.errors import INTERNAL_ERROR, InputError
 from gpuhook.kernel import files
 
-PROTOCOL = b"gpuhook-agent/4"
+PROTOCOL = b"gpuhook-agent/5"
 DEFAULT_SOCKET = stoporder.DEFAULT_SOCKET
 SOCKET_VARIABLE = stoporder.SOCKET_VARIABLE
 MAX_REQUEST = 65536  # bytes of one request datagram (the front's args and environment)
@@ -55,6 +55,9 @@ STOP_FDS = 6  # a stop: the state's memfd, the front's mount, PID, user and cgro
 # stderr: nobody reads a stop's output, and the runtime waits for them to close.
 STOP_UMASK = 0o022  # a stop's umask (its front is gone; gpuhook's own files get explicit modes)
 RUNTIME_WAIT = 0.1  # seconds the agent holds a stop for the runtime that ran its hook to end
+STOP_TAKE_DELAY = 0.01  # seconds between a stop's arrival on the stop socket and its reading
+# here (unless a start comes first): the runtime that ran its hook is finishing its delete, and
+# this loop's work would take the CPU from it
 MAX_SOCKET_PATH = 107  # bytes: sun_path holds 108, its NUL included
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
@@ -245,13 +248,16 @@ class Agent:
     def __init__(self, path: str):
         self.path = path
         self.listener = None
+        self.stop_path = stoporder.stop_socket_path(path)
+        self.stop_listener = None
+        self.stops_due = None  # when to take the stops queued on the stop socket (not watched meanwhile)
         self.selector = selectors.DefaultSelector()
         self.unread = {}  # conn -> (accepted at, peer pid)
         self.waiting = collections.deque()  # jobs not handed to a spare yet, in arrival order
         self.deferred = []  # stops held until their runtime has ended (RUNTIME_WAIT at most)
         self.running = {}  # pidfd -> job
         self.spare = None
-        self.bound = None  # (st_dev, st_ino) of the socket file it made
+        self.bound = {}  # path -> (st_dev, st_ino) of each socket file it made
         self.hint = None  # (config path, environment) of the last start: a spare loads it ahead
         self.namespaces = own_namespaces()
         self.lock_path = stoporder.lock_path(path)
@@ -260,46 +266,57 @@ class Agent:
 
     # -- the socket ----------------------------------------------------------------------
     def listen(self) -> None:
-        if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:  # checked before anything is made
-            raise InputError(f"the agent's socket path is longer than {MAX_SOCKET_PATH} bytes")
+        if len(os.fsencode(self.stop_path)) > MAX_SOCKET_PATH:  # checked before anything is made
+            raise InputError(f"the agent's socket path is longer than {MAX_SOCKET_PATH - len(stoporder.STOP_SOCKET_SUFFIX)}"
+                             f" bytes (its stop socket, the path and {stoporder.STOP_SOCKET_SUFFIX!r}, takes"
+                             f" {MAX_SOCKET_PATH})")
         directory = os.path.dirname(self.path) or "."
         os.makedirs(directory, mode=0o700, exist_ok=True)
         st = os.lstat(directory)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
             raise InputError(f"the agent's socket directory {directory} must be a directory owned by root, "
                              "writable by nobody else")
+        # The stop socket first: a front that finds the socket for starts finds this one too.
+        self.stop_listener = self._bind(self.stop_path)
+        self.selector.register(self.stop_listener, selectors.EVENT_READ, "stops")
+        self.listener = self._bind(self.path)
+        self.selector.register(self.listener, selectors.EVENT_READ, "listen")
+
+    def _bind(self, path: str) -> socket.socket:
         try:
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)  # a socket left by an agent that ended
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)  # a socket left by an agent that ended
         except FileNotFoundError:
             pass
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         old = os.umask(0o177)
         try:
-            listener.bind(self.path)
+            listener.bind(path)
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
-        bound = os.lstat(self.path)
-        self.bound = (bound.st_dev, bound.st_ino)
+        os.chmod(path, 0o600)
+        bound = os.lstat(path)
+        self.bound[path] = (bound.st_dev, bound.st_ino)
         listener.listen(128)
         listener.setblocking(False)
-        self.listener = listener
-        self.selector.register(listener, selectors.EVENT_READ, "listen")
+        return listener
 
     def _unlink(self) -> None:
-        try:  # the socket file this agent made (a socket fd's inode is not the file's)
-            now = os.lstat(self.path)
-            if (now.st_dev, now.st_ino) == self.bound:
-                os.unlink(self.path)
-        except OSError:
-            pass
+        for path, bound in self.bound.items():
+            try:  # the socket files this agent made (a socket fd's inode is not the file's)
+                now = os.lstat(path)
+                if (now.st_dev, now.st_ino) == bound:
+                    os.unlink(path)
+            except OSError:
+                pass
 
     def close(self) -> None:
-        if self.listener is not None:
+        if self.listener is not None or self.stop_listener is not None:
             self._unlink()
-            self.listener.close()
-            self.listener = None
+        for listener in (self.listener, self.stop_listener):
+            if listener is not None:
+                listener.close()
+        self.listener = self.stop_listener = None
         self._retire_spare()
 
     # -- the loop ------------------------------------------------------------------------
@@ -324,12 +341,17 @@ class Agent:
         while True:
             finishing = self.stopping or (until is not None and until())
             if finishing and self.listener is not None:
-                # No new connection (the path is gone: fronts run the Python hook), and those
-                # queued already are served: closing the listener would reset them, and their
-                # fronts, whose request went out, would fail the start (attacker pass 11, B1).
+                # No new connection (the paths are gone: fronts run the Python hook), and those
+                # queued already are served, stops first: closing a listener would reset them,
+                # and their fronts, whose request went out, would fail the start (attacker pass
+                # 11, B1) or run the stop again.
                 self.selector.unregister(self.listener)
+                if self.stops_due is None:
+                    self.selector.unregister(self.stop_listener)
+                self.stops_due = None
                 self._unlink()
-                self._accept()
+                self._accept(self.stop_listener, stops_only=True)
+                self._accept(self.listener)
                 self.close()
             if finishing:
                 for job in list(self.deferred):  # an agent that ends holds no stop back
@@ -341,10 +363,16 @@ class Agent:
                 self._make_spare()  # between requests: no request waits for this fork
             for key, _ in events:
                 if key.data == "listen":
-                    # The front that connected is about to exit (a stop: its runtime's delete
-                    # ends then) or to wait for the answer (a start): let it get there first.
+                    # The front that connected is about to wait for the answer: let it get
+                    # there first.
                     os.sched_yield()
-                    self._accept()
+                    self._take_stops()  # any stop queued before this start comes before it
+                    self._accept(self.listener)
+                elif key.data == "stops":
+                    # Not now: the runtime that ran the stop's hook is finishing its delete.
+                    # Taken once STOP_TAKE_DELAY has passed, or before a start.
+                    self.selector.unregister(self.stop_listener)
+                    self.stops_due = time.monotonic() + STOP_TAKE_DELAY
                 elif key.data == "conn":
                     self._read(key.fileobj)
                 elif isinstance(key.data, tuple) and key.data[0] == "front":
@@ -357,14 +385,18 @@ class Agent:
                     self._reap(key.fileobj)
             self._expire_unread()
             now = time.monotonic()
+            if self.stops_due is not None and now >= self.stops_due:
+                self._take_stops()
             for job in [job for job in self.deferred if now >= job.queued_at + RUNTIME_WAIT]:
                 self._undefer(job)
             self._launch()
 
     def _timeout(self) -> float:
         now = time.monotonic()
-        ends = [at + READ_TIMEOUT for at, _ in self.unread.values()]
+        ends = [at + READ_TIMEOUT for at, _, _ in self.unread.values()]
         ends += [job.queued_at + RUNTIME_WAIT for job in self.deferred]
+        if self.stops_due is not None:
+            ends.append(self.stops_due)
         ends += [end for job in self.waiting if not job.stop
                  for end in (job.queued_at + STOP_READ_WAIT, job.queued_at + STOP_WAIT) if end > now]
         if self._spare_due():
@@ -377,12 +409,21 @@ class Agent:
         comes meanwhile forks its own), nor right after an answer (the front and its runtime
         go on then)."""
         return self.spare is None and self.listener is not None and not self.waiting and not self.deferred \
-            and not any(not job.stop for job in self.running.values())
+            and self.stops_due is None and not any(not job.stop for job in self.running.values())
 
-    def _accept(self) -> None:
+    def _take_stops(self) -> None:
+        """Read the stops queued on the stop socket, and watch it again."""
+        if self.stop_listener is None:
+            return
+        self._accept(self.stop_listener, stops_only=True)
+        if self.stops_due is not None:
+            self.stops_due = None
+            self.selector.register(self.stop_listener, selectors.EVENT_READ, "stops")
+
+    def _accept(self, listener, stops_only: bool = False) -> None:
         while True:
             try:
-                conn, _ = self.listener.accept()
+                conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -394,13 +435,13 @@ class Agent:
             # connection with an unread request would reset it, and the front then fails. The
             # namespaces are checked with the request (`_read`): a stop's front has exited.
             declined = uid != 0 or pid <= 0 or len(self.running) + len(self.waiting) + len(self.deferred) >= MAX_CHILDREN
-            self.unread[conn] = (time.monotonic(), 0 if declined else pid)
+            self.unread[conn] = (time.monotonic(), 0 if declined else pid, stops_only)
             self.selector.register(conn, selectors.EVENT_READ, "conn")
             self._read(conn)  # the front sends right after connecting: usually there already
 
     def _expire_unread(self) -> None:
         now = time.monotonic()
-        for conn, (at, _) in list(self.unread.items()):
+        for conn, (at, _, _) in list(self.unread.items()):
             if now - at > READ_TIMEOUT:
                 self._read(conn)  # one that arrived while this loop was busy is served
                 if conn in self.unread:
@@ -415,7 +456,7 @@ class Agent:
         conn.close()
 
     def _read(self, conn) -> None:
-        _, peer = self.unread[conn]
+        _, peer, stops_only = self.unread[conn]
         fds = array.array("i")
         try:
             data, ancdata, flags, _ = conn.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(max(FDS, STOP_FDS) * fds.itemsize),
@@ -435,7 +476,7 @@ class Agent:
         parsed = prescan.split_hook_args(request[0]) if request is not None else None
         stop = parsed is not None and parsed[0] == "poststop"
         umask = None
-        if peer and parsed is not None and len(fds) == (STOP_FDS if stop else FDS):
+        if peer and parsed is not None and (stop or not stops_only) and len(fds) == (STOP_FDS if stop else FDS):
             if stop:  # by the namespaces it sent (its front has exited), with a pidfd last
                 umask = STOP_UMASK if _same_namespace_fds(fds[1:5], self.namespaces) and _is_pidfd(fds[5]) \
                     else None

@@ -24,7 +24,15 @@ DEFAULT_SOCKET = "/run/gpuhook/agent.sock"
 SOCKET_VARIABLE = "GPUHOOK_AGENT_SOCKET"
 LOCK_NAME = "stops.lock"
 PENDING_NAME = "stops.pending"  # held shared by each stop on its way to the agent (native/)
+STOP_SOCKET_SUFFIX = ".stops"  # the agent's socket for stops: its socket's path and this (native/)
 STOP_WAIT = 5.0  # seconds a start waits for the stops that came before it
+
+
+def stop_socket_path(socket_path: str) -> str:
+    """Where the agent listens for stops, beside its socket for starts: it takes a stop from
+    there once the runtime that ran its hook is done, not while that runtime's delete is still
+    at work (docs/agent.md, "Stops")."""
+    return socket_path + STOP_SOCKET_SUFFIX
 
 
 def lock_path(socket_path: str) -> str:

@@ -47,6 +47,7 @@ def header() -> str:
         f"#define AGENT_DEFAULT_SOCKET {c_string(agent.DEFAULT_SOCKET.encode())}",
         f"#define STOP_LOCK_NAME {c_string(stoporder.LOCK_NAME.encode())}",
         f"#define STOP_PENDING_NAME {c_string(stoporder.PENDING_NAME.encode())}",
+        f"#define STOP_SOCKET_SUFFIX {c_string(stoporder.STOP_SOCKET_SUFFIX.encode())}",
         f"#define STOP_LOCK_WAIT_S {int(agent.STOP_LOCK_WAIT)}u",
         "",
     ])

@@ -377,15 +377,18 @@ static const char *agent_socket_path(void)
 	return path ? path : AGENT_DEFAULT_SOCKET;
 }
 
-/* 0 when the agent's socket may be used: its directory a root-owned directory no group or
- * other may write to, the socket a root-owned socket (lstat: no symlink followed). Fills
- * `addr` with the socket's address and `dir` with its directory. */
-static int agent_checked(struct sockaddr_un *addr, char dir[sizeof addr->sun_path])
+/* 0 when the agent's socket (with `suffix`: "" for starts, STOP_SOCKET_SUFFIX for stops) may be
+ * used: its directory a root-owned directory no group or other may write to, the socket a
+ * root-owned socket (lstat: no symlink followed). Fills `addr` with the socket's address and
+ * `dir` with its directory. */
+static int agent_checked(const char *suffix, struct sockaddr_un *addr, char dir[sizeof addr->sun_path])
 {
-	const char *path = agent_socket_path();
+	char path[sizeof addr->sun_path];
+	if ((size_t)snprintf(path, sizeof path, "%s%s", agent_socket_path(), suffix) >= sizeof path)
+		return -1;
 	size_t len = strlen(path);
 	const char *slash = strrchr(path, '/');
-	if (len == 0 || path[0] != '/' || len >= sizeof addr->sun_path || !slash)
+	if (len == 0 || path[0] != '/' || !slash)
 		return -1;
 	size_t dlen = slash == path ? 1 : (size_t)(slash - path);
 	memcpy(dir, path, dlen);
@@ -400,13 +403,13 @@ static int agent_checked(struct sockaddr_un *addr, char dir[sizeof addr->sun_pat
 	return 0;
 }
 
-/* A connected socket to the agent, or -1 when it must not or cannot be used (agent_checked),
- * or connect does not succeed within a second. */
-static int agent_connect(void)
+/* A connected socket to the agent (`suffix` as agent_checked), or -1 when it must not or cannot
+ * be used (agent_checked), or connect does not succeed within a second. */
+static int agent_connect(const char *suffix)
 {
 	struct sockaddr_un addr;
 	char dir[sizeof addr.sun_path];
-	if (agent_checked(&addr, dir) != 0)
+	if (agent_checked(suffix, &addr, dir) != 0)
 		return -1;
 	int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (sock < 0)
@@ -464,7 +467,9 @@ static int agent_send(int nargs, char **args, const struct buf *state, const int
 		if (put_token(req, &at, clean_environment[i]) != 0)
 			return -1;
 
-	int sock = agent_connect();
+	/* A stop goes to the agent's stop socket: the agent takes it from there only once the
+	 * runtime is done, or before a later start (docs/agent.md, "Stops"). */
+	int sock = agent_connect(extra ? STOP_SOCKET_SUFFIX : "");
 	if (sock < 0)
 		return -1;
 	/* Sealed: what the agent's child reads is exactly what the runtime gave this process. */
@@ -655,7 +660,7 @@ static int stop_detached(int nargs, char **args, char **python, const struct buf
 {
 	struct sockaddr_un addr;
 	char dir[sizeof addr.sun_path];
-	if (agent_checked(&addr, dir) != 0)
+	if (agent_checked(STOP_SOCKET_SUFFIX, &addr, dir) != 0)
 		return -1;
 	int null = open("/dev/null", O_RDWR | O_CLOEXEC);
 	if (null < 0)

@@ -9,7 +9,8 @@ from gpuhook import agent
 
 @click.command("agent")
 @click.option("--socket", "socket_path", metavar="PATH",
-              help=f"Where to listen (default: ${agent.SOCKET_VARIABLE} or {agent.DEFAULT_SOCKET}). The "
+              help=f"Where to listen for starts (default: ${agent.SOCKET_VARIABLE} or {agent.DEFAULT_SOCKET}; "
+                   f"stops: the same path with {agent.stoporder.STOP_SOCKET_SUFFIX} appended). The "
                    "directory must be root's and writable by nobody else.")
 def agent_command(socket_path):
     """Serve the hook for the native front, pre-imported (docs/agent.md).
@@ -18,7 +19,7 @@ def agent_command(socket_path):
     packaging/systemd/gpuhook-agent.service starts it. The front uses it when it is there
     and runs the Python hook itself when it is not; a start is correct either way, only
     faster with it. With it, the runtime does not wait for a stop, which is carried out in
-    order once the runtime has ended (100 ms at most); without it the front runs each stop in
+    order once the runtime has ended (10 to 100 ms later, or before the next start); without it the front runs each stop in
     the foreground. A start waits for the stops that came before it, up to 5 s. The front finds
     the agent at $GPUHOOK_AGENT_SOCKET in the hook's own environment, else at the default path. SIGTERM finishes what was accepted, then exits.
     """

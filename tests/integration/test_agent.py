@@ -6,6 +6,7 @@ runs the Python hook."""
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from conftest import REPO, GpuContainers, assert_rootfs_clean, require, require_root_tools
 from gpuhook import agent as agent_module
+from gpuhook import stoporder
 from gpuhook.simulate import nvml as simnvml
 from helpers import testbed
 from helpers.runtimes import log_records, wait_for_record
@@ -148,8 +150,9 @@ def test_the_runtimes_own_cgroup_is_the_fronts_not_the_agents(sim_host, probe, t
 
 
 def test_the_agents_socket_is_roots_alone(agent):
-    st = os.stat(agent.socket)
-    assert st.st_uid == 0 and st.st_mode & 0o777 == 0o600
+    for path in (agent.socket, stoporder.stop_socket_path(agent.socket)):  # starts, stops
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and st.st_uid == 0 and st.st_mode & 0o777 == 0o600
     parent = os.stat(os.path.dirname(agent.socket))
     assert parent.st_uid == 0 and parent.st_mode & 0o777 == 0o700
 
@@ -180,7 +183,7 @@ def test_a_socket_path_too_long_is_one_line_and_makes_nothing(tmp_path):
     result = subprocess.run([sys.executable, "-m", "gpuhook", "agent", "--socket", f"{directory}/agent.sock"],
                             capture_output=True, text=True, cwd=REPO, timeout=30)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert "longer than 107 bytes" in result.stderr and not directory.exists()
+    assert "longer than 101 bytes" in result.stderr and not directory.exists()  # 107 with ".stops"
 
 
 def stop_state(directory, name: str, escapes: int) -> bytes:
@@ -453,9 +456,9 @@ def test_requests_queued_when_the_agent_stops_are_answered_not_reset(tmp_path):
     server = agent_module.Agent(str(tmp_path / "agent" / "agent.sock"))
     server.listen()
     clients = []
-    for _ in range(5):
+    for i in range(6):  # on both sockets: the stop socket's queue too
         client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        client.connect(server.path)
+        client.connect(server.path if i % 2 else server.stop_path)
         client.send(agent_module.PROTOCOL + b"\0" + b"1\0nostage\0" + b"0\0")
         clients.append(client)
     server.stopping = True  # SIGTERM came before the loop took them
@@ -464,7 +467,7 @@ def test_requests_queued_when_the_agent_stops_are_answered_not_reset(tmp_path):
         client.settimeout(5)
         assert client.recv(16) == b"run"
         client.close()
-    assert not os.path.exists(server.path)
+    assert not os.path.exists(server.path) and not os.path.exists(server.stop_path)
 
 
 def test_serving_leaves_the_signal_handlers_as_they_were(tmp_path):

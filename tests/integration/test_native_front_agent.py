@@ -22,7 +22,7 @@ import pytest
 
 from conftest import require
 from gpuhook import agent as gpuhook_agent
-from gpuhook import prescan
+from gpuhook import prescan, stoporder
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "unit"))
 from test_native_prescan import HANDED_OFF, MAY_REQUEST_CASES, native, state_for  # noqa: F401
@@ -51,13 +51,15 @@ class Agent:
     (tokens, the memfd's bytes, the identities of the other two fds) and answers `reply`
     (bytes to send, or None to close without an answer)."""
 
-    def __init__(self, directory, reply, answer_after=None):
-        self.path = os.path.join(directory, "agent.sock")
+    def __init__(self, directory, reply, answer_after=None, stops=False):
+        self.path = os.path.join(directory, "agent.sock")  # what GPUHOOK_AGENT_SOCKET names
+        # Where it listens: a stop goes to the agent's stop socket (gpuhook.stoporder).
+        self.listening = stoporder.stop_socket_path(self.path) if stops else self.path
         self.reply = reply
         self.answer_after = answer_after  # a threading.Event the answer waits for
         self.received = threading.Event()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.bind(self.path)
+        self.sock.bind(self.listening)
         self.sock.listen(4)
         self.sock.settimeout(20)
         self.request = None
@@ -166,7 +168,7 @@ def test_a_stop_goes_to_the_agent_with_the_state_its_namespaces_and_its_runtime(
     carrying it out, so the front must not hand those over. It sends its namespaces instead
     (the agent checks a stop by them: the front has exited by then) and a pidfd of the runtime
     that ran it, here this process (gpuhook.agent.STOP_FDS)."""
-    agent = Agent(agent_dir, b"exit 0").serve()
+    agent = Agent(agent_dir, b"exit 0", stops=True).serve()
     env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
     code, out, err, python_stdin, ids = front(native, GPU_STATE, env, ("poststop",))
     assert agent.connected()
@@ -209,7 +211,7 @@ def test_a_stop_does_not_wait_for_the_agents_answer_but_starts_wait_for_the_stop
 
     binary, _ = native
     answer = threading.Event()
-    agent = Agent(agent_dir, b"exit 0", answer_after=answer).serve()
+    agent = Agent(agent_dir, b"exit 0", answer_after=answer, stops=True).serve()
     env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
     try:
         began = time.monotonic()
@@ -241,7 +243,7 @@ def test_a_stop_is_in_the_agents_queue_before_the_front_exits(native, agent_dir)
     Here the agent takes the request only once the front has exited and its child was
     killed: the request was there all the same, with the runtime's pidfd."""
     binary, recorder = native
-    agent = Agent(agent_dir, b"exit 0")
+    agent = Agent(agent_dir, b"exit 0", stops=True)
     env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
     code, out, err, python_stdin, _ = front(native, GPU_STATE, env, ("poststop",))
     assert (code, out, err, python_stdin) == (0, b"", b"", None)
@@ -264,7 +266,7 @@ def test_a_declined_stop_runs_the_python_hook_in_the_background_holding_the_stop
     recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nflock -n -s {lock} true; echo $? > "$0.locked"\n'
                         f'readlink /proc/$$/fd/3 > "$0.fd3"\nls /proc/$$/fd > "$0.fds"\ntouch "$0.done"\n')
     recorder.chmod(0o755)
-    agent = Agent(agent_dir, b"run").serve()
+    agent = Agent(agent_dir, b"run", stops=True).serve()
     env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
     code, out, err, python_stdin, _ = front((binary, str(recorder)), GPU_STATE, env, ("poststop",))
     assert (code, out, err) == (0, b"", b"")
@@ -286,7 +288,7 @@ def test_a_stop_the_agent_does_not_answer_runs_the_python_hook_in_the_background
     that may never run otherwise runs here (test_agent.py: the agent killed with stops in its
     queue)."""
     binary, recorder = native
-    agent = Agent(agent_dir, {"no answer": None, "not an answer": b"exit 256"}[how]).serve()
+    agent = Agent(agent_dir, {"no answer": None, "not an answer": b"exit 256"}[how], stops=True).serve()
     for suffix in (".stdin", ".env"):
         if os.path.exists(recorder + suffix):
             os.unlink(recorder + suffix)
@@ -299,15 +301,27 @@ def test_a_stop_the_agent_does_not_answer_runs_the_python_hook_in_the_background
     agent.close()
 
 
+def test_a_stop_goes_to_the_stop_socket_only(native, agent_dir):  # noqa: F811
+    """A stop is sent to the agent's stop socket, which the agent reads only once the runtime is
+    done (docs/agent.md, "Stops"); never to the socket for starts. Where only that one listens
+    (an agent of an earlier version), the stop runs here as before."""
+    starts = Agent(agent_dir, b"exit 0")
+    code, _, err, python_stdin, _ = front(native, GPU_STATE, {"PATH": "/usr/bin", "GPUHOOK_AGENT_SOCKET": starts.path},
+                                          ("poststop",))
+    assert (code, err, python_stdin) == (HANDED_OFF, b"", GPU_STATE)
+    assert not starts.connected()
+    starts.close()
+
+
 @pytest.mark.parametrize("how", ["no socket", "others may write", "refused"])
 def test_a_stop_without_a_usable_agent_socket_runs_here_as_before(native, agent_dir, how):  # noqa: F811
     """Nothing detached where the stop could not be handed to an agent (no socket, one the front
     must not use, one nobody listens on: an agent that was killed): the runtime waits for the
     Python hook, as without the front."""
-    agent = Agent(agent_dir, b"exit 3")
+    agent = Agent(agent_dir, b"exit 3", stops=True)
     if how == "no socket":
         agent.close()
-        os.unlink(agent.path)
+        os.unlink(agent.listening)
     elif how == "refused":
         agent.sock.close()
     else:
