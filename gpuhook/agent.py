@@ -60,6 +60,8 @@ STOP_TAKE_DELAY = 0.01  # seconds between a stop's arrival on the stop socket an
 # this loop's work would take the CPU from it
 MAX_SOCKET_PATH = 107  # bytes: sun_path holds 108, its NUL included
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
+ACCEPT_BATCH = 32  # connections taken from the socket for starts per turn of the loop
+STOP_BATCH = 256  # connections taken from the stop socket at once
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
 STOP_WAIT = stoporder.STOP_WAIT  # seconds a start waits for the stops that came before it
 STOP_READ_WAIT = 0.25  # of which, for a stop still reading its own bundle
@@ -350,8 +352,8 @@ class Agent:
                     self.selector.unregister(self.stop_listener)
                 self.stops_due = None
                 self._unlink()
-                self._accept(self.stop_listener, stops_only=True)
-                self._accept(self.listener)
+                self._accept(self.stop_listener, stops_only=True, most=None)
+                self._accept(self.listener, most=None)
                 self.close()
             if finishing:
                 for job in list(self.deferred):  # an agent that ends holds no stop back
@@ -366,8 +368,7 @@ class Agent:
                     # The front that connected is about to wait for the answer: let it get
                     # there first.
                     os.sched_yield()
-                    self._take_stops()  # any stop queued before this start comes before it
-                    self._accept(self.listener)
+                    self._accept(self.listener)  # each start after the stops queued before it
                 elif key.data == "stops":
                     # Not now: the runtime that ran the stop's hook is finishing its delete.
                     # Taken once STOP_TAKE_DELAY has passed, or before a start.
@@ -415,19 +416,30 @@ class Agent:
         """Read the stops queued on the stop socket, and watch it again."""
         if self.stop_listener is None:
             return
-        self._accept(self.stop_listener, stops_only=True)
+        # Bounded too: a flood on the stop socket must not hold the loop. Past STOP_BATCH queued
+        # at once (beyond MAX_CHILDREN they are declined anyway), a start may come before some.
+        self._accept(self.stop_listener, stops_only=True, most=STOP_BATCH)
         if self.stops_due is not None:
             self.stops_due = None
             self.selector.register(self.stop_listener, selectors.EVENT_READ, "stops")
 
-    def _accept(self, listener, stops_only: bool = False) -> None:
-        while True:
+    def _accept(self, listener, stops_only: bool = False, most: int | None = ACCEPT_BATCH) -> None:
+        """Take up to `most` connections queued on `listener` (all of them with None: the
+        loop comes back for the rest, so a flood of connections does not hold it)."""
+        while most is None or most > 0:
+            if most is not None:
+                most -= 1
             try:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return
+            if not stops_only:
+                # Every stop queued before this start connected is in the stop socket's queue
+                # now: it comes first. Taken before the accept instead, a stop queued between
+                # the two came after a start its runtime ran later (attacker pass 17, B1).
+                self._take_stops()
             conn.setblocking(False)
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                               struct.calcsize("3i")))

@@ -278,3 +278,68 @@ def test_a_start_on_the_stop_socket_is_declined(recorded):
         _serve_until(server, handed, 1, seconds=1)
         assert client.recv(16) == b"run"
     assert handed == []
+
+
+class _Listener:
+    """The agent's socket for starts, with a hook run before each accept."""
+
+    def __init__(self, listener, before_accept):
+        self._listener, self._before = listener, before_accept
+
+    def accept(self):
+        self._before()
+        return self._listener.accept()
+
+    def __getattr__(self, name):
+        return getattr(self._listener, name)
+
+
+def test_a_stop_queued_while_the_agent_accepts_starts_still_comes_first(recorded, monkeypatch):
+    """Attacker pass 17, B1: the agent read the stop socket once, then accepted starts until
+    none was left. A stop queued meanwhile (its front exited, its runtime went on and started a
+    container) came after that start: a stream of connections kept the loop there for up to
+    585 ms. Now the stops are read after each start is accepted, before it is numbered."""
+    monkeypatch.setattr(agent_module, "STOP_TAKE_DELAY", 5.0)
+    server, handed = recorded
+    pidfd = _ended_pidfd()
+    clients = []
+
+    def between():  # on the second accept: a stop is queued, then a start connects
+        calls.append(1)
+        if len(calls) == 2:
+            clients.append(_crafted_stop(server.stop_path, pidfd))
+            clients.append(_crafted_start(server.path))
+    calls = []
+    first = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # the stream of connections
+    first.connect(server.path)
+    first.send(b"not a request")
+    server.listener = _Listener(server.listener, between)
+    try:
+        _serve_until(server, handed, 2)
+        assert [stage for stage, _ in handed] == ["poststop", "prestart"]
+        assert [client.recv(16) for client in clients] == [b"exit 0", b"exit 0"]
+        assert first.recv(16) == b"run"
+    finally:
+        for client in [first, *clients]:
+            client.close()
+        os.close(pidfd)  # the agent closed its listeners when it ended
+
+
+def test_a_stream_of_connections_does_not_hold_the_agents_loop(recorded):
+    """Attacker pass 17: three clients connecting in a tight loop held one accept loop for up to
+    585 ms, with no stop taken, no child reaped and no spare made meanwhile. A turn of the loop
+    takes ACCEPT_BATCH connections at most and comes back for the rest."""
+    server, _ = recorded
+    clients = []
+    for _ in range(agent_module.ACCEPT_BATCH + 8):
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client.connect(server.path)
+        clients.append(client)
+    server._accept(server.listener)
+    assert len(server.unread) == agent_module.ACCEPT_BATCH  # none has sent anything yet
+    server._accept(server.listener)
+    assert len(server.unread) == agent_module.ACCEPT_BATCH + 8
+    for conn in list(server.unread):
+        server._drop(conn)
+    for client in clients:
+        client.close()
