@@ -246,6 +246,20 @@ class Spare:
         os.close(self.pidfd)
 
 
+def _listened_on(path: str) -> bool:
+    """Whether a process listens on the socket file `path` (a connection is accepted or queued;
+    the agent it reaches drops one that sends nothing, READ_TIMEOUT later)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return True
+    except OSError:  # ECONNREFUSED: nobody listens; anything else: not an agent's socket either
+        return False
+    finally:
+        probe.close()
+
+
 class Agent:
     def __init__(self, path: str):
         self.path = path
@@ -278,6 +292,9 @@ class Agent:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
             raise InputError(f"the agent's socket directory {directory} must be a directory owned by root, "
                              "writable by nobody else")
+        for path in (self.stop_path, self.path):  # never take a running agent's sockets away
+            if _listened_on(path):
+                raise InputError(f"another agent listens on {path}: stop it first")
         # The stop socket first: a front that finds the socket for starts finds this one too.
         self.stop_listener = self._bind(self.stop_path)
         self.selector.register(self.stop_listener, selectors.EVENT_READ, "stops")
@@ -287,7 +304,7 @@ class Agent:
     def _bind(self, path: str) -> socket.socket:
         try:
             if stat.S_ISSOCK(os.lstat(path).st_mode):
-                os.unlink(path)  # a socket left by an agent that ended
+                os.unlink(path)  # a socket left by an agent that ended (`listen` checked)
         except FileNotFoundError:
             pass
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -883,7 +900,13 @@ def _take_stop_lock(path: str, until: float) -> None:
 
 
 def socket_path(explicit: str | None = None) -> str:
-    return explicit or os.environ.get(SOCKET_VARIABLE) or DEFAULT_SOCKET
+    if explicit:
+        return explicit
+    variable = os.environ.get(SOCKET_VARIABLE)
+    if variable == "":  # the fronts it would serve never use an agent
+        raise InputError(f"${SOCKET_VARIABLE} is empty, which tells the front never to use an agent: "
+                         "give --socket, or unset it")
+    return variable or DEFAULT_SOCKET
 
 
 def run(path: str, ready=None) -> None:

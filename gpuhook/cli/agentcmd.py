@@ -31,6 +31,6 @@ def agent_command(socket_path):
         target = os.environ.pop("NOTIFY_SOCKET", "")
         if target:
             sd_notify(target, b"READY=1")
-        click.echo(f"gpuhook agent: listening on {path}", err=True)
+        click.echo(f"gpuhook agent: listening on {path} (stops: {agent.stoporder.stop_socket_path(path)})", err=True)
 
     agent.run(path, ready)

@@ -481,3 +481,26 @@ def test_serving_leaves_the_signal_handlers_as_they_were(tmp_path):
     server.listen()
     server.serve(until=lambda: True)
     assert (signal_module.getsignal(signal_module.SIGTERM), signal_module.getsignal(signal_module.SIGINT)) == before
+
+
+def test_a_second_agent_on_the_same_socket_is_refused_and_leaves_the_first_serving(agent):
+    """Newcomer run (helper-58): a second `gpuhook agent` on the same path took the running
+    agent's socket files away (unlinked, bound anew) and removed them when it ended; the first
+    agent went on listening on paths that no longer existed, and every start went to Python."""
+    before = {path: os.stat(path).st_ino for path in (agent.socket, stoporder.stop_socket_path(agent.socket))}
+    second = subprocess.run([sys.executable, "-m", "gpuhook", "agent", "--socket", agent.socket],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert "another agent listens on" in second.stderr
+    assert {path: os.stat(path).st_ino for path in before} == before
+    assert agent.process.poll() is None
+
+
+def test_an_empty_socket_variable_is_refused(tmp_path):
+    """The front reads an empty $GPUHOOK_AGENT_SOCKET as "never use an agent"; an agent started
+    with it listened on the default path instead (newcomer run, helper-58)."""
+    env = {**os.environ, agent_module.SOCKET_VARIABLE: ""}
+    done = subprocess.run([sys.executable, "-m", "gpuhook", "agent"], capture_output=True, text=True, cwd=REPO,
+                          timeout=60, env=env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "is empty" in done.stderr
