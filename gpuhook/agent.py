@@ -30,6 +30,7 @@ its end; for a stop still reading its own bundle, only STOP_READ_WAIT.
 
 import array
 import collections
+import errno
 import os
 import select
 import selectors
@@ -62,6 +63,7 @@ MAX_SOCKET_PATH = 107  # bytes: sun_path holds 108, its NUL included
 MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook itself
 ACCEPT_BATCH = 32  # connections taken from the socket for starts per turn of the loop
 STOP_BATCH = 256  # connections taken from the stop socket at once
+ACCEPT_PAUSE = 0.05  # seconds a socket is not watched once the agent is out of fds
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
 STOP_WAIT = stoporder.STOP_WAIT  # seconds a start waits for the stops that came before it
 STOP_READ_WAIT = 0.25  # of which, for a stop still reading its own bundle
@@ -267,6 +269,7 @@ class Agent:
         self.stop_path = stoporder.stop_socket_path(path)
         self.stop_listener = None
         self.stops_due = None  # when to take the stops queued on the stop socket (not watched meanwhile)
+        self.listen_paused = None  # until when the socket for starts is not watched (out of fds)
         self.selector = selectors.DefaultSelector()
         self.unread = {}  # conn -> (accepted at, peer pid)
         self.waiting = collections.deque()  # jobs not handed to a spare yet, in arrival order
@@ -364,7 +367,9 @@ class Agent:
                 # queued already are served, stops first: closing a listener would reset them,
                 # and their fronts, whose request went out, would fail the start (attacker pass
                 # 11, B1) or run the stop again.
-                self.selector.unregister(self.listener)
+                if self.listen_paused is None:
+                    self.selector.unregister(self.listener)
+                self.listen_paused = None
                 if self.stops_due is None:
                     self.selector.unregister(self.stop_listener)
                 self.stops_due = None
@@ -405,16 +410,19 @@ class Agent:
             now = time.monotonic()
             if self.stops_due is not None and now >= self.stops_due:
                 self._take_stops()
+            if self.listen_paused is not None and now >= self.listen_paused:
+                self.listen_paused = None
+                if self.listener is not None:
+                    self.selector.register(self.listener, selectors.EVENT_READ, "listen")
             for job in [job for job in self.deferred if now >= job.queued_at + RUNTIME_WAIT]:
                 self._undefer(job)
             self._launch()
 
     def _timeout(self) -> float:
         now = time.monotonic()
-        ends = [at + READ_TIMEOUT for at, _, _ in self.unread.values()]
+        ends = [at + READ_TIMEOUT for at, _, _, _ in self.unread.values()]
         ends += [job.queued_at + RUNTIME_WAIT for job in self.deferred]
-        if self.stops_due is not None:
-            ends.append(self.stops_due)
+        ends += [at for at in (self.stops_due, self.listen_paused) if at is not None]
         ends += [end for job in self.waiting if not job.stop
                  for end in (job.queued_at + STOP_READ_WAIT, job.queued_at + STOP_WAIT) if end > now]
         if self._spare_due():
@@ -429,16 +437,30 @@ class Agent:
         return self.spare is None and self.listener is not None and not self.waiting and not self.deferred \
             and self.stops_due is None and not any(not job.stop for job in self.running.values())
 
+    def _pause(self, listener) -> None:
+        """Stop watching `listener` for ACCEPT_PAUSE: out of fds (a flood of connections that
+        send nothing, each held READ_TIMEOUT), its accept fails while it stays readable, and
+        the loop spun a CPU (attacker pass 18)."""
+        try:  # not watched already where the agent is ending
+            self.selector.unregister(listener)
+        except (KeyError, ValueError):
+            pass
+        if listener is self.stop_listener:
+            self.stops_due = time.monotonic() + ACCEPT_PAUSE
+        else:
+            self.listen_paused = time.monotonic() + ACCEPT_PAUSE
+
     def _take_stops(self) -> None:
         """Read the stops queued on the stop socket, and watch it again."""
         if self.stop_listener is None:
+            self.stops_due = None
             return
-        # Bounded too: a flood on the stop socket must not hold the loop. Past STOP_BATCH queued
-        # at once (beyond MAX_CHILDREN they are declined anyway), a start may come before some.
-        self._accept(self.stop_listener, stops_only=True, most=STOP_BATCH)
         if self.stops_due is not None:
             self.stops_due = None
             self.selector.register(self.stop_listener, selectors.EVENT_READ, "stops")
+        # Bounded too: a flood on the stop socket must not hold the loop. Past STOP_BATCH queued
+        # at once (beyond MAX_CHILDREN they are declined anyway), a start may come before some.
+        self._accept(self.stop_listener, stops_only=True, most=STOP_BATCH)
 
     def _accept(self, listener, stops_only: bool = False, most: int | None = ACCEPT_BATCH) -> None:
         """Take up to `most` connections queued on `listener` (all of them with None: the
@@ -450,7 +472,9 @@ class Agent:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as err:
+                if err.errno in (errno.EMFILE, errno.ENFILE):
+                    self._pause(listener)  # readable still: watched, it would spin the loop
                 return
             if not stops_only:
                 # Every stop queued before this start connected is in the stop socket's queue
@@ -464,13 +488,18 @@ class Agent:
             # connection with an unread request would reset it, and the front then fails. The
             # namespaces are checked with the request (`_read`): a stop's front has exited.
             declined = uid != 0 or pid <= 0 or len(self.running) + len(self.waiting) + len(self.deferred) >= MAX_CHILDREN
-            self.unread[conn] = (time.monotonic(), 0 if declined else pid, stops_only)
+            # Numbered now, after the stops queued before it: a stop accepted before a start
+            # holds that start while still unread (`_launch`), not from its read on (attacker
+            # pass 18: a stop whose request came a little after its connect was read after a
+            # later start, and numbered after it).
+            self.seq += 1
+            self.unread[conn] = (time.monotonic(), 0 if declined else pid, stops_only, self.seq)
             self.selector.register(conn, selectors.EVENT_READ, "conn")
             self._read(conn)  # the front sends right after connecting: usually there already
 
     def _expire_unread(self) -> None:
         now = time.monotonic()
-        for conn, (at, _, _) in list(self.unread.items()):
+        for conn, (at, _, _, _) in list(self.unread.items()):
             if now - at > READ_TIMEOUT:
                 self._read(conn)  # one that arrived while this loop was busy is served
                 if conn in self.unread:
@@ -485,7 +514,7 @@ class Agent:
         conn.close()
 
     def _read(self, conn) -> None:
-        _, peer, stops_only = self.unread[conn]
+        _, peer, stops_only, seq = self.unread[conn]
         fds = array.array("i")
         try:
             data, ancdata, flags, _ = conn.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(max(FDS, STOP_FDS) * fds.itemsize),
@@ -524,8 +553,7 @@ class Agent:
         if stop:  # the namespaces were for the check
             _close_fds(fds[1:5])
             fds, runtime = [fds[0]], fds[5]
-        self.seq += 1
-        job = Job(self.seq, conn, parsed[0], parsed[1], request[1], fds, peer, umask)
+        job = Job(seq, conn, parsed[0], parsed[1], request[1], fds, peer, umask)
         job.request = data
         if job.stop:
             # Handed over and answered once its runtime has ended (RUNTIME_WAIT at most): runc's
@@ -569,6 +597,9 @@ class Agent:
         for job in list(self.waiting):
             if any(stop.seq < job.seq for stop in self.deferred):
                 continue  # a stop that came before it, held until its runtime ends
+            if any(stops_only and seq < job.seq for _, _, stops_only, seq in self.unread.values()):
+                continue  # one accepted before it on the stop socket, its request not read yet
+                # (READ_TIMEOUT at most: then it is read or dropped)
             # A stop at its work holds the start up to STOP_WAIT. One still reading its bundle
             # (`ready` open) holds it only STOP_READ_WAIT: that read is a few ms, unless its
             # own container's input is huge, which must not hold back others' for long.

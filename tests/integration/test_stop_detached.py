@@ -146,16 +146,17 @@ def test_a_fifo_planted_as_the_pending_lock_holds_neither_the_runtime_nor_the_st
         running.stop()
 
 
-def _crafted_stop(socket_path: str, runtime_fd: int) -> socket.socket:
+def _crafted_stop(socket_path: str, runtime_fd: int, client=None) -> socket.socket:
     """A stop request as the front sends it (root, the agent's namespaces), with `runtime_fd`
-    where the runtime's pidfd goes."""
+    where the runtime's pidfd goes (on `client`, connected already, when given)."""
     mfd = os.memfd_create("state")
     os.write(mfd, b'{"ociVersion":"1.0.2","id":"crafted","status":"stopped","pid":0,"bundle":"/nonexistent"}')
     ns = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in ("mnt", "pid", "user", "cgroup")]
     env = ["PATH=/usr/bin:/bin", f"{prescan.FRONT_VARIABLE}={prescan.FRONT_PROTOCOL}"]
     tokens = [agent_module.PROTOCOL, b"1", b"poststop", str(len(env)).encode(), *[e.encode() for e in env]]
-    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    client.connect(socket_path)
+    if client is None:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client.connect(socket_path)
     client.sendmsg([b"\0".join(tokens) + b"\0"],
                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [mfd, *ns, runtime_fd]))])
     for fd in (mfd, *ns):
@@ -342,4 +343,56 @@ def test_a_stream_of_connections_does_not_hold_the_agents_loop(recorded):
     for conn in list(server.unread):
         server._drop(conn)
     for client in clients:
+        client.close()
+
+
+def test_a_stop_accepted_before_its_request_came_holds_the_starts_after_it(recorded):
+    """Attacker pass 18, attempt 1: a stop was numbered when its request was read. One whose
+    front was accepted between its connect and its send (a big state to copy, a preemption)
+    was read after a start that connected later, numbered after it, and the start was handed
+    over first. Connections are numbered when accepted now, and a start waits for a stop
+    accepted before it until its request is read (READ_TIMEOUT at most)."""
+    import threading
+
+    server, handed = recorded
+    pidfd = _ended_pidfd()
+    stop = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stop.connect(server.stop_path)
+    server._take_stops()  # accepted, nothing to read yet
+    assert len(server.unread) == 1
+    start = _crafted_start(server.path)
+    sender = threading.Timer(0.3, _crafted_stop, (server.stop_path, pidfd, stop))
+    sender.start()
+    try:
+        _serve_until(server, handed, 2)
+        assert [stage for stage, _ in handed] == ["poststop", "prestart"]
+        stop.settimeout(10)
+        assert stop.recv(16) == b"exit 0" and start.recv(16) == b"exit 0"
+    finally:
+        sender.join()
+        stop.close()
+        start.close()
+        os.close(pidfd)
+
+
+def test_out_of_fds_the_agent_pauses_its_socket_instead_of_spinning(recorded, monkeypatch):
+    """Attacker pass 18, attempt 2: with every fd taken by connections that send nothing, the
+    socket stayed readable, accept failed with EMFILE on every turn, and the loop spun a CPU. It
+    stops watching the socket for ACCEPT_PAUSE instead."""
+    import errno
+
+    server, handed = recorded
+    calls = []
+
+    def out_of_fds():
+        calls.append(1)
+        raise OSError(errno.EMFILE, "Too many open files")
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.connect(server.path)  # the socket is readable, and stays so
+    server.listener = _Listener(server.listener, out_of_fds)
+    try:
+        began = time.monotonic()
+        server.serve(until=lambda: time.monotonic() - began > 0.5)
+        assert 3 <= len(calls) <= 0.5 / agent_module.ACCEPT_PAUSE + 3
+    finally:
         client.close()
