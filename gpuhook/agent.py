@@ -65,6 +65,8 @@ ACCEPT_BATCH = 32  # connections taken from the socket for starts per turn of th
 STOP_BATCH = 256  # connections taken from the stop socket at once
 ACCEPT_PAUSE = 0.05  # seconds a socket is not watched once the agent is out of fds
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
+FINISH_ACCEPT_WAIT = READ_TIMEOUT + 1.0  # seconds an agent that is stopped retries accepting what
+# is queued while it is out of fds (by then the connections that sent nothing are dropped)
 STOP_WAIT = stoporder.STOP_WAIT  # seconds a start waits for the stops that came before it
 STOP_READ_WAIT = 0.25  # of which, for a stop still reading its own bundle
 STOP_LOCK_WAIT = 10.0  # seconds a stop waits for the one before it to end
@@ -270,6 +272,9 @@ class Agent:
         self.stop_listener = None
         self.stops_due = None  # when to take the stops queued on the stop socket (not watched meanwhile)
         self.listen_paused = None  # until when the socket for starts is not watched (out of fds)
+        self.watched = set()  # the listeners the selector watches, by role: "listen", "stops"
+        self.finishing = None  # when the agent began to finish (no new connection)
+        self.accept_retry = None  # when a finishing agent, out of fds, tries its queues again
         self.selector = selectors.DefaultSelector()
         self.unread = {}  # conn -> (accepted at, peer pid)
         self.waiting = collections.deque()  # jobs not handed to a spare yet, in arrival order
@@ -300,9 +305,22 @@ class Agent:
                 raise InputError(f"another agent listens on {path}: stop it first")
         # The stop socket first: a front that finds the socket for starts finds this one too.
         self.stop_listener = self._bind(self.stop_path)
-        self.selector.register(self.stop_listener, selectors.EVENT_READ, "stops")
+        self._watch("stops", True)
         self.listener = self._bind(self.path)
-        self.selector.register(self.listener, selectors.EVENT_READ, "listen")
+        self._watch("listen", True)
+
+    def _watch(self, role: str, on: bool) -> None:
+        """Watch the socket for starts ("listen") or the stop socket ("stops"), or not. The one
+        place that registers them: a pause and an event in one turn of the loop unregistered the
+        stop socket twice, and the agent died (attacker pass 19, A). A finishing agent watches
+        neither (it takes what is queued, `_finish_accepting`)."""
+        listener = self.listener if role == "listen" else self.stop_listener
+        if on and role not in self.watched and listener is not None and self.finishing is None:
+            self.selector.register(listener, selectors.EVENT_READ, role)
+            self.watched.add(role)
+        elif not on and role in self.watched:
+            self.selector.unregister(listener)
+            self.watched.discard(role)
 
     def _bind(self, path: str) -> socket.socket:
         try:
@@ -335,6 +353,8 @@ class Agent:
     def close(self) -> None:
         if self.listener is not None or self.stop_listener is not None:
             self._unlink()
+        self._watch("listen", False)
+        self._watch("stops", False)
         for listener in (self.listener, self.stop_listener):
             if listener is not None:
                 listener.close()
@@ -361,31 +381,29 @@ class Agent:
 
     def _loop(self, until) -> None:
         while True:
-            finishing = self.stopping or (until is not None and until())
-            if finishing and self.listener is not None:
+            if self.finishing is None and (self.stopping or (until is not None and until())):
                 # No new connection (the paths are gone: fronts run the Python hook), and those
                 # queued already are served, stops first: closing a listener would reset them,
                 # and their fronts, whose request went out, would fail the start (attacker pass
                 # 11, B1) or run the stop again.
-                if self.listen_paused is None:
-                    self.selector.unregister(self.listener)
-                self.listen_paused = None
-                if self.stops_due is None:
-                    self.selector.unregister(self.stop_listener)
-                self.stops_due = None
+                self._watch("listen", False)
+                self._watch("stops", False)
+                self.finishing = self.accept_retry = time.monotonic()
+                self.listen_paused = self.stops_due = None
                 self._unlink()
-                self._accept(self.stop_listener, stops_only=True, most=None)
-                self._accept(self.listener, most=None)
-                self.close()
-            if finishing:
+            if self.finishing is not None:
+                if self.accept_retry is not None and time.monotonic() >= self.accept_retry:
+                    self._finish_accepting()
                 for job in list(self.deferred):  # an agent that ends holds no stop back
                     self._undefer(job)
-            if finishing and not (self.waiting or self.running or self.unread):
-                break
+                if self.accept_retry is None and not (self.waiting or self.running or self.unread):
+                    break
             events = self.selector.select(self._timeout())
             if not events and self._spare_due():
                 self._make_spare()  # between requests: no request waits for this fork
             for key, _ in events:
+                if key.data in ("listen", "stops") and key.data not in self.watched:
+                    continue  # not watched since this select (out of fds: `_pause`)
                 if key.data == "listen":
                     # The front that connected is about to wait for the answer: let it get
                     # there first.
@@ -394,7 +412,7 @@ class Agent:
                 elif key.data == "stops":
                     # Not now: the runtime that ran the stop's hook is finishing its delete.
                     # Taken once STOP_TAKE_DELAY has passed, or before a start.
-                    self.selector.unregister(self.stop_listener)
+                    self._watch("stops", False)
                     self.stops_due = time.monotonic() + STOP_TAKE_DELAY
                 elif key.data == "conn":
                     self._read(key.fileobj)
@@ -412,8 +430,7 @@ class Agent:
                 self._take_stops()
             if self.listen_paused is not None and now >= self.listen_paused:
                 self.listen_paused = None
-                if self.listener is not None:
-                    self.selector.register(self.listener, selectors.EVENT_READ, "listen")
+                self._watch("listen", True)
             for job in [job for job in self.deferred if now >= job.queued_at + RUNTIME_WAIT]:
                 self._undefer(job)
             self._launch()
@@ -422,7 +439,7 @@ class Agent:
         now = time.monotonic()
         ends = [at + READ_TIMEOUT for at, _, _, _ in self.unread.values()]
         ends += [job.queued_at + RUNTIME_WAIT for job in self.deferred]
-        ends += [at for at in (self.stops_due, self.listen_paused) if at is not None]
+        ends += [at for at in (self.stops_due, self.listen_paused, self.accept_retry) if at is not None]
         ends += [end for job in self.waiting if not job.stop
                  for end in (job.queued_at + STOP_READ_WAIT, job.queued_at + STOP_WAIT) if end > now]
         if self._spare_due():
@@ -434,60 +451,81 @@ class Agent:
         a start is at work (its child and its namespace worker want the CPU, and a start that
         comes meanwhile forks its own), nor right after an answer (the front and its runtime
         go on then)."""
-        return self.spare is None and self.listener is not None and not self.waiting and not self.deferred \
+        return self.spare is None and self.finishing is None and self.listener is not None and not self.waiting \
+            and not self.deferred \
             and self.stops_due is None and not any(not job.stop for job in self.running.values())
 
     def _pause(self, listener) -> None:
         """Stop watching `listener` for ACCEPT_PAUSE: out of fds (a flood of connections that
         send nothing, each held READ_TIMEOUT), its accept fails while it stays readable, and
-        the loop spun a CPU (attacker pass 18)."""
-        try:  # not watched already where the agent is ending
-            self.selector.unregister(listener)
-        except (KeyError, ValueError):
-            pass
+        the loop spun a CPU (attacker pass 18). A finishing agent retries on its own timer."""
+        if self.finishing is not None:
+            return
         if listener is self.stop_listener:
+            self._watch("stops", False)
             self.stops_due = time.monotonic() + ACCEPT_PAUSE
         else:
+            self._watch("listen", False)
             self.listen_paused = time.monotonic() + ACCEPT_PAUSE
 
-    def _take_stops(self) -> None:
-        """Read the stops queued on the stop socket, and watch it again."""
+    def _take_stops(self) -> bool:
+        """Read the stops queued on the stop socket, and watch it again. True when none is
+        left there."""
+        self.stops_due = None
         if self.stop_listener is None:
-            self.stops_due = None
-            return
-        if self.stops_due is not None:
-            self.stops_due = None
-            self.selector.register(self.stop_listener, selectors.EVENT_READ, "stops")
-        # Bounded too: a flood on the stop socket must not hold the loop. Past STOP_BATCH queued
-        # at once (beyond MAX_CHILDREN they are declined anyway), a start may come before some.
-        self._accept(self.stop_listener, stops_only=True, most=STOP_BATCH)
+            return True
+        self._watch("stops", True)
+        # Bounded too: a flood on the stop socket must not hold the loop (beyond MAX_CHILDREN
+        # they are declined anyway). Past STOP_BATCH queued at once, the start being accepted is
+        # declined (`_accept`).
+        return self._accept(self.stop_listener, stops_only=True, most=STOP_BATCH)
 
-    def _accept(self, listener, stops_only: bool = False, most: int | None = ACCEPT_BATCH) -> None:
+    def _finish_accepting(self) -> None:
+        """A finishing agent takes every connection queued, stops first, then closes its
+        sockets. Out of fds, it tries again ACCEPT_PAUSE later (the connections that send
+        nothing are dropped after READ_TIMEOUT), up to FINISH_ACCEPT_WAIT: closed at once, it
+        reset the starts queued, and their fronts failed them (attacker pass 19, B1)."""
+        taken = self._accept(self.stop_listener, stops_only=True, most=None) \
+            and self._accept(self.listener, most=None)
+        now = time.monotonic()
+        if taken or now - self.finishing >= FINISH_ACCEPT_WAIT:
+            self.accept_retry = None
+            self.close()
+        else:
+            self.accept_retry = now + ACCEPT_PAUSE
+
+    def _accept(self, listener, stops_only: bool = False, most: int | None = ACCEPT_BATCH) -> bool:
         """Take up to `most` connections queued on `listener` (all of them with None: the
-        loop comes back for the rest, so a flood of connections does not hold it)."""
+        loop comes back for the rest, so a flood of connections does not hold it). True when
+        none is left in its queue."""
+        if listener is None:
+            return True
         while most is None or most > 0:
             if most is not None:
                 most -= 1
             try:
                 conn, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as err:
+            except BlockingIOError:
+                return True
+            except OSError as err:  # EINTR, ECONNABORTED: the loop comes back
                 if err.errno in (errno.EMFILE, errno.ENFILE):
                     self._pause(listener)  # readable still: watched, it would spin the loop
-                return
-            if not stops_only:
-                # Every stop queued before this start connected is in the stop socket's queue
-                # now: it comes first. Taken before the accept instead, a stop queued between
-                # the two came after a start its runtime ran later (attacker pass 17, B1).
-                self._take_stops()
+                return False
+            # Every stop queued before this start connected is in the stop socket's queue now:
+            # it comes first. Taken before the accept instead, a stop queued between the two
+            # came after a start its runtime ran later (attacker pass 17, B1). Where some are
+            # left there (out of fds, or past STOP_BATCH), the start is declined: the Python
+            # hook that runs it waits for every stop on its way to the agent (stops.pending,
+            # gpuhook.stoporder); numbered here, it came before them (attacker pass 19, C).
+            stops_left = not stops_only and not self._take_stops()
             conn.setblocking(False)
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                               struct.calcsize("3i")))
             # Declined (the front runs the hook itself) once its request is read: closing a
             # connection with an unread request would reset it, and the front then fails. The
             # namespaces are checked with the request (`_read`): a stop's front has exited.
-            declined = uid != 0 or pid <= 0 or len(self.running) + len(self.waiting) + len(self.deferred) >= MAX_CHILDREN
+            declined = stops_left or uid != 0 or pid <= 0 \
+                or len(self.running) + len(self.waiting) + len(self.deferred) >= MAX_CHILDREN
             # Numbered now, after the stops queued before it: a stop accepted before a start
             # holds that start while still unread (`_launch`), not from its read on (attacker
             # pass 18: a stop whose request came a little after its connect was read after a
@@ -496,6 +534,7 @@ class Agent:
             self.unread[conn] = (time.monotonic(), 0 if declined else pid, stops_only, self.seq)
             self.selector.register(conn, selectors.EVENT_READ, "conn")
             self._read(conn)  # the front sends right after connecting: usually there already
+        return False
 
     def _expire_unread(self) -> None:
         now = time.monotonic()

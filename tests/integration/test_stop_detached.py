@@ -375,24 +375,78 @@ def test_a_stop_accepted_before_its_request_came_holds_the_starts_after_it(recor
         os.close(pidfd)
 
 
+def _out_of_fds(times: int | None = None):
+    """An accept hook that fails as a process out of fds does, the first `times` calls (every
+    call with None). Returns it and the list of (when) of each call."""
+    import errno
+
+    calls = []
+
+    def hook():
+        calls.append(time.monotonic())
+        if times is None or len(calls) <= times:
+            raise OSError(errno.EMFILE, "Too many open files")
+    return hook, calls
+
+
 def test_out_of_fds_the_agent_pauses_its_socket_instead_of_spinning(recorded, monkeypatch):
     """Attacker pass 18, attempt 2: with every fd taken by connections that send nothing, the
     socket stayed readable, accept failed with EMFILE on every turn, and the loop spun a CPU. It
-    stops watching the socket for ACCEPT_PAUSE instead."""
-    import errno
-
+    stops watching the socket for ACCEPT_PAUSE instead. Stopped, it tries its queue again every
+    ACCEPT_PAUSE, up to FINISH_ACCEPT_WAIT, then ends."""
+    monkeypatch.setattr(agent_module, "FINISH_ACCEPT_WAIT", 0.3)
     server, handed = recorded
-    calls = []
-
-    def out_of_fds():
-        calls.append(1)
-        raise OSError(errno.EMFILE, "Too many open files")
+    out_of_fds, calls = _out_of_fds()
     client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     client.connect(server.path)  # the socket is readable, and stays so
     server.listener = _Listener(server.listener, out_of_fds)
     try:
         began = time.monotonic()
         server.serve(until=lambda: time.monotonic() - began > 0.5)
-        assert 3 <= len(calls) <= 0.5 / agent_module.ACCEPT_PAUSE + 3
+        ended = time.monotonic()
+        serving = [at for at in calls if at - began <= 0.5]
+        assert 3 <= len(serving) <= 0.5 / agent_module.ACCEPT_PAUSE + 3
+        assert len(calls) - len(serving) <= 0.3 / agent_module.ACCEPT_PAUSE + 3
+        assert ended - began < 0.5 + 0.3 + 1
     finally:
         client.close()
+    assert handed == [] and not server.selector.get_map()  # no request came: nothing is watched
+
+
+def test_a_start_taking_the_last_fd_before_the_stops_is_declined_and_the_agent_lives(recorded, monkeypatch):
+    """Attacker pass 19: a start and a stop came in one turn of the loop, the start's accept
+    took the last fd, and the stop socket's accept failed. A: the agent stopped watching the
+    stop socket (out of fds), then handled its event and unregistered it again: KeyError, and
+    the agent died with exit 70. C: the start was numbered before the stop still queued. Now
+    the event is skipped, and the start is declined: the Python hook that runs it waits for
+    the stops on their way (stops.pending). The stop is taken ACCEPT_PAUSE later."""
+    monkeypatch.setattr(agent_module, "STOP_TAKE_DELAY", 5.0)
+    server, handed = recorded
+    out_of_fds, calls = _out_of_fds(times=1)
+    server.stop_listener = _Listener(server.stop_listener, out_of_fds)
+    pidfd = _ended_pidfd()
+    # The start first: its event comes first in the loop's turn, the stop's after it.
+    with _crafted_start(server.path) as start, _crafted_stop(server.stop_path, pidfd) as stop:
+        _serve_until(server, handed, 1, seconds=5)
+        assert start.recv(16) == b"run"
+        assert [stage for stage, _ in handed] == ["poststop"]
+        assert stop.recv(16) == b"exit 0"
+    assert len(calls) >= 2
+    os.close(pidfd)
+
+
+def test_a_stopped_agent_out_of_fds_serves_the_starts_queued_instead_of_resetting_them(recorded):
+    """Attacker pass 19, B1: an agent stopped while out of fds failed to accept the starts
+    queued, closed its socket and reset them, and their fronts failed the starts. It tries
+    again every ACCEPT_PAUSE (fds come back as connections that send nothing are dropped), up
+    to FINISH_ACCEPT_WAIT. B2: nothing of its sockets is left watched once it has ended."""
+    server, handed = recorded
+    out_of_fds, calls = _out_of_fds(times=3)
+    server.listener = _Listener(server.listener, out_of_fds)
+    with _crafted_start(server.path) as start:
+        server.serve(until=lambda: True)  # stopped from the first turn
+        assert [stage for stage, _ in handed] == ["prestart"]
+        assert start.recv(16) == b"exit 0"
+    assert len(calls) == 5  # three out of fds, the start, the empty queue
+    assert server.listener is None and server.stop_listener is None
+    assert not [key for key in server.selector.get_map().values() if key.data in ("listen", "stops")]
