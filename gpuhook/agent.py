@@ -970,13 +970,17 @@ def _take_stop_lock(path: str, until: float) -> None:
 
 
 def socket_path(explicit: str | None = None) -> str:
-    if explicit:
-        return explicit
+    """Where to listen: --socket, else $GPUHOOK_AGENT_SOCKET, else the default. Absolute: the
+    front uses only an absolute path (a relative one would name a file beside each bundle), so
+    an agent on a relative one would serve nothing (newcomer run)."""
     variable = os.environ.get(SOCKET_VARIABLE)
-    if variable == "":  # the fronts it would serve never use an agent
+    if not explicit and variable == "":  # the fronts it would serve never use an agent
         raise InputError(f"${SOCKET_VARIABLE} is empty, which tells the front never to use an agent: "
                          "give --socket, or unset it")
-    return variable or DEFAULT_SOCKET
+    path = explicit or variable or DEFAULT_SOCKET
+    if not path.startswith("/"):
+        raise InputError(f"the agent's socket path must be absolute (the front uses no other): {path}")
+    return path
 
 
 def run(path: str, ready=None) -> None:

@@ -9,7 +9,7 @@ from gpuhook import agent
 
 @click.command("agent")
 @click.option("--socket", "socket_path", metavar="PATH",
-              help=f"Where to listen for starts (default: ${agent.SOCKET_VARIABLE} or {agent.DEFAULT_SOCKET}; "
+              help=f"Where to listen for starts, an absolute path (default: ${agent.SOCKET_VARIABLE} or {agent.DEFAULT_SOCKET}; "
                    f"stops: the same path with {agent.stoporder.STOP_SOCKET_SUFFIX} appended). The "
                    "directory must be root's and writable by nobody else.")
 def agent_command(socket_path):

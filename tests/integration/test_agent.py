@@ -504,3 +504,21 @@ def test_an_empty_socket_variable_is_refused(tmp_path):
                           timeout=60, env=env)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "is empty" in done.stderr
+
+
+@pytest.mark.parametrize("how", ["--socket", "variable"])
+def test_a_relative_socket_path_is_refused(tmp_path, how):
+    """The front uses only an absolute socket path; an agent listening on a relative one served
+    nothing, and said nothing of it (newcomer run, helper-58). It is one line, exit 2, and
+    nothing is made."""
+    env = {**os.environ}
+    args = [sys.executable, "-m", "gpuhook", "agent"]
+    if how == "--socket":
+        args += ["--socket", "run/agent.sock"]
+    else:
+        env[agent_module.SOCKET_VARIABLE] = "run/agent.sock"
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "must be absolute" in done.stderr
+    assert list(tmp_path.iterdir()) == []
