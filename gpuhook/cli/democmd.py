@@ -37,10 +37,16 @@ def _not_requested(gpus, visible: str):
     return None
 
 
+# What the demo shows of each decision-log line (docs/logging.md has them all).
+LOG_KEYS = ("stage", "container", "decision", "gpus", "capabilities", "cgroup", "rules_added", "grants",
+            "seconds")
+
+
 @click.command(help=(
     "Start a real runc container (busybox) on a simulated 4-GPU host with "
-    "NVIDIA_VISIBLE_DEVICES=0,1 and gpuhook as its prestart hook, and show what the container "
-    "sees: its GPU nodes, nvidia-smi, a GPU it did not ask for (EPERM), the driver libraries. "
+    "NVIDIA_VISIBLE_DEVICES=0,1 and gpuhook as its prestart and poststop hooks, and show what the "
+    "container sees (its GPU nodes, nvidia-smi, a GPU it did not ask for: EPERM, the driver "
+    "libraries) and what gpuhook logged for its start and its stop. "
     "Needs root, runc, busybox-static and a C compiler."
 ))
 @click.option("--workdir", metavar="DIR",
@@ -76,7 +82,8 @@ def demo(workdir, visible):
         args=["/bin/busybox", "sh", "-c", SCRIPT.format(not_mine=not_mine, libdir=libdir)],
         env=[f"NVIDIA_VISIBLE_DEVICES={visible}",
              f"NVIDIA_DRIVER_CAPABILITIES={','.join(sorted(DEFAULT_CAPABILITIES))}"],
-        hooks={"prestart": [runc.hook_entry(sim["config"])]},
+        hooks={"prestart": [runc.hook_entry(sim["config"])],
+               "poststop": [runc.hook_entry(sim["config"], "poststop")]},
         # The container's cgroup is this demo's own (runc's default /<id> two demos would share).
         cgroups_path=f"/{container_id}",
         edit=lambda spec: spec["process"]["env"].append("PATH=/bin:/usr/bin"),
@@ -85,19 +92,21 @@ def demo(workdir, visible):
         link = f"{bundle}/rootfs/bin/{name}"
         if not os.path.lexists(link):
             os.symlink("busybox", link)
-    click.echo(f"2. bundle {bundle} with NVIDIA_VISIBLE_DEVICES={visible}, gpuhook registered as prestart hook")
-    click.echo("3. runc run (output of the container follows)\n")
+    click.echo(f"2. bundle {bundle} with NVIDIA_VISIBLE_DEVICES={visible}, gpuhook registered as prestart and poststop hook")
+    click.echo("3. runc run (output of the container follows; runc deletes the container when it exits)\n")
     returncode, stdout, stderr = runc.run(runc_path, state_root, bundle, container_id)
     click.echo(stdout.rstrip())
     if returncode != 0:
         click.echo(stderr.rstrip(), err=True)
         raise click.ClickException(f"runc exited with {returncode}")
-    click.echo("\n4. gpuhook's decision log (" + sim["directory"] + "/gpuhook.log):")
+    click.echo("\n4. gpuhook's decision log (" + sim["directory"] + "/gpuhook.log), the start's line and the stop's:")
     try:
         with open(f"{sim['directory']}/gpuhook.log") as f:
-            last = json.loads(f.read().splitlines()[-1])
-        keep = ("container", "decision", "gpus", "capabilities", "cgroup", "rules_added", "seconds")
-        click.echo(json.dumps({k: last[k] for k in keep if k in last}, indent=2))
-    except (OSError, IndexError, ValueError):
+            lines = [json.loads(line) for line in f.read().splitlines()[-2:]]
+    except (OSError, ValueError):
+        lines = []
+    for line in lines:
+        click.echo(json.dumps({k: line[k] for k in LOG_KEYS if k in line}, indent=2))
+    if not lines:
         click.echo("(no log line found)")
     click.echo(f"\n(everything is in {workdir}; remove it with: rm -rf {workdir})")

@@ -26,6 +26,9 @@ def test_two_demos_at_once_each_get_their_gpus_in_their_own_directory():
             dirs += re.findall(r"everything is in (\S+);", out)
             assert demo.returncode == 0, (out, err)
             assert "nvidia0" in out and "nvidia1" in out and "Operation not permitted" in out, out
+            # the start's decision-log line and the stop's (gpuhook is registered for both)
+            assert '"stage": "prestart"' in out and '"stage": "poststop"' in out, out
+            assert out.index('"gpus injected"') < out.index('"cleaned up"'), out
         assert len(dirs) == 2 and dirs[0] != dirs[1] and all(d.startswith("/tmp/gpuhook-demo-") for d in dirs)
     finally:
         for directory in dirs:
