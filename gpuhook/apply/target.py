@@ -55,7 +55,8 @@ class Target:
         self.ldconfig_output = ""
         self.cache = b""  # the ld cache ldconfig built, until ldconfig.install_cache puts it in place
         self.left: list = []  # processes it had to leave stuck in the kernel (for the log)
-        self.mount_table = None
+        self.mount_lines = None  # {mount id: its line} of this namespace's table, as last read
+        self.mount_table = {}  # {mount id: MountEntry} of the lines parsed
         self.dirs: dict = {}  # container dir -> O_PATH fd, resolved (or made) once
         self.dir_mounts: dict = {}  # fd in self.dirs -> the id of its mount
         self.unshared: set = set()  # mount ids known not to propagate
@@ -70,10 +71,19 @@ class Target:
 
     def mount_entry(self, mount: int):
         """The mount table's line for mount `mount` in this namespace (read again once when
-        the cached table does not have it); None when it is not there."""
-        if self.mount_table is None or mount not in self.mount_table:
-            self.mount_table = {m.id: m for m in mountinfo.read()}
-        return self.mount_table.get(mount)
+        the cached table does not have it); None when it is not there. Only the lines asked
+        for are parsed: before its pivot the container's namespace holds every mount of the
+        host (`mountinfo.index`)."""
+        if self.mount_lines is None or mount not in self.mount_lines:
+            self.mount_lines = mountinfo.index(mountinfo.read_bytes())
+            self.mount_table = {}
+        entry = self.mount_table.get(mount)
+        if entry is None and mount in self.mount_lines:
+            try:
+                entry = self.mount_table[mount] = mountinfo.MountEntry(self.mount_lines[mount])
+            except (ValueError, IndexError):  # no entry (`mountinfo.parse` skips it too)
+                return None
+        return entry
 
     def _base(self, path: str) -> tuple:
         """(directory fd, path below it, beneath, its container path) to write `path` under:

@@ -75,6 +75,26 @@ def read(fd: int | None = None, proc: str = "/proc") -> list:
     return parse(_read_bytes(fd, proc))
 
 
+def read_bytes(fd: int | None = None, proc: str = "/proc") -> bytes:
+    """The caller's mount table as it is now, unparsed (`index`, `cgroup_mounts_in`). Raises
+    OSError."""
+    return _read_bytes(fd, proc)
+
+
+def index(data: bytes) -> dict:
+    """{mount id: its line} of a mount table, from each line's first field: a caller that needs
+    a few entries parses just those (`MountEntry(line)`). A container's namespace, before its
+    pivot, holds every mount of the host: on a node with a thousand pod volumes a full parse
+    took 2.4 ms, and the namespace worker read the table twice per start."""
+    lines = {}
+    for line in data.splitlines():
+        try:
+            lines[int(line.split(b" ", 1)[0])] = line
+        except ValueError:
+            continue
+    return lines
+
+
 def read_subtree(fd: int, top_id: int) -> list:
     """`subtree(read(fd), top_id)`, parsing in full only the lines of that subtree: the
     ldconfig sandbox reads the table of a container's namespace, which holds every mount of
@@ -130,6 +150,9 @@ def parse(data: bytes) -> list:
     return entries
 
 
+CGROUP_TYPES = (b"cgroup", b"cgroup2")
+
+
 def cgroup_mounts(entries) -> list:
     """(fstype, root, mount point, super options) of every visible cgroup and cgroup2 mount
     among `entries`, in table order.
@@ -138,25 +161,58 @@ def cgroup_mounts(entries) -> list:
     namespace that mounts cgroup2 over a hybrid host's /sys/fs/cgroup still lists the v1
     mounts beneath it (docs/runtime-facts.md §5).
     """
-    entries = list(entries)
-    found = []
-    for i, m in enumerate(entries):
-        if m.fstype not in ("cgroup", "cgroup2"):
+    return _visible([(m.point, m) for m in entries])
+
+
+def cgroup_mounts_in(data: bytes) -> list:
+    """`cgroup_mounts(parse(data))`, parsing in full only the cgroup lines: of every other
+    line only its mount point is taken (it may cover a hierarchy). The GPU start reads the
+    host's table twice; on a node with a thousand pod volumes the full parse and the covering
+    test took 3.9 ms each time."""
+    points = []
+    for line in data.splitlines():
+        fields = line.split()
+        try:  # a line `parse` would skip is no mount here either
+            dash = fields.index(b"-")
+            if dash < 6 or len(fields) < dash + 3:
+                continue
+            int(fields[0]), int(fields[1])
+            if fields[dash + 1] in CGROUP_TYPES:
+                entry = MountEntry(line)
+                points.append((entry.point, entry))
+            else:
+                points.append((unescape(fields[4]), None))
+        except (ValueError, IndexError):
             continue
-        if any(_covers(later.point, m.point) for later in entries[i + 1:]):
-            continue
-        found.append((m.fstype, m.root, m.point, set(m.super_options)))
+    return _visible(points)
+
+
+def _visible(points: list) -> list:
+    """`cgroup_mounts` of [(mount point, its MountEntry, or None where it is no cgroup mount)]
+    in table order: each hierarchy tested against the set of the mount points after it (a
+    test of each against every later one took 1.5 ms for a thousand mounts)."""
+    found, later = [], set()
+    for point, m in reversed(points):
+        if m is not None and m.fstype in ("cgroup", "cgroup2") and later.isdisjoint(_at_and_above(point)):
+            found.append((m.fstype, m.root, m.point, set(m.super_options)))
+        later.add(point.rstrip("/"))
+    found.reverse()
     return found
+
+
+def _at_and_above(point: str) -> list:
+    """The mount points (without a trailing slash) that cover a mount at `point`: the point
+    itself, each directory above it, and "" (a mount at /)."""
+    above, at = [point, ""], point.find("/", 1)
+    while at != -1:
+        above.append(point[:at])
+        at = point.find("/", at + 1)
+    return above
 
 
 def cgroup_mounts_here(proc: str = "/proc") -> list:
     """`cgroup_mounts` of the caller's mount table. Raises OSError."""
-    return cgroup_mounts(read(proc=proc))
-
-
-def _covers(upper: str, point: str) -> bool:
-    upper = upper.rstrip("/")
-    return point == upper or point.startswith(upper + "/") or not upper
+    return cgroup_mounts_in(read_bytes(proc=proc))
 
 
 def cgroup_directory(mount_point: str, mount_root: str, path: str) -> str:

@@ -33,11 +33,11 @@ def placement(pid: int, proc: str = "/proc", mountinfo: str | bytes | None = Non
     except OSError as err:
         raise HostError(f"cannot read {proc}/{pid}/cgroup: {err.strerror}") from err
     try:
-        entries = mount_table.read(proc=proc) if mountinfo is None else mount_table.parse(
-            os.fsencode(mountinfo) if isinstance(mountinfo, str) else mountinfo)
+        table = mount_table.read_bytes(proc=proc) if mountinfo is None else \
+            os.fsencode(mountinfo) if isinstance(mountinfo, str) else mountinfo
     except OSError as err:
         raise HostError(f"cannot read the mount table: {err.strerror}") from err
-    mounts = mount_table.cgroup_mounts(entries)
+    mounts = mount_table.cgroup_mounts_in(table)
     if paths.get("devices") == "/" and paths.get("", "/") not in ("", "/"):
         # The root v1 devices cgroup (which allows everything) but a v2 cgroup of its own:
         # the runtime ran in v2 mode (pure v2 in a private mount namespace on a hybrid

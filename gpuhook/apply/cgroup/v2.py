@@ -442,11 +442,11 @@ def placement_of_directory(directory: str, mountinfo: str | bytes | None = None)
         mode = hierarchy.V2
     else:
         raise HostError(f"{directory} is not a cgroup directory (no devices.list, no cgroup.controllers)")
-    entries = mount_table.read() if mountinfo is None else mount_table.parse(
-        os.fsencode(mountinfo) if isinstance(mountinfo, str) else mountinfo)
+    table = mount_table.read_bytes() if mountinfo is None else \
+        os.fsencode(mountinfo) if isinstance(mountinfo, str) else mountinfo
     cgroup_path = "/" + os.path.basename(directory)
     best = ""
-    for _, root, point, _ in mount_table.cgroup_mounts(entries):
+    for _, root, point, _ in mount_table.cgroup_mounts_in(table):
         point = point.rstrip("/") or "/"
         inside = directory == point or directory.startswith(point.rstrip("/") + "/")
         if inside and len(point) > len(best):
