@@ -64,6 +64,7 @@ MAX_CHILDREN = 64  # requests at work at once; beyond, the front runs the hook i
 ACCEPT_BATCH = 32  # connections taken from the socket for starts per turn of the loop
 STOP_BATCH = 256  # connections taken from the stop socket at once
 ACCEPT_PAUSE = 0.05  # seconds a socket is not watched once the agent is out of fds
+UNREAD_MAX = 32  # connections of one socket accepted and not heard from yet; beyond, it waits
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
 FINISH_ACCEPT_WAIT = READ_TIMEOUT + 1.0  # seconds an agent that is stopped retries accepting what
 # is queued while it is out of fds (by then the connections that sent nothing are dropped)
@@ -276,7 +277,9 @@ class Agent:
         self.finishing = None  # when the agent began to finish (no new connection)
         self.accept_retry = None  # when a finishing agent, out of fds, tries its queues again
         self.selector = selectors.DefaultSelector()
-        self.unread = {}  # conn -> (accepted at, peer pid)
+        self.unread = {}  # conn -> (accepted at, peer pid, from the stop socket, seq)
+        self.unread_count = {False: 0, True: 0}  # of `unread`, by socket (stop socket: True)
+        self.full = set()  # the sockets (stop socket: True) not watched for UNREAD_MAX unread
         self.waiting = collections.deque()  # jobs not handed to a spare yet, in arrival order
         self.deferred = []  # stops held until their runtime has ended (RUNTIME_WAIT at most)
         self.running = {}  # pidfd -> job
@@ -485,8 +488,11 @@ class Agent:
         sockets. Out of fds, it tries again ACCEPT_PAUSE later (the connections that send
         nothing are dropped after READ_TIMEOUT), up to FINISH_ACCEPT_WAIT: closed at once, it
         reset the starts queued, and their fronts failed them (attacker pass 19, B1)."""
-        taken = self._accept(self.stop_listener, stops_only=True, most=None) \
-            and self._accept(self.listener, most=None)
+        # Both queues each time: starts accepted while stops are left are declined (`_accept`),
+        # not left to be reset (pass 20, B2: with the stop socket flooded, the starts were
+        # never tried).
+        stops = self._accept(self.stop_listener, stops_only=True, most=None)
+        taken = self._accept(self.listener, most=None) and stops
         now = time.monotonic()
         if taken or now - self.finishing >= FINISH_ACCEPT_WAIT:
             self.accept_retry = None
@@ -503,6 +509,15 @@ class Agent:
         while most is None or most > 0:
             if most is not None:
                 most -= 1
+            if self.unread_count[stops_only] >= UNREAD_MAX:
+                # So many connections of this socket that send nothing (each kept READ_TIMEOUT)
+                # took the fds: the other socket then got none, and starts waited 30 to 77 s
+                # behind a flood on the stop socket (attacker pass 20, B4). This one waits for
+                # one of them to be read or dropped (`_heard`).
+                self.full.add(stops_only)
+                if self.finishing is None:
+                    self._watch("stops" if stops_only else "listen", False)
+                return False
             try:
                 conn, _ = listener.accept()
             except BlockingIOError:
@@ -532,6 +547,7 @@ class Agent:
             # later start, and numbered after it).
             self.seq += 1
             self.unread[conn] = (time.monotonic(), 0 if declined else pid, stops_only, self.seq)
+            self.unread_count[stops_only] += 1
             self.selector.register(conn, selectors.EVENT_READ, "conn")
             self._read(conn)  # the front sends right after connecting: usually there already
         return False
@@ -544,8 +560,21 @@ class Agent:
                 if conn in self.unread:
                     self._drop(conn)
 
+    def _heard(self, conn) -> None:
+        """`conn` is no longer unread (its request came, or it is dropped): its socket is
+        watched again if it waited for that (`_accept`, UNREAD_MAX)."""
+        _, _, stops_only, _ = self.unread.pop(conn)
+        self.unread_count[stops_only] -= 1
+        if stops_only in self.full:
+            self.full.discard(stops_only)
+            if stops_only and self.stops_due is None:
+                self._watch("stops", True)
+            elif not stops_only and self.listen_paused is None:
+                self._watch("listen", True)
+
     def _drop(self, conn) -> None:
-        self.unread.pop(conn, None)
+        if conn in self.unread:
+            self._heard(conn)
         try:
             self.selector.unregister(conn)
         except (KeyError, ValueError):
@@ -567,7 +596,7 @@ class Agent:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
         fds = list(fds)
-        self.unread.pop(conn)
+        self._heard(conn)
         self.selector.unregister(conn)
         request = parse_request(data) if not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) else None
         parsed = prescan.split_hook_args(request[0]) if request is not None else None
@@ -753,7 +782,9 @@ class Agent:
             _reply(job.conn, b"exit 0")
             job.conn.close()
             job.conn = None
-            job.ready = os.dup(spare.channel.fileno())
+            # The channel itself, not a dup of it: out of fds, the dup failed and ended the
+            # agent (attacker pass 20, A1).
+            job.ready = spare.channel.detach()
             self.selector.register(job.ready, selectors.EVENT_READ, ("ready", job))
         # Nothing of the front's output stays here: the runtime waits until every copy of its
         # hook's stdout and stderr is closed, and the child closes its own before it answers.

@@ -93,7 +93,15 @@ def trap(kind, sentinel):
         elif kind == "socket where a binary goes":
             os.makedirs(rootfs + "/usr/bin", exist_ok=True)
             s = socket.socket(socket.AF_UNIX)
-            s.bind(rootfs + "/usr/bin/nvidia-smi")
+            # By a short name from the directory: the path may pass sun_path's 108 bytes
+            # (pytest's temporary directories grow with each run on a host).
+            here = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.chdir(rootfs + "/usr/bin")
+                s.bind("nvidia-smi")
+            finally:
+                os.fchdir(here)
+                os.close(here)
             s.close()
         elif kind == "file where a directory goes":
             os.makedirs(rootfs + "/usr", exist_ok=True)

@@ -326,10 +326,11 @@ def test_a_stop_queued_while_the_agent_accepts_starts_still_comes_first(recorded
         os.close(pidfd)  # the agent closed its listeners when it ended
 
 
-def test_a_stream_of_connections_does_not_hold_the_agents_loop(recorded):
+def test_a_stream_of_connections_does_not_hold_the_agents_loop(recorded, monkeypatch):
     """Attacker pass 17: three clients connecting in a tight loop held one accept loop for up to
     585 ms, with no stop taken, no child reaped and no spare made meanwhile. A turn of the loop
     takes ACCEPT_BATCH connections at most and comes back for the rest."""
+    monkeypatch.setattr(agent_module, "UNREAD_MAX", 1000)  # the batch, not the cap on unread ones
     server, _ = recorded
     clients = []
     for _ in range(agent_module.ACCEPT_BATCH + 8):
@@ -450,3 +451,120 @@ def test_a_stopped_agent_out_of_fds_serves_the_starts_queued_instead_of_resettin
     assert len(calls) == 5  # three out of fds, the start, the empty queue
     assert server.listener is None and server.stop_listener is None
     assert not [key for key in server.selector.get_map().values() if key.data in ("listen", "stops")]
+
+
+def _idle(path: str, count: int) -> list:
+    """`count` connections to `path` that send nothing (each holds one of the agent's fds)."""
+    clients = []
+    for _ in range(count):
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client.connect(path)
+        clients.append(client)
+    return clients
+
+
+def test_a_flood_on_the_stop_socket_holds_a_few_fds_and_the_starts_go_on(recorded, monkeypatch):
+    """Attacker pass 20, B4: connections to the stop socket that send nothing (each kept
+    READ_TIMEOUT), dropped and made again, took every fd the agent had: the socket for starts
+    got none, and starts waited 30 to 77 s, past the runtime's hook timeout. The agent now
+    holds at most UNREAD_MAX unread connections per socket; a start that comes meanwhile is
+    declined (stops are left unread behind the flood) and runs in the Python hook at once."""
+    monkeypatch.setattr(agent_module, "UNREAD_MAX", 4)
+    monkeypatch.setattr(agent_module, "STOP_TAKE_DELAY", 0.0)
+    server, handed = recorded
+    flood = _idle(server.stop_path, 8)
+    most = []
+    read = server._read
+
+    def counted(conn):
+        most.append(server.unread_count[True])
+        return read(conn)
+    monkeypatch.setattr(server, "_read", counted)
+    try:
+        began = time.monotonic()
+        with _crafted_start(server.path) as start:
+            server.serve(until=lambda: time.monotonic() - began > 0.5)
+            assert start.recv(16) == b"run"
+        assert max(most) <= 4 and handed == []
+    finally:
+        for client in flood:
+            client.close()
+
+
+def test_a_socket_that_waited_for_its_unread_connections_is_watched_again(recorded, monkeypatch):
+    """The other half of the cap: once an unread connection is dropped (READ_TIMEOUT), the
+    socket it filled is watched again, and the start queued behind the flood is served."""
+    monkeypatch.setattr(agent_module, "UNREAD_MAX", 2)
+    monkeypatch.setattr(agent_module, "READ_TIMEOUT", 0.3)
+    server, handed = recorded
+    flood = _idle(server.path, 2)
+    try:
+        with _crafted_start(server.path) as start:
+            began = _serve_until(server, handed, 1, seconds=5)
+            assert [stage for stage, _ in handed] == ["prestart"]
+            assert 0.3 <= handed[0][1] - began < 4
+            assert start.recv(16) == b"exit 0"
+        assert [client.recv(16) for client in flood] == [b"", b""]  # dropped
+    finally:
+        for client in flood:
+            client.close()
+
+
+def test_a_stopped_agent_whose_stop_socket_is_out_of_fds_still_answers_its_starts(recorded, monkeypatch):
+    """Attacker pass 20, B2: a stopped agent took the socket for starts only once the stop
+    socket's queue was empty; with that queue flooded and the agent out of fds, it never got
+    there, and closed the socket on the starts queued: their fronts failed them. Both queues are
+    tried each time; a start accepted while stops are left is declined (`run`)."""
+    monkeypatch.setattr(agent_module, "FINISH_ACCEPT_WAIT", 0.3)
+    server, handed = recorded
+    out_of_fds, _ = _out_of_fds()
+    server.stop_listener = _Listener(server.stop_listener, out_of_fds)
+    flood = _idle(server.stop_path, 1)
+    try:
+        with _crafted_start(server.path) as start:
+            server.serve(until=lambda: True)
+            assert start.recv(16) == b"run"
+        assert handed == []
+    finally:
+        for client in flood:
+            client.close()
+
+
+def test_handing_over_a_stop_takes_no_new_fd(tmp_path, monkeypatch):
+    """Attacker pass 20, A1: handing a stop to its spare dup'ed the spare's channel (the fd the
+    agent watches for the bundle read); out of fds, the dup failed and ended the agent, and the
+    starts it held failed. It keeps the channel itself."""
+    import errno
+
+    server = agent_module.Agent(str(tmp_path / "agent.sock"))
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    go_r, go_w = os.pipe()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    spare = agent_module.Spare(sleeper.pid, os.pidfd_open(sleeper.pid), ours, go_w)
+    server.spare = spare
+    front_end, conn = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mfd = os.memfd_create("state")
+    job = agent_module.Job(1, conn, "poststop", None, {}, [mfd], 0, 0o022)
+
+    def no_fd(*args):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(os, "dup", no_fd)
+    try:
+        server._hand(job)
+        assert front_end.recv(16) == b"exit 0"
+        assert job.ready >= 0 and job.pidfd in server.running
+        data, ancdata, _, _ = theirs.recvmsg(4096, socket.CMSG_SPACE(4))
+        assert data.startswith(b"1 0 18 ") and len(ancdata) == 1
+        theirs.close()  # the spare read the bundle: its end of file reaches the agent
+        assert select.select([job.ready], [], [], 5)[0]
+    finally:
+        monkeypatch.undo()
+        sleeper.kill()
+        sleeper.wait()
+        for fd in (go_r, job.ready, job.pidfd):
+            if fd >= 0:
+                os.close(fd)
+        for s in (front_end, theirs):
+            s.close()
+        for level, kind, payload in locals().get("ancdata", ()):
+            os.close(int.from_bytes(payload[:4], "little"))
