@@ -65,6 +65,7 @@ ACCEPT_BATCH = 32  # connections taken from the socket for starts per turn of th
 STOP_BATCH = 256  # connections taken from the stop socket at once
 ACCEPT_PAUSE = 0.05  # seconds a socket is not watched once the agent is out of fds
 UNREAD_MAX = 32  # connections of one socket accepted and not heard from yet; beyond, it waits
+UNREAD_EVICT = 0.25  # seconds: past UNREAD_MAX, the oldest silent one is dropped for the next
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request
 FINISH_ACCEPT_WAIT = READ_TIMEOUT + 1.0  # seconds an agent that is stopped retries accepting what
 # is queued while it is out of fds (by then the connections that sent nothing are dropped)
@@ -429,6 +430,9 @@ class Agent:
                     self._reap(key.fileobj)
             self._expire_unread()
             now = time.monotonic()
+            for stops_only in list(self.full):  # its oldest silent one may be dropped now (`_evict`)
+                if now - self._oldest_unread(stops_only)[1] >= UNREAD_EVICT:
+                    self._unfull(stops_only)
             if self.stops_due is not None and now >= self.stops_due:
                 self._take_stops()
             if self.listen_paused is not None and now >= self.listen_paused:
@@ -443,6 +447,7 @@ class Agent:
         ends = [at + READ_TIMEOUT for at, _, _, _ in self.unread.values()]
         ends += [job.queued_at + RUNTIME_WAIT for job in self.deferred]
         ends += [at for at in (self.stops_due, self.listen_paused, self.accept_retry) if at is not None]
+        ends += [self._oldest_unread(stops_only)[1] + UNREAD_EVICT for stops_only in self.full]
         ends += [end for job in self.waiting if not job.stop
                  for end in (job.queued_at + STOP_READ_WAIT, job.queued_at + STOP_WAIT) if end > now]
         if self._spare_due():
@@ -509,11 +514,11 @@ class Agent:
         while most is None or most > 0:
             if most is not None:
                 most -= 1
-            if self.unread_count[stops_only] >= UNREAD_MAX:
+            if self.unread_count[stops_only] >= UNREAD_MAX and not self._evict(stops_only):
                 # So many connections of this socket that send nothing (each kept READ_TIMEOUT)
                 # took the fds: the other socket then got none, and starts waited 30 to 77 s
                 # behind a flood on the stop socket (attacker pass 20, B4). This one waits for
-                # one of them to be read or dropped (`_heard`).
+                # one of them to be read or dropped (`_heard`), or to be silent UNREAD_EVICT.
                 self.full.add(stops_only)
                 if self.finishing is None:
                     self._watch("stops" if stops_only else "listen", False)
@@ -560,11 +565,34 @@ class Agent:
                 if conn in self.unread:
                     self._drop(conn)
 
+    def _oldest_unread(self, stops_only: bool):
+        """(connection, accepted at) of the socket's unread connection accepted first."""
+        return min(((conn, at) for conn, (at, _, role, _) in self.unread.items() if role == stops_only),
+                   key=lambda pair: pair[1], default=(None, 0.0))
+
+    def _evict(self, stops_only: bool) -> bool:
+        """Past UNREAD_MAX, drop the socket's oldest unread connection once it has been silent
+        UNREAD_EVICT (a front sends right after it connects), to take the next one. Waiting
+        READ_TIMEOUT instead, a start queued behind 120 silent connections waited 6 s, and one
+        queued when the agent was stopped was reset (attacker pass 21, B1). False when none is
+        that old yet."""
+        conn, at = self._oldest_unread(stops_only)
+        if conn is None or time.monotonic() - at < UNREAD_EVICT:
+            return False
+        self._read(conn)  # its request may have come meanwhile
+        if conn in self.unread:
+            self._drop(conn)
+        return True
+
     def _heard(self, conn) -> None:
         """`conn` is no longer unread (its request came, or it is dropped): its socket is
         watched again if it waited for that (`_accept`, UNREAD_MAX)."""
         _, _, stops_only, _ = self.unread.pop(conn)
         self.unread_count[stops_only] -= 1
+        self._unfull(stops_only)
+
+    def _unfull(self, stops_only: bool) -> None:
+        """Watch the socket again that waited for room among its unread connections."""
         if stops_only in self.full:
             self.full.discard(stops_only)
             if stops_only and self.stops_due is None:

@@ -3,6 +3,7 @@ the health registry (gpuhook.health.registry) and the grant records (gpuhook.app
 key their files by.
 Standard library only and cheap to import: the grant record is on every v1 GPU start."""
 
+import errno
 import os
 
 from gpuhook.record import record
@@ -43,18 +44,25 @@ def parse_cgroups(data: bytes) -> dict:
     """Controller name (or "" for the unified line) -> cgroup path, from the bytes of
     /proc/<pid>/cgroup (paths by os.fsdecode: a cgroup's name is whatever bytes its creator
     chose)."""
-    paths = {}
-    for line in data.splitlines():
+    paths, ids = {}, set()
+    # Lines at newlines only: a carriage return in a cgroup's name forged a line when split as
+    # text (attacker pass 21 did it in the mount table). The kernel writes a name as it is, a
+    # newline too, so a line that repeats a hierarchy or a controller makes the whole file
+    # ambiguous: ValueError, never the forged path.
+    for line in data.split(b"\n"):
         parts = line.split(b":", 2)
         if len(parts) != 3:
             continue
-        _, controllers, path = parts
+        number, controllers, path = parts
+        if number in ids:
+            raise ValueError("a cgroup hierarchy is listed twice (a cgroup name holds a newline)")
+        ids.add(number)
         path = os.fsdecode(path)
-        if not controllers:
-            paths[""] = path
-        for name in controllers.split(b","):
-            if name:
-                paths[name.decode("ascii", "replace")] = path
+        names = [name.decode("ascii", "replace") for name in controllers.split(b",") if name] or [""]
+        for name in names:
+            if name in paths:
+                raise ValueError("a cgroup controller is listed twice (a cgroup name holds a newline)")
+            paths[name] = path
     return paths
 
 
@@ -62,7 +70,11 @@ def read_cgroups(pid, proc: str = "/proc") -> dict:
     """`parse_cgroups` of process `pid` (or "self"). Raises OSError (FileNotFoundError when
     there is no such process)."""
     with open(f"{proc}/{pid}/cgroup", "rb") as f:
-        return parse_cgroups(f.read(1 << 16))
+        data = f.read(1 << 16)
+    try:
+        return parse_cgroups(data)
+    except ValueError as err:
+        raise OSError(errno.EINVAL, str(err)) from None
 
 
 def entry_name(container_id: str) -> str:

@@ -492,10 +492,10 @@ def test_a_flood_on_the_stop_socket_holds_a_few_fds_and_the_starts_go_on(recorde
 
 
 def test_a_socket_that_waited_for_its_unread_connections_is_watched_again(recorded, monkeypatch):
-    """The other half of the cap: once an unread connection is dropped (READ_TIMEOUT), the
-    socket it filled is watched again, and the start queued behind the flood is served."""
+    """The other half of the cap: once an unread connection has been silent UNREAD_EVICT, it
+    is dropped for the next one, and the start queued behind the flood is served."""
     monkeypatch.setattr(agent_module, "UNREAD_MAX", 2)
-    monkeypatch.setattr(agent_module, "READ_TIMEOUT", 0.3)
+    monkeypatch.setattr(agent_module, "UNREAD_EVICT", 0.3)
     server, handed = recorded
     flood = _idle(server.path, 2)
     try:
@@ -568,3 +568,26 @@ def test_handing_over_a_stop_takes_no_new_fd(tmp_path, monkeypatch):
             s.close()
         for level, kind, payload in locals().get("ancdata", ()):
             os.close(int.from_bytes(payload[:4], "little"))
+
+
+def test_a_stopped_agent_serves_a_start_queued_behind_many_silent_connections(recorded, monkeypatch):
+    """Attacker pass 21, B1: with at most UNREAD_MAX unread connections, each dropped only after
+    READ_TIMEOUT, a stopped agent took 32 connections per 2 s and closed its socket after 3 s: a
+    start queued behind 120 silent connections was reset, and its front failed it (without a
+    stop, it waited 6 s). The oldest silent one is dropped for the next once it has been silent
+    UNREAD_EVICT."""
+    monkeypatch.setattr(agent_module, "UNREAD_MAX", 4)
+    monkeypatch.setattr(agent_module, "UNREAD_EVICT", 0.1)
+    monkeypatch.setattr(agent_module, "READ_TIMEOUT", 30.0)
+    server, handed = recorded
+    flood = _idle(server.path, 20)
+    try:
+        with _crafted_start(server.path) as start:
+            began = time.monotonic()
+            server.serve(until=lambda: True)  # stopped from the first turn
+            assert [stage for stage, _ in handed] == ["prestart"]
+            assert handed[0][1] - began < agent_module.FINISH_ACCEPT_WAIT
+            assert start.recv(16) == b"exit 0"
+    finally:
+        for client in flood:
+            client.close()

@@ -181,3 +181,36 @@ def test_the_worker_parses_only_the_mount_lines_it_asks_for(monkeypatch):
     assert len(reads) == 1 and len(made) == 2
     assert work.mount_entry(5000).fstype == "tmpfs" and len(reads) == 2
     assert work.mount_entry(4242) is None and len(reads) == 3
+
+
+# A bind mount whose source directory (the root field) a pod named: the kernel escapes only
+# space, tab, newline and backslash there, so carriage returns, vertical tabs and form feeds
+# come through as they are (attacker pass 21, A1).
+FORGED_LINES = [
+    b"91\x0b25\x0b0:61\x0b/\x0b/sys/fs/cgroup/devices\x0brw\x0b-\x0btmpfs\x0btmpfs\x0brw",
+    b"92\x0c25\x0c0:26\x0c/attacker\x0c/sys/fs/cgroup/devices/ctr\x0crw\x0c-\x0ccgroup\x0ccgroup\x0crw,devices",
+]
+FORGED = b"93 22 8:1 /x\r" + b"\r".join(FORGED_LINES) + b"\ry /var/lib/kubelet/pods/p/volume-subpaths/v rw - ext4 /dev/sda1 rw\n"
+
+
+def test_a_name_with_carriage_returns_and_vertical_tabs_forges_no_mount(proc):
+    """Split as text, the forged name above read as two more mounts: a tmpfs hiding the real
+    devices hierarchy and a "devices hierarchy" at the container's cgroup whose root is the
+    attacker's cgroup: the hook granted the GPU to the attacker's cgroup through the victim's
+    path. Lines are split at newlines and fields at spaces only: it is one mount, its root the
+    whole name."""
+    table = HYBRID + FORGED
+    entries = mountinfo.parse(table)
+    assert [m.id for m in entries] == [22, 25, 26, 30, 31, 93]
+    assert entries[-1].root.startswith("/x\r") and entries[-1].point == "/var/lib/kubelet/pods/p/volume-subpaths/v"
+    assert mountinfo.cgroup_mounts_in(table) == mountinfo.cgroup_mounts(mountinfo.parse(HYBRID))
+    assert sorted(mountinfo.index(table)) == [22, 25, 26, 30, 31, 93]
+    with open(os.path.join(proc, "self", "mountinfo"), "wb") as f:
+        f.write(table)
+    place = hierarchy.placement(42, proc=proc)
+    assert (place.mode, place.directory, place.cgroup_path) == (hierarchy.V1, "/sys/fs/cgroup/devices/ctr", "/ctr")
+    table_fd = mountinfo.open_table(proc)
+    try:
+        assert sorted(m.id for m in mountinfo.read_subtree(table_fd, 25)) == [25, 26, 30, 31]
+    finally:
+        os.close(table_fd)

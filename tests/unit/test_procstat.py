@@ -12,6 +12,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from gpuhook.kernel import procstat
 
@@ -58,3 +59,30 @@ def test_a_zombie_and_a_vanished_process():
     assert not procstat.is_alive(child.pid, procstat.read_stat(child.pid).start_time)
     child.wait()
     assert procstat.read_stat(child.pid) is None and not psutil.pid_exists(child.pid)
+
+
+def test_a_cgroup_name_cannot_forge_a_line_of_the_cgroup_file():
+    """The kernel writes a cgroup's name into /proc/<pid>/cgroup as it is. A carriage return
+    no longer splits a line (it did, split as text); a newline that makes a line repeat a
+    hierarchy or a controller makes the file ambiguous, and it is refused rather than read
+    with the forged path (attacker pass 21 forged the mount table that way)."""
+    from gpuhook.kernel import procstat
+
+    assert procstat.parse_cgroups(b"11:devices:/ctr\r0::/victim\n0::/ctr\n") == {
+        "devices": "/ctr\r0::/victim", "": "/ctr"}
+    for forged in (b"11:devices:/ctr\n0::/mine/x\n0::/victim\n", b"11:devices:/a\n12:devices:/victim\n0::/a\n",
+                   b"1:name=systemd:/x\n1:name=systemd:/y\n"):
+        with pytest.raises(ValueError):
+            procstat.parse_cgroups(forged)
+    assert procstat.parse_cgroups(b"12:pids:/ctr\n11:devices:/ctr\n1:name=systemd:/\n0::/ctr\n") == {
+        "pids": "/ctr", "devices": "/ctr", "name=systemd": "/", "": "/ctr"}
+
+
+def test_an_ambiguous_cgroup_file_reads_as_an_os_error(tmp_path):
+    from gpuhook.kernel import procstat
+
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "cgroup").write_bytes(b"0::/mine/x\n0::/victim\n")
+    with pytest.raises(OSError) as raised:
+        procstat.read_cgroups(42, str(tmp_path))
+    assert "victim" not in str(raised.value)
