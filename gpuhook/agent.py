@@ -561,9 +561,7 @@ class Agent:
         now = time.monotonic()
         for conn, (at, _, _, _) in list(self.unread.items()):
             if now - at > READ_TIMEOUT:
-                self._read(conn)  # one that arrived while this loop was busy is served
-                if conn in self.unread:
-                    self._drop(conn)
+                self._give_up(conn)  # one that arrived while this loop was busy is served
 
     def _oldest_unread(self, stops_only: bool):
         """(connection, accepted at) of the socket's unread connection accepted first."""
@@ -579,10 +577,21 @@ class Agent:
         conn, at = self._oldest_unread(stops_only)
         if conn is None or time.monotonic() - at < UNREAD_EVICT:
             return False
-        self._read(conn)  # its request may have come meanwhile
+        self._give_up(conn)
+        return True
+
+    def _give_up(self, conn) -> None:
+        """End an unread connection that kept silent too long (`_evict`, READ_TIMEOUT): its
+        reading side shut first, then read once more. A request that came before is served; a
+        send after fails (EPIPE) and its front runs the hook itself. Read, then closed, a request
+        that came between the two was reset, and its front failed the start (attacker pass 22)."""
+        try:
+            conn.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+        self._read(conn)  # an end of file now if nothing came: answered `run`
         if conn in self.unread:
             self._drop(conn)
-        return True
 
     def _heard(self, conn) -> None:
         """`conn` is no longer unread (its request came, or it is dropped): its socket is

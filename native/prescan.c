@@ -655,7 +655,8 @@ static int stop_fds(int fds[STOP_EXTRA_FDS])
  * child are killed the moment the runtime ends. The pending lock, taken shared before the
  * request goes out and held by the child until the answer, makes starts wait for a stop the
  * agent declines or never answers: the child then runs it in the Python hook, holding the
- * stop lock as the agent's stops do. -1: nothing went out, run the stop here as before. */
+ * stop lock as the agent's stops do. 0: sent; -1: nothing went out, run the stop here as before;
+ * otherwise the code of a hand-off that could not start the Python hook. */
 static int stop_detached(int nargs, char **args, char **python, const struct buf *state)
 {
 	struct sockaddr_un addr;
@@ -676,9 +677,15 @@ static int stop_detached(int nargs, char **args, char **python, const struct buf
 		close(extra[i]);
 	if (sock < 0) {
 		close(null);
-		if (pending >= 0)
-			close(pending);
-		return -1;
+		if (pending < 0)
+			return -1;
+		/* A start may wait on the pending lock already: one the agent declined because this
+		 * stop was queued unread, the agent dropping it before the send came (attacker pass
+		 * 22). The stop runs here, holding the stop lock as the child would, taken before the
+		 * pending lock is let go: that start waits for it. */
+		int held = lock_in(dir, STOP_LOCK_NAME, O_RDWR | O_CREAT, LOCK_EX, STOP_LOCK_WAIT_S);
+		close(pending);
+		return hand_off_keeping(python, state, held);
 	}
 	/* The runtime goes on once this process has exited and every copy of its stdin, stdout
 	 * and stderr is closed: the child gets none of them. */
@@ -709,8 +716,10 @@ static int run_hook(int argc, char **argv, int launcher, const struct buf *state
 {
 	if (!kept_value("GPUHOOK_DOCKER_DATA_ROOT=")) {
 		char **args = argv + launcher + 1;
-		if (strcmp(args[0], "poststop") == 0)  /* sent and detached, or run here */
-			return stop_detached(argc - launcher - 1, args, argv + 1, state) == 0 ? 0 : hand_off(argv + 1, state);
+		if (strcmp(args[0], "poststop") == 0) {  /* sent and detached, or run here */
+			int detached = stop_detached(argc - launcher - 1, args, argv + 1, state);
+			return detached == -1 ? hand_off(argv + 1, state) : detached;
+		}
 		int code;
 		enum agent_result r = ask_agent(argc - launcher - 1, argv + launcher + 1, state, &code);
 		if (r == AGENT_EXITED)

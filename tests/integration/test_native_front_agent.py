@@ -334,6 +334,30 @@ def test_a_stop_without_a_usable_agent_socket_runs_here_as_before(native, agent_
         agent.close()
 
 
+def test_a_stop_that_did_not_go_out_runs_here_holding_the_stop_lock(native, agent_dir, tmp_path):  # noqa: F811
+    """Attacker pass 22: a stop the agent dropped unread before its send came (past
+    UNREAD_MAX, silent 0.25 s), or one whose connect was refused, ran here after the front had
+    let `stops.pending` go, holding nothing: a start waiting on that lock (one the agent had
+    declined because this stop was queued unread) went on while the stop cleaned up. It runs
+    here holding `stops.lock` (fd 3), taken before `stops.pending` is let go."""
+    from gpuhook import stoporder
+
+    binary, _ = native
+    recorder = tmp_path / "python3"
+    lock = os.path.join(agent_dir, stoporder.LOCK_NAME)
+    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nflock -n -s {lock} true; echo $? > "$0.locked"\n'
+                        f'readlink /proc/$$/fd/3 > "$0.fd3"\nexit 7\n')
+    recorder.chmod(0o755)
+    agent = Agent(agent_dir, b"exit 0", stops=True)
+    agent.sock.close()  # the stop socket is there, nobody takes the connection
+    env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
+    code, out, err, python_stdin, _ = front((binary, str(recorder)), GPU_STATE, env, ("poststop",))
+    assert (code, out, err, python_stdin) == (7, b"", b"", GPU_STATE)  # here: the runtime waits for it
+    assert open(f"{recorder}.locked").read().strip() == "1"  # held: a shared flock is refused
+    assert open(f"{recorder}.fd3").read().strip() == lock
+    assert stoporder.wait_for_stops(lock, time.monotonic() + 5) is True  # let go when the hook ended
+
+
 def test_run_sends_the_hook_back_to_python_with_the_state_and_the_socket_variable(native, agent_dir):  # noqa: F811
     agent = Agent(agent_dir, b"run").serve()
     env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}

@@ -504,7 +504,7 @@ def test_a_socket_that_waited_for_its_unread_connections_is_watched_again(record
             assert [stage for stage, _ in handed] == ["prestart"]
             assert 0.3 <= handed[0][1] - began < 4
             assert start.recv(16) == b"exit 0"
-        assert [client.recv(16) for client in flood] == [b"", b""]  # dropped
+        assert [client.recv(16) for client in flood] == [b"run", b"run"]  # given up on: run the hook yourself
     finally:
         for client in flood:
             client.close()
@@ -591,3 +591,39 @@ def test_a_stopped_agent_serves_a_start_queued_behind_many_silent_connections(re
     finally:
         for client in flood:
             client.close()
+
+
+def test_a_request_sent_as_its_silent_connection_is_given_up_on_is_served_or_refused_never_reset(recorded, monkeypatch):
+    """Attacker pass 22: the agent read a silent connection once more and then closed it; a
+    request sent between the two was reset with no answer, and its front failed the start. The
+    reading side is shut first now: the send fails (EPIPE) and the front runs the hook itself."""
+    monkeypatch.setattr(agent_module, "UNREAD_MAX", 1)
+    monkeypatch.setattr(agent_module, "UNREAD_EVICT", 0.0)
+    server, _ = recorded
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    slow.connect(server.path)
+    server._accept(server.listener, most=1)  # accepted; its request has not come
+    (target,) = server.unread
+    read, sent = server._read, []
+
+    def read_then_send(conn):
+        read(conn)
+        if conn is target and conn in server.unread and not sent:  # the request lands now
+            sent.append(slow.send(b"a request"))
+    monkeypatch.setattr(server, "_read", read_then_send)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    other.connect(server.path)
+    try:
+        server._accept(server.listener, most=1)  # past UNREAD_MAX: the silent one is given up on
+        assert target not in server.unread
+        slow.settimeout(2)
+        if sent:  # its send was taken: it must get an answer
+            assert slow.recv(16) in (b"run", b"exit 0")
+        else:  # or the send fails, and the front runs the hook itself
+            with pytest.raises((BrokenPipeError, ConnectionResetError)):
+                slow.send(b"a request")
+    finally:
+        slow.close()
+        other.close()
+        for conn in list(server.unread):
+            server._drop(conn)
