@@ -255,17 +255,24 @@ def test_a_stop_is_in_the_agents_queue_before_the_front_exits(native, agent_dir)
     assert agent.request["state"] == GPU_STATE and agent.request["pidfds"][5] == os.getpid()
 
 
+def _lock_recorder(tmp_path, lock: str, tail: str):
+    """A stand-in for the Python hook that records its stdin, whether `lock` is held (a shared
+    flock refused: "1") and what its fd 3 is, then runs `tail`."""
+    recorder = tmp_path / "python3"
+    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nflock -n -s {lock} true; echo $? > "$0.locked"\n'
+                        f'readlink /proc/$$/fd/3 > "$0.fd3"\n{tail}')
+    recorder.chmod(0o755)
+    return recorder
+
+
 def test_a_declined_stop_runs_the_python_hook_in_the_background_holding_the_stop_lock(native, agent_dir, tmp_path):  # noqa: F811
     """`run` for a stop: the front has exited already; its child runs the Python hook with the
     state, and holds `stops.lock` for it (fd 3), as the agent's stops hold it: starts wait."""
     from gpuhook import stoporder
 
     binary, _ = native
-    recorder = tmp_path / "python3"
     lock = os.path.join(agent_dir, stoporder.LOCK_NAME)
-    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nflock -n -s {lock} true; echo $? > "$0.locked"\n'
-                        f'readlink /proc/$$/fd/3 > "$0.fd3"\nls /proc/$$/fd > "$0.fds"\ntouch "$0.done"\n')
-    recorder.chmod(0o755)
+    recorder = _lock_recorder(tmp_path, lock, 'ls /proc/$$/fd > "$0.fds"\ntouch "$0.done"\n')
     agent = Agent(agent_dir, b"run", stops=True).serve()
     env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}
     code, out, err, python_stdin, _ = front((binary, str(recorder)), GPU_STATE, env, ("poststop",))
@@ -343,11 +350,8 @@ def test_a_stop_that_did_not_go_out_runs_here_holding_the_stop_lock(native, agen
     from gpuhook import stoporder
 
     binary, _ = native
-    recorder = tmp_path / "python3"
     lock = os.path.join(agent_dir, stoporder.LOCK_NAME)
-    recorder.write_text(f'#!/bin/sh\ncat > "$0.stdin"\nflock -n -s {lock} true; echo $? > "$0.locked"\n'
-                        f'readlink /proc/$$/fd/3 > "$0.fd3"\nexit 7\n')
-    recorder.chmod(0o755)
+    recorder = _lock_recorder(tmp_path, lock, "exit 7\n")
     agent = Agent(agent_dir, b"exit 0", stops=True)
     agent.sock.close()  # the stop socket is there, nobody takes the connection
     env = {"PATH": "/usr/bin:/bin", "GPUHOOK_AGENT_SOCKET": agent.path}

@@ -453,6 +453,13 @@ def test_a_stopped_agent_out_of_fds_serves_the_starts_queued_instead_of_resettin
     assert not [key for key in server.selector.get_map().values() if key.data in ("listen", "stops")]
 
 
+def _cap_unread(monkeypatch, most: int, evict_after: float) -> None:
+    """The agent's cap on unread connections per socket, and how long the oldest may be silent
+    past it, small for a test."""
+    monkeypatch.setattr(agent_module, "UNREAD_MAX", most)
+    monkeypatch.setattr(agent_module, "UNREAD_EVICT", evict_after)
+
+
 def _idle(path: str, count: int) -> list:
     """`count` connections to `path` that send nothing (each holds one of the agent's fds)."""
     clients = []
@@ -494,8 +501,7 @@ def test_a_flood_on_the_stop_socket_holds_a_few_fds_and_the_starts_go_on(recorde
 def test_a_socket_that_waited_for_its_unread_connections_is_watched_again(recorded, monkeypatch):
     """The other half of the cap: once an unread connection has been silent UNREAD_EVICT, it
     is dropped for the next one, and the start queued behind the flood is served."""
-    monkeypatch.setattr(agent_module, "UNREAD_MAX", 2)
-    monkeypatch.setattr(agent_module, "UNREAD_EVICT", 0.3)
+    _cap_unread(monkeypatch, 2, 0.3)
     server, handed = recorded
     flood = _idle(server.path, 2)
     try:
@@ -576,8 +582,7 @@ def test_a_stopped_agent_serves_a_start_queued_behind_many_silent_connections(re
     start queued behind 120 silent connections was reset, and its front failed it (without a
     stop, it waited 6 s). The oldest silent one is dropped for the next once it has been silent
     UNREAD_EVICT."""
-    monkeypatch.setattr(agent_module, "UNREAD_MAX", 4)
-    monkeypatch.setattr(agent_module, "UNREAD_EVICT", 0.1)
+    _cap_unread(monkeypatch, 4, 0.1)
     monkeypatch.setattr(agent_module, "READ_TIMEOUT", 30.0)
     server, handed = recorded
     flood = _idle(server.path, 20)
@@ -597,8 +602,7 @@ def test_a_request_sent_as_its_silent_connection_is_given_up_on_is_served_or_ref
     """Attacker pass 22: the agent read a silent connection once more and then closed it; a
     request sent between the two was reset with no answer, and its front failed the start. The
     reading side is shut first now: the send fails (EPIPE) and the front runs the hook itself."""
-    monkeypatch.setattr(agent_module, "UNREAD_MAX", 1)
-    monkeypatch.setattr(agent_module, "UNREAD_EVICT", 0.0)
+    _cap_unread(monkeypatch, 1, 0.0)
     server, _ = recorded
     slow = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     slow.connect(server.path)
