@@ -279,7 +279,6 @@ class Agent:
         self.accept_retry = None  # when a finishing agent, out of fds, tries its queues again
         self.selector = selectors.DefaultSelector()
         self.unread = {}  # conn -> (accepted at, peer pid, from the stop socket, seq)
-        self.unread_count = {False: 0, True: 0}  # of `unread`, by socket (stop socket: True)
         self.full = set()  # the sockets (stop socket: True) not watched for UNREAD_MAX unread
         self.waiting = collections.deque()  # jobs not handed to a spare yet, in arrival order
         self.deferred = []  # stops held until their runtime has ended (RUNTIME_WAIT at most)
@@ -514,7 +513,7 @@ class Agent:
         while most is None or most > 0:
             if most is not None:
                 most -= 1
-            if self.unread_count[stops_only] >= UNREAD_MAX and not self._evict(stops_only):
+            if self._unread_of(stops_only) >= UNREAD_MAX and not self._evict(stops_only):
                 # So many connections of this socket that send nothing (each kept READ_TIMEOUT)
                 # took the fds: the other socket then got none, and starts waited 30 to 77 s
                 # behind a flood on the stop socket (attacker pass 20, B4). This one waits for
@@ -552,7 +551,6 @@ class Agent:
             # later start, and numbered after it).
             self.seq += 1
             self.unread[conn] = (time.monotonic(), 0 if declined else pid, stops_only, self.seq)
-            self.unread_count[stops_only] += 1
             self.selector.register(conn, selectors.EVENT_READ, "conn")
             self._read(conn)  # the front sends right after connecting: usually there already
         return False
@@ -562,6 +560,10 @@ class Agent:
         for conn, (at, _, _, _) in list(self.unread.items()):
             if now - at > READ_TIMEOUT:
                 self._give_up(conn)  # one that arrived while this loop was busy is served
+
+    def _unread_of(self, stops_only: bool) -> int:
+        """How many of the socket's connections are unread (64 at most over both sockets)."""
+        return sum(1 for _, _, role, _ in self.unread.values() if role == stops_only)
 
     def _oldest_unread(self, stops_only: bool):
         """(connection, accepted at) of the socket's unread connection accepted first."""
@@ -597,7 +599,6 @@ class Agent:
         """`conn` is no longer unread (its request came, or it is dropped): its socket is
         watched again if it waited for that (`_accept`, UNREAD_MAX)."""
         _, _, stops_only, _ = self.unread.pop(conn)
-        self.unread_count[stops_only] -= 1
         self._unfull(stops_only)
 
     def _unfull(self, stops_only: bool) -> None:

@@ -72,13 +72,7 @@ def read(fd: int | None = None, proc: str = "/proc") -> list:
     """The mounts of the caller's namespace; `fd` is an open mountinfo file (`open_table`) to
     read again from its start (it shows the table as it is at the time of reading). Raises
     OSError."""
-    return parse(_read_bytes(fd, proc))
-
-
-def read_bytes(fd: int | None = None, proc: str = "/proc") -> bytes:
-    """The caller's mount table as it is now, unparsed (`index`, `cgroup_mounts_in`). Raises
-    OSError."""
-    return _read_bytes(fd, proc)
+    return parse(read_bytes(fd, proc))
 
 
 def index(data: bytes) -> dict:
@@ -102,7 +96,7 @@ def read_subtree(fd: int, top_id: int) -> list:
     time. The subtree is found from each line's first two fields (mount id, parent id); every
     mount of it has its whole chain up to `top_id` among those lines, so `subtree` of them is
     `subtree` of the whole table."""
-    lines = _lines(_read_bytes(fd, "/proc"))
+    lines = _lines(read_bytes(fd, "/proc"))
     heads, children = [], {}
     for line in lines:
         head = line.split(b" ", 2)
@@ -122,7 +116,9 @@ def read_subtree(fd: int, top_id: int) -> list:
     return subtree(parse(b"\n".join(line for line, mount in zip(lines, heads) if mount in wanted)), top_id)
 
 
-def _read_bytes(fd: int | None, proc: str) -> bytes:
+def read_bytes(fd: int | None = None, proc: str = "/proc") -> bytes:
+    """The caller's mount table as it is now, unparsed (`index`, `cgroup_mounts_in`); `fd` as
+    for `read`. Raises OSError."""
     own = fd is None
     if own:
         fd = open_table(proc)

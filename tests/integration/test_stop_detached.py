@@ -484,7 +484,7 @@ def test_a_flood_on_the_stop_socket_holds_a_few_fds_and_the_starts_go_on(recorde
     read = server._read
 
     def counted(conn):
-        most.append(server.unread_count[True])
+        most.append(server._unread_of(True))
         return read(conn)
     monkeypatch.setattr(server, "_read", counted)
     try:

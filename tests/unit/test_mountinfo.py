@@ -139,7 +139,18 @@ def test_cgroup_mounts_in_a_table_is_cgroup_mounts_of_the_whole_parse():
     tables = [HYBRID, HYBRID + NOT_UTF8, HYBRID + over, over + HYBRID, b"", b"garbage\n"]
     tables += [_random_table(rng, size) for size in (1, 5, 30, 200) for _ in range(25)]
     for data in tables:
-        assert mountinfo.cgroup_mounts_in(data) == mountinfo.cgroup_mounts(mountinfo.parse(data)), data
+        assert mountinfo.cgroup_mounts_in(data) == _covered_one_by_one(mountinfo.parse(data)), data
+        assert mountinfo.cgroup_mounts(mountinfo.parse(data)) == _covered_one_by_one(mountinfo.parse(data)), data
+
+
+def _covered_one_by_one(entries) -> list:
+    """The visible hierarchies, found the plain way (each against every later mount): the
+    oracle for the set-based test in `mountinfo._visible`."""
+    def covers(upper, point):
+        upper = upper.rstrip("/")
+        return point == upper or point.startswith(upper + "/") or not upper
+    return [(m.fstype, m.root, m.point, set(m.super_options)) for i, m in enumerate(entries)
+            if m.fstype in ("cgroup", "cgroup2") and not any(covers(later.point, m.point) for later in entries[i + 1:])]
 
 
 def test_index_finds_each_line_by_its_mount_id():
