@@ -254,6 +254,21 @@ def poststop(state_bytes: bytes, spec_bytes: bytes | None, config, deadline: flo
         served.mark_stopped(path, doc)
 
 
+STOP_LOCK_FD = 3  # where the native front hands a stop its `stops.lock` (native/prescan.c)
+
+
+def keep_stop_lock_to_self() -> None:
+    """The stop lock the native front hands a stop it runs itself (fd 3, inheritable across its
+    exec into Python) stays with this process: no program the stop runs (a reset, systemctl)
+    inherits it. One that did, left stuck in the kernel on a wedged GPU, held the lock after the
+    stop ended, and every later start waited 5 s (attacker pass 23). Whatever fd 3 is, this
+    process keeps it."""
+    try:
+        os.set_inheritable(STOP_LOCK_FD, False)
+    except OSError:  # no fd 3
+        pass
+
+
 def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
              spec_bytes: bytes | None = None, base_dir: str | None = None, names: dict | None = None) -> int:
     """Entry for the runtime. Returns the exit code; prints one line on failure. `base_dir`
@@ -271,6 +286,7 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
         deadline = started + config.deadline_seconds
         if stage == "poststop":
             backstop.phase = "cleaning up after the container"
+            keep_stop_lock_to_self()
             poststop(state_bytes, spec_bytes, config, deadline, log, base_dir, names)
         else:
             # The stops before this start, at their work, are done first (the GPUs they clean

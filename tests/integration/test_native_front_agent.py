@@ -9,6 +9,7 @@ Integration, not unit: its sockets and their directories must be root's (the tes
 them), and the unit suite passes as an unprivileged user with nothing skipped."""
 
 import array
+import fcntl
 import os
 import shutil
 import signal
@@ -20,7 +21,7 @@ import time
 
 import pytest
 
-from conftest import require
+from conftest import REPO, require
 from gpuhook import agent as gpuhook_agent
 from gpuhook import prescan, stoporder
 
@@ -487,3 +488,42 @@ def test_an_empty_gpuhook_agent_socket_never_uses_the_agent(native, agent_dir): 
 def test_protocol_prints_the_front_protocol(native):  # noqa: F811
     done = subprocess.run([native[0], "--protocol"], capture_output=True, timeout=10)
     assert (done.returncode, done.stdout, done.stderr) == (0, f"{prescan.FRONT_PROTOCOL}\n".encode(), b"")
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_the_stop_lock_the_front_hands_over_stays_with_the_stop(tmp_path, kept):
+    """Attacker pass 23, B2: the front hands a stop it runs itself `stops.lock` as fd 3,
+    inheritable across its exec into Python; every program the stop ran (a reset, systemctl)
+    inherited it, and one left stuck in the kernel held the lock after the stop ended. The
+    poststop hook keeps fd 3 to itself (`gpuhook.hook.keep_stop_lock_to_self`); without that
+    call (the control case) a child still holds it."""
+    lock = tmp_path / "stops.lock"
+    lock.write_bytes(b"")
+    script = (
+        "import fcntl, os, subprocess, sys\n"
+        "from gpuhook import hook\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR)\n"
+        "if fd != 3:\n    os.dup2(fd, 3); os.close(fd)\n"
+        "os.set_inheritable(3, True)\n"  # as hand_off_keeping leaves it
+        "fcntl.flock(3, fcntl.LOCK_EX)\n"
+        f"{'hook.keep_stop_lock_to_self()' if kept else 'pass'}\n"
+        "child = subprocess.Popen(['sleep', '30'], close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(child.pid)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    child = int(done.stdout)
+    try:
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            free = True
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                free = False
+        finally:
+            os.close(fd)
+        assert free is kept  # the stop (the Python process) has ended; only a child could hold it
+    finally:
+        os.kill(child, signal.SIGKILL)
