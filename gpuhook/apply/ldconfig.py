@@ -19,6 +19,17 @@ from gpuhook.kernel import linux, paths
 LD_CACHE = "/etc/ld.so.cache"
 
 
+def prepare(target) -> None:
+    """Fork the ldconfig sandbox now, before the worker's mounts (gpuhook.apply.ldsandbox.prepare):
+    what it does before it needs them runs beside them. Best effort: without it, `build_cache`
+    forks the sandbox itself, and says why when that fails."""
+    try:
+        target.sandbox = ldsandbox.prepare(target.plan.rootfs, target.root, target.ldconfig_fd,
+                                           target.plan.ldcache.directories, target.deadline)
+    except OSError:
+        target.sandbox = None
+
+
 def build_cache(target) -> None:
     """The step "ldconfig": build the cache (target.cache) for the plan's library dirs. Its
     output goes to gpuhook's log only (target.ldconfig_output): it can echo file contents,
@@ -34,10 +45,11 @@ def build_cache(target) -> None:
         fd = target.dirs.get(paths.split(mount.target)[0]) if mount.kind == "file" else None
         if fd is not None:
             own.add(os.readlink(linux.fd_path(fd)).rstrip("/") + "/" + paths.split(mount.target)[1])
+    prepared, target.sandbox = target.sandbox, None
     try:
         target.cache, target.ldconfig_output = ldsandbox.build_cache(
             target.plan.rootfs, target.root, target.ldconfig_fd, target.plan.ldcache.directories, target.deadline,
-            mounts.use_new_mount_api, own)
+            mounts.use_new_mount_api, own, prepared)
     except ldsandbox.SandboxError as err:
         target.ldconfig_output = err.output
         target.left += err.left

@@ -11,9 +11,10 @@ and echo them in its warnings, or read /dev/zero until the host runs out of memo
 So ldconfig runs here in a sandbox where those paths do not exist, rather than in one where
 they are forbidden:
 
-1. a process forked as pid 1 of a new PID namespace, which then takes a new mount namespace,
-   everything private (nothing propagates in or out), and new network, IPC and UTS
-   namespaces, and at the end becomes ldconfig: ldconfig is pid 1 of its own PID namespace
+1. a process forked as pid 1 of a new PID namespace, which takes new network, IPC and UTS
+   namespaces at once (the worker forks it before it makes its mounts: `prepare`), then,
+   once the worker's mounts are made, a new mount namespace, everything private (nothing
+   propagates in or out), and at the end becomes ldconfig: ldconfig is pid 1 of its own PID namespace
    (it sees no other process to signal or trace), has only a loopback that is down (no host
    abstract UNIX socket, no network) and no SysV IPC object or POSIX queue of the host;
 2. a read-only, nosuid, nodev, noexec copy of the rootfs holding gpuhook's own mounts (the
@@ -70,11 +71,14 @@ PT_INTERP = 3
 DETACH_ROUNDS = 32
 UMOUNT_NOFOLLOW = 0x8  # umount2(2): do not follow a final symlink
 KILL_GRACE = 0.3  # seconds a killed process gets to end before it counts as stuck in the kernel
+GO = b"go "  # the worker's message to a sandbox prepared ahead: the mounts are made (`_go`)
+GO_LIMIT = 4 << 20  # bytes of mount points a sandbox accepts with it
 READY = b"exec"  # the sandbox's message (with the output directory's fd) just before it executes ldconfig
 # The namespaces the sandbox leaves, besides its PID namespace: it is forked as pid 1 of a new
 # one (`_fork_in_new_pid_namespace`) and becomes ldconfig, which is therefore pid 1 there: it
 # is still the worker's child (killed, with its group, and reaped from there), and when it
-# ends the kernel kills whatever it left in that namespace.
+# ends the kernel kills whatever it left in that namespace. All but the mount namespace are
+# left at once; the mount namespace once the worker's mounts are made (`_await_go`).
 NAMESPACES = linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
 
 
@@ -110,8 +114,59 @@ def require_static(fd: int, name: str) -> None:
                                f"load the image's loader (use the distribution's static /sbin/ldconfig)")
 
 
+class Prepared:
+    """A sandbox forked ahead of the mounts it is to hold (`prepare`): pid 1 of its own PID
+    namespace, out of the host's network, IPC and UTS namespaces, its bounding set empty,
+    waiting on `channel` for `build_cache` to hand it the rootfs. `end` takes it back unused."""
+
+    def __init__(self, pid: int, channel, output: int):
+        self.pid = pid
+        self.channel = channel  # the worker's end: the go goes out, READY (or why not) comes back
+        self.output = output  # the read end of ldconfig's stdout and stderr
+
+    def end(self) -> list:
+        """Kill and reap a sandbox that will not be used (the start failed before its ld
+        cache, or ends); returns what was left stuck in the kernel, described for the log."""
+        self.channel.close()
+        if self.output >= 0:
+            os.close(self.output)
+            self.output = -1
+        return [] if child.kill_group(self.pid, KILL_GRACE) else [_stuck("the ldconfig sandbox", self.pid)]
+
+
+def prepare(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadline: float) -> Prepared:
+    """Fork the sandbox for the rootfs at `rootfs` (open as `root_fd`) now, before the worker
+    makes the mounts it will hold: the fork, the forked process's first steps and the
+    namespaces that need nothing of the rootfs (about 1.5 ms here) then run beside the
+    worker's mounts instead of after them. The sandbox waits for `build_cache`, at most until
+    `deadline`. Raises OSError (the worker then forks one when it builds the cache)."""
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    read_end = write_end = -1
+    try:
+        read_end, write_end = os.pipe()  # ldconfig's stdout and stderr
+        pid = _fork_in_new_pid_namespace()
+        if pid == 0:  # the sandbox: becomes ldconfig, or ends
+            code = 1
+            try:
+                ours.close()
+                os.close(read_end)
+                code = _sandbox(rootfs, root_fd, ldconfig_fd, list(directories), theirs, write_end, deadline)
+            finally:
+                os._exit(code)
+    except BaseException:
+        ours.close()
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+        raise
+    finally:
+        theirs.close()
+    os.close(write_end)
+    return Prepared(pid, ours, read_end)
+
+
 def build_cache(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadline: float,
-                new_mount_api: bool = True, own_mounts=frozenset()) -> tuple:
+                new_mount_api: bool = True, own_mounts=frozenset(), prepared: Prepared | None = None) -> tuple:
     """(cache bytes, ldconfig's output) for the rootfs at `rootfs` (open as `root_fd`).
 
     Runs in the container's mount namespace (the hook's worker); raises SandboxError. Without
@@ -119,30 +174,24 @@ def build_cache(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadli
     `own_mounts` are the mount points (as /proc/self/mountinfo shows them) of the mounts
     gpuhook made in the rootfs: the only submounts the copy keeps.
 
-    The sandbox is forked as pid 1 of a new PID namespace, sets itself up (`_sandbox`) and
-    becomes ldconfig: one fork of this Python process, not two (a fork here costs ~0.6 ms and
-    the forked process's first steps as much again). Before it executes ldconfig it hands
-    this process its output tmpfs (a directory fd, over `channel`); this process reads
+    The sandbox is forked as pid 1 of a new PID namespace (`prepare`: ahead, by the worker, or
+    here), sets itself up (`_sandbox`) and becomes ldconfig: one fork of this Python process,
+    not two (a fork here costs ~0.6 ms and the forked process's first steps as much again).
+    It takes its mount namespace only when this hands it `own_mounts` (the go): a copy of the
+    container's, with every mount gpuhook made by then. Before it executes ldconfig it hands
+    this process its output tmpfs (a directory fd, over the channel); this process reads
     ldconfig's output, waits for it under the deadline and then reads the cache it wrote.
     """
-    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
-    read_end, write_end = os.pipe()  # ldconfig's stdout and stderr
-    out_fd = pid = -1
+    if prepared is None:
+        try:
+            prepared = prepare(rootfs, root_fd, ldconfig_fd, directories, deadline)
+        except OSError as err:
+            raise SandboxError(_describe(err)) from None
+    pid, read_end, out_fd = prepared.pid, prepared.output, -1
+    prepared.output = -1
     try:
-        pid = _fork_in_new_pid_namespace()
-        if pid == 0:  # the sandbox: becomes ldconfig, or ends
-            code = 1
-            try:
-                ours.close()
-                os.close(read_end)
-                code = _sandbox(rootfs, root_fd, ldconfig_fd, list(directories), theirs, write_end,
-                                new_mount_api, frozenset(own_mounts))
-            finally:
-                os._exit(code)
-        theirs.close()
-        os.close(write_end)
-        write_end = -1
-        out_fd = _ready(ours, pid, deadline)
+        _go(prepared.channel, new_mount_api, own_mounts)
+        out_fd = _ready(prepared.channel, pid, deadline)
         # Stopped a little before the deadline, so that a kill and its grace end by then.
         result = child.wait_for(pid, read_end, deadline - KILL_GRACE, OUTPUT_LIMIT)
         read_end = -1
@@ -158,11 +207,58 @@ def build_cache(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadli
             raise SandboxError("host ldconfig did not write an ld.so.cache", output)
         return data, output
     finally:
-        ours.close()
-        theirs.close()
-        for fd in (read_end, write_end, out_fd):
+        prepared.channel.close()
+        for fd in (read_end, out_fd):
             if fd >= 0:
                 os.close(fd)
+
+
+def _go(channel, new_mount_api: bool, own_mounts) -> None:
+    """Hand the waiting sandbox what it needs of the mounts made: whether to copy the rootfs
+    with the new mount API, and `own_mounts` in a memfd (any number of them fits). A
+    sandbox that died meanwhile is not written to: `_ready` reads why, or its end."""
+    memfd = os.memfd_create("gpuhook-ldconfig-mounts", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(b"\0".join(os.fsencode(point) for point in sorted(own_mounts)))
+        while view:
+            view = view[os.write(memfd, view):]
+        channel.sendmsg([GO + (b"1" if new_mount_api else b"0")],
+                        [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [memfd]))])
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        os.close(memfd)
+
+
+def _await_go(channel, deadline: float):
+    """In the sandbox: (new mount API, own mounts) from the worker's go (`_go`), or None when
+    the worker took it back (end of file). Waits until `deadline` at most."""
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([channel], [], [], left)[0]:
+        raise SandboxError("the ldconfig sandbox got no rootfs before the deadline")
+    fds = array.array("i")
+    data, ancdata, flags, _ = channel.recvmsg(16, _socket.CMSG_SPACE(2 * fds.itemsize), _socket.MSG_CMSG_CLOEXEC)
+    for level, kind, payload in ancdata:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    try:
+        if not data and not fds:
+            return None
+        if data not in (GO + b"0", GO + b"1") or len(fds) != 1 or flags & (_socket.MSG_TRUNC | _socket.MSG_CTRUNC):
+            raise SandboxError("the ldconfig sandbox got a malformed request")
+        raw, at = [], 0
+        while True:
+            chunk = os.pread(fds[0], 1 << 16, at)
+            if not chunk:
+                break
+            at += len(chunk)
+            if at > GO_LIMIT:
+                raise SandboxError("the ldconfig sandbox got too many mounts")
+            raw.append(chunk)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return data.endswith(b"1"), frozenset(os.fsdecode(point) for point in b"".join(raw).split(b"\0") if point)
 
 
 def _fork_in_new_pid_namespace() -> int:
@@ -220,19 +316,28 @@ def _stuck(what: str, pid: int) -> str:
             f"does not answer) and ends when that call returns; it holds no file of the container")
 
 
-def _sandbox(rootfs, root_fd, ldconfig_fd, directories, channel, output, new_mount_api, own_mounts) -> int:
-    """The sandbox process, pid 1 of its PID namespace: set up, hand over the output
-    directory, become ldconfig. Returns (an exit code) only where that failed; never raises."""
+def _sandbox(rootfs, root_fd, ldconfig_fd, directories, channel, output, deadline) -> int:
+    """The sandbox process, pid 1 of its PID namespace: leave what needs nothing of the rootfs
+    at once, wait for the worker's go (`_await_go`), set up the rest, hand over the output
+    directory, become ldconfig. Returns (an exit code) only where that failed, or where the
+    worker took it back; never raises."""
     ready = False
     try:
         linux.prctl_set_pdeathsig(linux.SIGKILL)  # kept across the exec: ldconfig is no set-id program
         os.setpgid(0, 0)
-        linux.unshare(NAMESPACES)
+        linux.unshare(NAMESPACES & ~linux.CLONE_NEWNS)
         linux.sethostname(HOSTNAME)
+        linux.drop_bounding_set()  # nothing it may do changes before the exec (_confine)
+        devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)  # ldconfig's stdin; no /dev in there
+        go = _await_go(channel, deadline)
+        if go is None:
+            return 0
+        new_mount_api, own_mounts = go
+        # A copy of the container's mount namespace as it is now, gpuhook's mounts made.
+        linux.unshare(linux.CLONE_NEWNS)
         linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
         # Read again after each change: it shows the live table (proc_pid_mountinfo(5)).
         info = mountinfo.open_table()
-        devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)  # ldconfig's stdin; no /dev in there
         top = _readonly_copy(rootfs, root_fd, info, new_mount_api, own_mounts)
         out_fd, out_dir = _output_dir(top)
         # The copy's path as the mount table shows it: root.path as written may pass through
@@ -394,7 +499,7 @@ def _confine() -> None:
     memory outside its address space; attacker pass 13, B1, B2)."""
     for name, value in LIMITS.items():
         resource.setrlimit(getattr(resource, name), (value, value))
-    linux.drop_all_capabilities()
+    linux.drop_held_capabilities()  # the bounding set went while it waited (_sandbox)
     seccomp.install(seccomp.deny(seccomp.LDCONFIG_DENIED, args=seccomp.LDCONFIG_DENIED_ARGS))
 
 

@@ -126,6 +126,10 @@ def run(plan, ns_fd: int, user_fd, proc_files: dict, deadline: float, out: int, 
                 pass  # setgroups is denied in this namespace: the group list stays as it is
             os.setresgid(0, 0, 0)
             os.setresuid(0, 0, 0)
+        if plan.ldcache is not None:
+            from gpuhook.apply import ldconfig
+
+            ldconfig.prepare(work)  # its sandbox sets itself up while the steps below run
         for step, action in steps(work, proc_files):
             set_progress(progress, step)
             if time.monotonic() > deadline:

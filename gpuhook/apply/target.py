@@ -54,6 +54,7 @@ class Target:
         self.ldconfig_fd = -1
         self.ldconfig_output = ""
         self.cache = b""  # the ld cache ldconfig built, until ldconfig.install_cache puts it in place
+        self.sandbox = None  # the ldconfig sandbox forked ahead (gpuhook.apply.ldconfig.prepare), until used
         self.left: list = []  # processes it had to leave stuck in the kernel (for the log)
         self.mount_lines = None  # {mount id: its line} of this namespace's table, as last read
         self.mount_table = {}  # {mount id: MountEntry} of the lines parsed
@@ -237,6 +238,9 @@ class Target:
                                        f"namespace: it is not the root of the container being created")
 
     def close_sources(self) -> None:
+        if self.sandbox is not None:  # forked ahead, not used: the start failed before its ld cache
+            self.left += self.sandbox.end()
+            self.sandbox = None
         for fd in [*self.sources.values(), *self.dirs.values(), *self.clones.values(), *self.local.values()]:
             os.close(fd)
         self.sources.clear()

@@ -108,13 +108,14 @@ def prctl(option: int, arg2: int = 0) -> None:
                        ctypes.c_ulong(0)), "prctl", option)
 
 
-def drop_all_capabilities() -> None:
-    """Leave this process, and whatever it executes, with no capability at all, even as uid 0:
-    empty bounding and ambient sets, SECBIT_NOROOT locked, then empty effective, permitted and
-    inheritable sets, and no_new_privs (capabilities(7), "Capabilities and execution of
-    programs by root")."""
+def drop_bounding_set() -> None:
+    """The first half of leaving this process, and whatever it executes, with no capability at
+    all, even as uid 0 (capabilities(7), "Capabilities and execution of programs by root"):
+    empty bounding and ambient sets, SECBIT_NOROOT locked. It changes nothing this process
+    may do until it executes a program: the ldconfig sandbox takes it while it waits for its
+    rootfs (gpuhook.apply.ldsandbox), `drop_held_capabilities` just before the exec."""
     cap = 0
-    while True:  # the bounding set first: dropping it needs CAP_SETPCAP, which goes last
+    while True:  # dropping the bounding set needs CAP_SETPCAP, which the effective set keeps
         if _libc.prctl(ctypes.c_int(PR_CAPBSET_DROP), ctypes.c_ulong(cap), 0, 0, 0) < 0:
             if ctypes.get_errno() == 22:  # EINVAL: past the last capability this kernel knows
                 break
@@ -122,6 +123,11 @@ def drop_all_capabilities() -> None:
         cap += 1
     prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
     prctl(PR_SET_SECUREBITS, SECURE_NOROOT_LOCKED)
+
+
+def drop_held_capabilities() -> None:
+    """The second half (after `drop_bounding_set`): empty effective, permitted and inheritable
+    sets, and no_new_privs."""
     header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable}, all zero
     _check(_libc.syscall(ctypes.c_long(syscall_number("capset")), header, data), "capset")

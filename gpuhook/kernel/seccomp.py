@@ -14,7 +14,7 @@ still uid 0 of the host (attacker pass 13):
 
 `deny` builds a classic BPF program that returns EPERM for each of the named calls, for any
 call of another ABI than the kernel's own (i386 or x32 on x86_64), and allows everything else;
-`install` loads it (no_new_privs must be set: gpuhook.kernel.linux.drop_all_capabilities).
+`install` loads it (no_new_privs must be set: gpuhook.kernel.linux.drop_held_capabilities).
 A filter outlives execve: it is the last thing installed before the exec.
 
 System call numbers are per architecture: x86_64 from asm/unistd_64.h, aarch64 from

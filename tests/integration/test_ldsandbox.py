@@ -3,6 +3,7 @@ mount API and, for kernels before 5.12, mount + remount), in a private mount nam
 a rootfs with a real procfs mounted in it, as a runtime leaves it before pivot_root."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -106,3 +107,80 @@ def test_volumes_stacked_on_one_mount_point_are_all_detached(tmp_path, new_api):
     for d in ("etc", "proc", "dev", "usr/lib64", "data"):
         (root / d).mkdir(parents=True)
     assert sandbox_in_private_namespace(root, new_api, STACKED) == {"magic": "glibc-ld.so.cache1.1"}
+
+
+AHEAD = r"""
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from gpuhook.apply import ldsandbox; from gpuhook.kernel import linux
+root = {root!r}
+linux.mount(root, root, None, linux.MS_BIND)
+linux.mount("proc", root + "/proc", "proc", 0)
+fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+ld = os.open("/sbin/ldconfig", os.O_RDONLY | os.O_CLOEXEC)
+ahead = ldsandbox.prepare(root, fd, ld, ["/usr/lib64"], time.monotonic() + 20)
+# Made after the fork, as the worker makes its mounts while the sandbox sets itself up.
+point = root + "/usr/lib64/libz.so.1"
+open(point, "w").close()
+linux.mount({library!r}, point, None, linux.MS_BIND)
+try:
+    data, output = ldsandbox.build_cache(root, fd, ld, ["/usr/lib64"], time.monotonic() + 20, True, {{point}}, ahead)
+    print(json.dumps({{"magic": data[:20].decode(), "listed": b"/usr/lib64/libz.so.1" in data}}))
+except ldsandbox.SandboxError as err:
+    print(json.dumps({{"error": str(err)}}))
+"""
+
+
+def test_a_sandbox_forked_ahead_holds_the_mounts_made_after_it(tmp_path):
+    """The worker forks the sandbox before it makes its mounts (ldsandbox.prepare): the
+    sandbox takes its copy of the mount namespace only at the go, so a library bound in
+    after the fork (over an empty mount point, which ldconfig would skip) is in the cache,
+    and the sandbox keeps it (own mounts)."""
+    require_root_tools("unshare", "ldconfig")
+    library = "/lib/x86_64-linux-gnu/libz.so.1"
+    if not os.path.exists(library):
+        pytest.skip("no libz.so.1 on this host to bind in")
+    root = tmp_path / "rootfs"
+    for d in ("etc", "proc", "dev", "usr/lib64"):
+        (root / d).mkdir(parents=True)
+    script = AHEAD.replace("{library!r}", repr(library))
+    assert sandbox_in_private_namespace(root, True, script) == {"magic": "glibc-ld.so.cache1.1", "listed": True}
+
+
+UNUSED = r"""
+import json, os, sys, time
+sys.path.insert(0, {repo!r})
+from gpuhook.apply import ldsandbox
+from gpuhook.kernel import child
+root = {root!r}
+fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+ld = os.open("/sbin/ldconfig", os.O_RDONLY | os.O_CLOEXEC)
+out = {{}}
+taken_back = ldsandbox.prepare(root, fd, ld, ["/usr/lib64"], time.monotonic() + 20)
+out["left"] = taken_back.end()
+try:
+    os.waitpid(taken_back.pid, os.WNOHANG)
+    out["reaped"] = False
+except ChildProcessError:
+    out["reaped"] = True
+forgotten = ldsandbox.prepare(root, fd, ld, ["/usr/lib64"], time.monotonic() + 0.3)
+began = time.monotonic()
+out["ended_alone"] = child.reap(forgotten.pid, 5)
+out["waited"] = round(time.monotonic() - began, 2)
+out["said"] = forgotten.channel.recv(4096).decode()
+print(json.dumps(out))
+"""
+
+
+def test_a_sandbox_forked_ahead_and_not_used_ends(tmp_path):
+    """A start that fails before its ld cache takes its sandbox back (Prepared.end: killed
+    and reaped, nothing stuck); one that nobody hands a rootfs ends at the deadline on its
+    own, saying why, instead of waiting without bound."""
+    require_root_tools("unshare")
+    root = tmp_path / "rootfs"
+    for d in ("etc", "proc", "dev", "usr/lib64"):
+        (root / d).mkdir(parents=True)
+    out = sandbox_in_private_namespace(root, True, UNUSED)
+    assert out["left"] == [] and out["reaped"] and out["ended_alone"], out
+    assert out["waited"] < 3, out
+    assert out["said"] == "the ldconfig sandbox got no rootfs before the deadline", out
