@@ -1006,6 +1006,7 @@ def _child(job: Job) -> int:
     code = 0 if code is None else code
     if conn >= 0:
         _answer_front(conn, code)
+        worker.discard()  # a committed worker the hook left to reap after the answer (hook.reap_after_answer)
     return code
 
 

@@ -232,3 +232,23 @@ def test_a_start_waits_for_a_stop_on_its_way_to_the_agent_and_two_starts_do_not_
     assert stoporder.wait_for_stops(path, began + 10) is True
     assert 0.35 <= time.monotonic() - began < 2
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_only_a_start_without_an_ld_cache_is_answered_before_its_worker_is_reaped(monkeypatch):
+    """The agent's child answers the front, then reaps the committed worker
+    (hook.reap_after_answer): not where the worker installed an ld cache, which it finishes as
+    it commits (the image's set-aside cache removed) before the container may start; not for a
+    failed start, nor for the hook run by the runtime itself, whose exit is its answer."""
+    import types
+
+    from gpuhook import hook
+    from gpuhook.kernel import caller
+
+    static, glibc = types.SimpleNamespace(ldcache=None), types.SimpleNamespace(ldcache=object())
+    monkeypatch.setattr(caller, "CALLER", [1234])  # served by the agent, for a front of pid 1234
+    assert hook.reap_after_answer(0, static)
+    assert not hook.reap_after_answer(0, glibc)
+    assert not hook.reap_after_answer(4, static)
+    assert not hook.reap_after_answer(0, None)  # no plan: a stop, or a start served before
+    monkeypatch.setattr(caller, "CALLER", [0])  # the runtime ran this process
+    assert not hook.reap_after_answer(0, static)
