@@ -315,9 +315,11 @@ def with_agent_socket(entry: dict, socket_path: str) -> dict:
     return dict(entry, env=[*entry["env"], f"GPUHOOK_AGENT_SOCKET={socket_path}"])
 
 
-def start_agent(socket_path: str) -> subprocess.Popen:
-    """`gpuhook agent --socket PATH` as gpuhook-agent.service starts it (Type=notify)."""
-    return start_service([sys.executable, "-m", "gpuhook", "agent", "--socket", socket_path], "notify", socket_path)
+def start_agent(socket_path: str, tree: str | None = None) -> subprocess.Popen:
+    """`gpuhook agent --socket PATH` as gpuhook-agent.service starts it (Type=notify); with
+    `tree`, that checkout's gpuhook (for --against) instead of the installed one."""
+    return start_service([sys.executable, "-m", "gpuhook", "agent", "--socket", socket_path], "notify", socket_path,
+                         {"PYTHONPATH": tree} if tree else None)
 
 
 def stop_service(served: subprocess.Popen) -> None:
@@ -511,35 +513,51 @@ def group_gpu(ctx) -> list:
         if front and name in PYTHON_ROWS:
             sim.add(f"{name}-python", runc_hook(sim.hook), visible, glibc, check)
             names.append(f"{name}-python")
-    if front:
-        agent = start_agent(socket_path)
-    try:
-        return _group_gpu(ctx, sim, names, front)
-    finally:
-        if agent is not None:
-            stop_service(agent)
-            shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
-
-
-PYTHON_ROWS = ("static", "glibc")  # the variants also timed with the Python command alone
-
-
-def _group_gpu(ctx, sim, names: list, front) -> list:
     against = getattr(ctx.args, "against", None)
-    reference = "static-python" if front else "static"  # what --against compares with: the Python command
-    if against:  # the same start with another tree's launcher, interleaved: an A/B in one run
-        # Its own state dir: two trees whose inventory cache formats differ would otherwise
-        # rebuild each other's cache on every start.
+    other_agent = other_socket = None
+    if against:
+        # The other tree's own state dir: two trees whose inventory cache formats differ
+        # would otherwise rebuild each other's cache on every start.
         with open(sim.config) as f:
             lines = f.read().splitlines()
         other_config = f"{sim.dir}/config-against.toml"
         with open(other_config, "w") as f:
             f.write("\n".join(f'state-dir = "{sim.state_dir}-against"' if line.startswith("state-dir =")
                               else line for line in lines) + "\n")
-        other = H.hooksd_hook(ctx.hook["path"], launcher=os.path.abspath(against), extra_args=["--config", other_config])
+        launcher = os.path.abspath(against)
+        other = H.hooksd_hook(ctx.hook["path"], launcher=launcher, extra_args=["--config", other_config])
         _, visible, glibc, check = SimGpu.VARIANTS["static"]
         sim.add("against", runc_hook(other), visible, glibc, check)
         names.append("against")
+        if front:  # and as the packages run it: this front, the other tree's agent
+            other_socket = agent_socket()
+            entry = with_agent_socket(runc_hook(H.hooksd_hook(ctx.hook["path"], launcher=launcher, front=front,
+                                                              extra_args=["--config", other_config])), other_socket)
+            for name in AGAINST_ROWS:
+                _, visible, glibc, check = SimGpu.VARIANTS[name]
+                sim.add(f"against-{name}", entry, visible, glibc, check)
+                names.append(f"against-{name}")
+    try:
+        if front:
+            agent = start_agent(socket_path)
+        if other_socket:
+            other_agent = start_agent(other_socket, os.path.dirname(os.path.dirname(launcher)))
+        return _group_gpu(ctx, sim, names, front)
+    finally:
+        for served, path in ((agent, socket_path), (other_agent, other_socket)):
+            if served is not None:
+                stop_service(served)
+            if path:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+PYTHON_ROWS = ("static", "glibc")  # the variants also timed with the Python command alone
+AGAINST_ROWS = ("static", "glibc")  # the variants --against also times through the other tree's agent
+
+
+def _group_gpu(ctx, sim, names: list, front) -> list:
+    against = getattr(ctx.args, "against", None)
+    reference = "static-python" if front else "static"  # what --against compares with: the Python command
     # Warm the config and inventory caches (untimed), then check they are warm.
     for name in names:
         sim.run(name)
@@ -600,6 +618,18 @@ def _group_gpu(ctx, sim, names: list, front) -> list:
                                f"vs {H.summary(samples[reference]['cpu_ms'])['median']:.1f} ms; minor page faults "
                                f"{H.summary(samples['against']['minflt'])['median']:.0f} vs "
                                f"{H.summary(samples[reference]['minflt'])['median']:.0f}"))
+        for name in AGAINST_ROWS:
+            if f"against-{name}" not in samples:
+                continue
+            stats = H.summary(samples[f"against-{name}"]["ms"])
+            label = SimGpu.VARIANTS[name][0]
+            rows.append(H.row(f"gpu.against-{name}", "gpu", f"{label}, front + agent of {against} (A/B)", "ms", stats,
+                              baseline="gpu.none", baseline_stats=none,
+                              paired=H.paired_ratios(samples[f"against-{name}"]["ms"], samples[name]["ms"]),
+                              note=f"{stats['median'] - samples_median(samples, name):+.1f} ms against this "
+                                   f"checkout's front + agent (gpu.{name}); paired ratio is against that row; "
+                                   "starts the other agent served: {} of {}".format(
+                                       *served.get(f"against-{name}", [0, 0]))))
     return rows
 
 
@@ -700,12 +730,13 @@ def packaged_services(directory: str = SYSTEMD_DIR) -> dict:
     return found
 
 
-def start_service(argv: list, unit_type: str, ready_path: str) -> subprocess.Popen:
-    """Start `argv` as systemd starts a service of `unit_type`: a clean environment, for
-    Type=notify a NOTIFY_SOCKET and the wait for READY=1; otherwise the wait for `ready_path`."""
+def start_service(argv: list, unit_type: str, ready_path: str, extra_env: dict | None = None) -> subprocess.Popen:
+    """Start `argv` as systemd starts a service of `unit_type`: a clean environment (plus
+    `extra_env`), for Type=notify a NOTIFY_SOCKET and the wait for READY=1; otherwise the
+    wait for `ready_path`."""
     import socket
 
-    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", **(extra_env or {})}
     notify = None
     if unit_type == "notify":
         short = tempfile.mkdtemp(prefix="gpuhook-notify-")  # a unix socket path has 107 bytes at most
