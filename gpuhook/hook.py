@@ -176,7 +176,8 @@ def read_container(state_bytes: bytes, spec_bytes: bytes | None = None, base_dir
     return state, oci.parse_spec(spec_bytes, state.bundle)
 
 
-def prestart(state, spec, config, deadline: float, log: dict | None = None, backstop=None) -> tuple:
+def prestart(state, spec, config, deadline: float, log: dict | None = None, backstop=None,
+             stage: str = "prestart") -> tuple:
     """Plan, write the caches discovery refreshed, apply the whole plan (gpuhook.apply.run.run:
     health, devices, registration). `log` (the log line) receives the decisions;
     `backstop` (Backstop) is told the phase."""
@@ -197,7 +198,7 @@ def prestart(state, spec, config, deadline: float, log: dict | None = None, back
     if backstop is not None:
         backstop.phase = "applying"
     names = _k8s_names(spec, state)
-    return plan, apply.run(plan, state, config, deadline, names, {} if log is None else log)
+    return plan, apply.run(plan, state, config, deadline, names, {} if log is None else log, stage)
 
 
 def _k8s_names(spec, state) -> dict:
@@ -321,9 +322,8 @@ def run_hook(stage: str, state_bytes: bytes, config_path: str | None = None,
             if earlier is not None:
                 log["decision"] = f"untouched: gpuhook's {earlier} hook already served this start"
                 return 0
-            plan, outcome = prestart(state, spec, config, deadline, log, backstop)
+            plan, outcome = prestart(state, spec, config, deadline, log, backstop, stage)
             if outcome is not None:
-                served.save(config.state_dir, state.id, state.pid, stage)
                 if docker_root:  # dockerd registers no poststop: leave a waiter that runs it
                     start = served.start_of(state.pid) or 0
                     try:  # the start is committed: a waiter that cannot be left is only logged

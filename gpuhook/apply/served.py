@@ -11,8 +11,8 @@ A start is named by its init's kernel identity, not by the container id alone (a
 runtime root can run a container of the same id): `<state-dir>/served/<id>@<pid>-<start>.json`,
 with `start` the init's start time (/proc/<pid>/stat field 22, which a reused pid does not
 share), the boot id, the stage that served it, and `stopped` once a poststop cleaned up after
-it. Written only after a start succeeded: a failed start aborts the container, so no second
-entry of it runs. Root-owned, 0600 in a 0700 directory, read only when trusted (gpuhook.apply.statefiles);
+it. Written while the start's worker works (gpuhook.apply.run) and removed if the start
+fails: a failed start aborts the container, so no second entry of it runs. Root-owned, 0600 in a 0700 directory, read only when trusted (gpuhook.apply.statefiles);
 a forged record could only make gpuhook skip a start, which then has no GPU at all.
 
 Records of gone inits are pruned when a start is recorded and more than PRUNE_ABOVE are there
@@ -64,18 +64,20 @@ def served_by(state_dir: str, container_id: str, pid: int, proc: str = "/proc") 
     return str(doc.get("stage"))
 
 
-def save(state_dir: str, container_id: str, pid: int, stage: str, proc: str = "/proc") -> None:
-    """Remember that `stage` served this start (best effort; raises nothing)."""
+def save(state_dir: str, container_id: str, pid: int, stage: str, proc: str = "/proc") -> str | None:
+    """Remember that `stage` serves this start: the record's path, or None where it could not
+    be written (best effort; raises nothing)."""
     start = start_of(pid, proc)
     if start is None:
-        return
+        return None
+    path = _path(state_dir, container_id, pid, start)
     try:
-        statefiles.write_atomic(_path(state_dir, container_id, pid, start),
-                           {"id": container_id, "pid": pid, "start_time": start, "boot_id": files.boot_id(),
-                            "stage": stage, "stopped": False})
+        statefiles.write_atomic(path, {"id": container_id, "pid": pid, "start_time": start,
+                                       "boot_id": files.boot_id(), "stage": stage, "stopped": False})
     except (OSError, TypeError, ValueError):
-        return
+        return None
     _prune(state_dir, proc)
+    return path
 
 
 def stop(state_dir: str, container_id: str, pid: int, proc: str = "/proc") -> tuple:

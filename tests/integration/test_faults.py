@@ -210,3 +210,21 @@ def test_cgroup_v1_undo_takes_back_only_the_access_gpuhook_added(tmp_path):
         assert v1.current_rules(directory) == [parse_v1_line("c 195:0 r")]
     finally:
         os.rmdir(directory)
+
+
+def test_a_failed_start_leaves_no_record_of_its_grant_or_of_being_served(gpus):
+    """The grant record and the served record are written while the worker works
+    (gpuhook.apply.run): a start whose worker then fails takes both back, so no poststop
+    takes back a grant for it and no second hook entry skips it as served."""
+    def dir_at_node(spec):
+        spec["mounts"].append({"destination": "/dev/nvidia0", "type": "tmpfs", "source": "tmpfs"})
+
+    result = gpus.run("fault-records", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=dir_at_node)
+    assert result.returncode != 0 and "exists and is a directory" in gpuhook_line(result)
+    state_dir = f"{os.path.dirname(gpus.log)}/run"
+    for kind in ("grants", "served"):
+        names = os.listdir(f"{state_dir}/{kind}") if os.path.isdir(f"{state_dir}/{kind}") else []
+        assert not [n for n in names if n.startswith("fault-records")], (kind, names)
+    ok = gpus.run("fault-records-ok", env=["NVIDIA_VISIBLE_DEVICES=0"])  # the records are where this looks
+    assert ok.returncode == 0, ok.stderr
+    assert [n for n in os.listdir(f"{state_dir}/served") if n.startswith("fault-records-ok@")]
