@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -1213,7 +1214,29 @@ class Context:
         with open("/proc/loadavg") as f:
             load = f.read().split()[:3]
         self.noise.append({"group": group, "when": when, "loadavg_1_5_15": [float(x) for x in load],
-                           "other_pytest_processes": count_processes(b"pytest")})
+                           "other_pytest_processes": count_processes(b"pytest"),
+                           "creates_ms": create_probe(self.workdir)})
+
+
+def create_probe(parent: str, rounds: int = 5) -> float:
+    """Milliseconds the file system of `parent` (the bundles' rootfs) takes to make what a GPU
+    start makes in a busybox rootfs: 10 directories, 20 empty files and 10 symlinks (median of
+    `rounds`). A GPU start's mount points and links go there while a start without the hook
+    makes nothing there, so the GPU rows move with it: on this VM's disk it went from 0.5 to
+    12 ms within an hour (benchmarks/README.md, "Machine noise")."""
+    times = []
+    for _ in range(rounds):
+        top = tempfile.mkdtemp(prefix="create-probe-", dir=parent)
+        began = time.perf_counter()
+        for i in range(10):
+            os.mkdir(f"{top}/d{i}")
+        for i in range(20):
+            os.close(os.open(f"{top}/f{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        for i in range(10):
+            os.symlink("f0", f"{top}/l{i}")
+        times.append((time.perf_counter() - began) * 1000)
+        shutil.rmtree(top)
+    return round(statistics.median(times), 2)
 
 
 def tmpfs_dir() -> str | None:
@@ -1430,8 +1453,10 @@ def write_markdown(path: str, doc: dict) -> None:
         out += ["Notes per row:", "", *notes, ""]
     noise = doc.get("noise") or []
     if noise:
-        out += ["Machine noise seen (load average 1/5/15 min, other pytest processes):", ""]
-        out += [f"- {n['group']} {n['when']}: {n['loadavg_1_5_15']}, {n['other_pytest_processes']}" for n in noise]
+        out += ["Machine noise seen (load average 1/5/15 min, other pytest processes, ms to make the 40 entries of a "
+                "GPU start in the bundles' file system):", ""]
+        out += [f"- {n['group']} {n['when']}: {n['loadavg_1_5_15']}, {n['other_pytest_processes']}, "
+                f"{n.get('creates_ms', '?')} ms" for n in noise]
         out.append("")
     if doc.get("importtime"):
         out += ["## -X importtime", "", "```", importtime_text(doc["importtime"]), "```", ""]
