@@ -120,7 +120,10 @@ def run(plan, state, config, deadline: float, names: dict, log: dict, stage: str
     way, while the worker works, each taken back if the start fails: the cgroup grant record
     (gpuhook.apply.grants), the record that `stage` served this start (gpuhook.apply.served),
     and the health registry entry, with the container's Kubernetes `names`
-    (journal.k8s_names). Written after the commit, the two records were 0.6 ms of a start. A failed health step undoes the rest: the
+    (journal.k8s_names). Written after the commit, the two records were 0.6 ms of a start. A
+    start ended by its backstop at the deadline leaves them: the grant's record then lets a
+    later stop take back a grant that outlives the container (gpuhook.apply.grants), where
+    before the commit none was written. A failed health step undoes the rest: the
     container never gets a GPU that failed its check. A worker that had to be killed before
     it undid its work leaves what its journal says: gpuhook.apply.leftovers takes it back (or
     records it). `log` (the hook's log line) receives the decisions; nothing is read

@@ -12,7 +12,9 @@ runtime root can run a container of the same id): `<state-dir>/served/<id>@<pid>
 with `start` the init's start time (/proc/<pid>/stat field 22, which a reused pid does not
 share), the boot id, the stage that served it, and `stopped` once a poststop cleaned up after
 it. Written while the start's worker works (gpuhook.apply.run) and removed if the start
-fails: a failed start aborts the container, so no second entry of it runs. Root-owned, 0600 in a 0700 directory, read only when trusted (gpuhook.apply.statefiles);
+fails: a failed start aborts the container, so no second entry of it runs. A start its
+backstop ends at the deadline leaves its record; it names only that start's init, which the
+runtime then kills, and is pruned with the other records of gone inits. Root-owned, 0600 in a 0700 directory, read only when trusted (gpuhook.apply.statefiles);
 a forged record could only make gpuhook skip a start, which then has no GPU at all.
 
 Records of gone inits are pruned when a start is recorded and more than PRUNE_ABOVE are there
