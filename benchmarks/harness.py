@@ -135,13 +135,15 @@ def spawn(path: str, argv: list, env: dict, stdin: str = os.devnull, stdout: str
     return Spawned(time.perf_counter_ns() - start, status, rusage)
 
 
-def interleave(candidates: dict, rounds: int, warmup: int = 1, seed: int = 8, between=None) -> dict:
+def interleave(candidates: dict, rounds: int, warmup: int = 1, seed: int = 8, between=None,
+               every: dict | None = None) -> dict:
     """Run every candidate once per round, in a fresh random order each round.
 
     `candidates` maps a name to a callable returning a Spawned (or a number of ms); a
     callable may raise to abort. `between(name)` runs untimed before each timed call (e.g.
-    a fresh rootfs). Returns {name: {"ms": [...], "cpu_ms": [...]}} in round order, so
-    samples of the same index were taken side by side.
+    a fresh rootfs). `every` maps a name to N: that candidate runs only every Nth round (a
+    slow informational one). Returns {name: {"ms": [...], "cpu_ms": [...]}} in round order,
+    so samples of the same index were taken side by side (for candidates of every round).
     """
     rng = random.Random(seed)
     names = list(candidates)
@@ -151,8 +153,8 @@ def interleave(candidates: dict, rounds: int, warmup: int = 1, seed: int = 8, be
             if between is not None:
                 between(name)
             candidates[name]()
-    for _ in range(rounds):
-        order = names[:]
+    for index in range(rounds):
+        order = [name for name in names if index % (every or {}).get(name, 1) == 0]
         rng.shuffle(order)
         for name in order:
             if between is not None:
