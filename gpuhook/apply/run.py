@@ -117,13 +117,10 @@ def run(plan, state, config, deadline: float, names: dict, log: dict, stage: str
     """Carry out the whole plan: the container's devices and files and the cgroup grant
     (`begin`), the health step (check and repair the GPUs) while the worker works, then,
     once both are fine, commit (`Pending.finish`). What poststop needs is recorded on the
-    way, while the worker works, each taken back if the start fails: the cgroup grant record
-    (gpuhook.apply.grants), the record that `stage` served this start (gpuhook.apply.served),
+    way: while the worker works, each taken back if the start fails, the record that `stage`
+    served this start (gpuhook.apply.served; written after the commit it was 0.3 ms of a start)
     and the health registry entry, with the container's Kubernetes `names`
-    (journal.k8s_names). Written after the commit, the two records were 0.6 ms of a start. A
-    start ended by its backstop at the deadline leaves them: the grant's record then lets a
-    later stop take back a grant that outlives the container (gpuhook.apply.grants), where
-    before the commit none was written. A failed health step undoes the rest: the
+    (journal.k8s_names); after the commit, the cgroup grant record (gpuhook.apply.grants). A failed health step undoes the rest: the
     container never gets a GPU that failed its check. A worker that had to be killed before
     it undid its work leaves what its journal says: gpuhook.apply.leftovers takes it back (or
     records it). `log` (the hook's log line) receives the decisions; nothing is read
@@ -132,16 +129,10 @@ def run(plan, state, config, deadline: float, names: dict, log: dict, stage: str
         return Applied("", [], [], 0)
     health = entry = None
     pending = Pending()
-    records = []  # the grant and served records written for this start: removed if it fails
+    record = None  # the served record written for this start: removed if it fails
     try:
         begin(plan, deadline, pending)
-        # Every grant is recorded, also one that added nothing (what it planned keeps those
-        # letters for it when a container sharing its cgroup stops); a container that got no
-        # grant (no cgroup of its own) is not.
-        if plan.rules and pending.granted and pending.place.directory:
-            records.append(_record_grant(plan, state, config, pending.place.mode, pending.added,
-                                         pending.place.directory, log))
-        records.append(served.save(config.state_dir, state.id, state.pid, stage))
+        record = served.save(config.state_dir, state.id, state.pid, stage)
         if plan.health is not None:
             # Only now, and only for GPUs: with health off nothing of NVML, threads or
             # gpuhook.health is imported.
@@ -161,10 +152,19 @@ def run(plan, state, config, deadline: float, names: dict, log: dict, stage: str
             if health is not None:
                 health.unregister(config, entry, log)
             raise
+        # The grant record only once the start is committed. Every grant is recorded, also one
+        # that added nothing (what it planned keeps those letters for it when a container
+        # sharing its cgroup stops); a container that got no grant (no cgroup of its own) is
+        # not. Written before the commit, it made a sibling's poststop keep the GPU for this
+        # start, which then failed, took its record back, and left the GPU allowed in the
+        # shared cgroup with nobody to take it back (attacker pass 24).
+        if plan.rules and outcome.cgroup_directory:
+            _record_grant(plan, state, config, outcome.cgroup_mode, outcome.rules_added, outcome.cgroup_directory,
+                          log)
     except BaseException as err:
-        for path in filter(None, records):
+        if record is not None:
             try:
-                statefiles.remove(path)
+                statefiles.remove(record)
             except OSError:
                 pass
         _settle_worker(pending.close(), plan, config, log, err)

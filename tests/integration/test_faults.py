@@ -213,9 +213,10 @@ def test_cgroup_v1_undo_takes_back_only_the_access_gpuhook_added(tmp_path):
 
 
 def test_a_failed_start_leaves_no_record_of_its_grant_or_of_being_served(gpus):
-    """The grant record and the served record are written while the worker works
-    (gpuhook.apply.run): a start whose worker then fails takes both back, so no poststop
-    takes back a grant for it and no second hook entry skips it as served."""
+    """The served record is written while the worker works (gpuhook.apply.run): a start whose
+    worker then fails takes it back, so no second hook entry skips it as served; the grant
+    record is written only once a start is committed (tests/integration/test_grants.py says
+    why), so a failed start has none."""
     def dir_at_node(spec):
         spec["mounts"].append({"destination": "/dev/nvidia0", "type": "tmpfs", "source": "tmpfs"})
 

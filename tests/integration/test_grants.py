@@ -16,7 +16,7 @@ import pytest
 from helpers import testbed
 from gpuhook.apply.cgroup import hierarchy
 
-from conftest import GpuContainers, require_root_tools, run_hook_process
+from conftest import GpuContainers, fake_ldconfig, require_root_tools, run_hook_process
 
 pytestmark = pytest.mark.root
 
@@ -217,3 +217,45 @@ def test_a_grant_whose_container_never_ran_its_poststop_goes_at_the_next_stop(sh
     (stop,) = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
     assert "left by a container stopped earlier" in stop["grants"], stop
     assert not os.listdir(f"{shared.workdir}/run/grants")
+
+
+def test_a_start_that_fails_after_a_sibling_stopped_leaves_it_no_gpu(shared, tmp_path):
+    """Attacker pass 24: A (prestart only, as dockerd registers gpuhook) waits behind a 2 s hook
+    while B is created and granted GPU 0; A's gpuhook then finds GPU 0 allowed (adds nothing)
+    and its worker hangs in ldconfig (an image can hold the host's ldconfig on a FIFO) while B
+    stops. A grant record written before A's commit made B's poststop keep GPU 0 for A; A
+    then failed at its deadline, took its record back, and C, never granted a GPU, kept GPU 0.
+    The record is written once the start is committed: B's stop takes GPU 0 back."""
+    import threading
+
+    shared.configure(ldconfig=fake_ldconfig(tmp_path, "HANG"), **{"deadline-seconds": 4.0})
+    shared.start("c-nogpu")
+    out = {}
+
+    def start_a():
+        hooks = {"prestart": [{"path": "/bin/sleep", "args": ["sleep", "2"]},
+                              testbed.hook_entry(shared.config, "prestart")]}
+        rootfs = shared.bed.rootfs(f"{shared.bed.workdir}/bundles/a-gpu/rootfs", files={"/bin/probe": shared.probe})
+        os.makedirs(f"{rootfs}/etc", exist_ok=True)
+        with open(f"{rootfs}/etc/ld.so.conf", "w") as f:  # a glibc image: ldconfig runs
+            f.write("include /etc/ld.so.conf.d/*.conf\n")
+
+        def in_shared_cgroup(spec):
+            spec["linux"]["cgroupsPath"] = shared.cgroup
+        bundle = shared.bed.bundle("a-gpu", ["/bin/busybox", "sleep", "600"], env=["NVIDIA_VISIBLE_DEVICES=0"],
+                                   hooks=hooks, rootfs=rootfs, edit=in_shared_cgroup)
+        out["a"] = subprocess.run([shared.bed.runc, "--root", shared.bed.state_root, "run", "-d", "--bundle", bundle,
+                                   "a-gpu"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                                  cwd="/")
+    a = threading.Thread(target=start_a)
+    a.start()
+    time.sleep(0.5)
+    shared.start("b-gpu", ["NVIDIA_VISIBLE_DEVICES=0"])  # after runc reset A's cgroup, before A's gpuhook
+    time.sleep(3.0)  # A's gpuhook is in its worker now, in the hanging ldconfig
+    shared.delete("b-gpu")
+    a.join()
+    assert out["a"].returncode != 0, "A's start was to fail at its deadline"
+    (b_stop,) = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
+    assert "kept" not in b_stop["grants"], b_stop
+    assert shared.gpu0_from("c-nogpu") == "EPERM"
+    assert "c 195:0" not in shared.devices_list()
