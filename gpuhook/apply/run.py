@@ -196,17 +196,16 @@ def _settle_worker(worker, plan, config, log: dict, err: BaseException) -> None:
         worker.settling = False
 
 
-def _record_grant(plan, state, config, mode: str, added: list, directory: str, log: dict) -> str | None:
+def _record_grant(plan, state, config, mode: str, added: list, directory: str, log: dict) -> None:
     """Remember a cgroup grant (v1 rules, or what a v2 device program gained), so poststop
-    can take it back from a cgroup that outlives the container (gpuhook.apply.grants); the
-    record's path. Best effort, like the health registry: the log says when it failed."""
+    can take it back from a cgroup that outlives the container (gpuhook.apply.grants). Best
+    effort, like the health registry: the log says when it failed."""
     from gpuhook.apply import grants
 
     try:
-        return grants.save(config.state_dir, state.id, plan.pid, directory, plan.rules, list(added), mode=mode)
+        grants.save(config.state_dir, state.id, plan.pid, directory, plan.rules, list(added), mode=mode)
     except (OSError, LookupError) as err:
         log["grant_record"] = f"not recorded: {err}"
-        return None
 
 
 def begin(plan, deadline: float, pending: "Pending") -> "Pending":
