@@ -1417,7 +1417,7 @@ def verdict_lines(rows: list) -> list:
             shown = f"{measured:.2f}×" if r["target"]["on"] == "ratio" else fmt_value(measured, r["unit"])
             verdict = "PASS" if r["pass"] else "FAIL"
             if r["target"].get("informational"):
-                verdict = f"{verdict.lower()} (informational row, not one of the issue's cases)"
+                verdict = f"{verdict.lower()} (informational row: a stress case beyond the target's)"
             lines.append(f"- {r['label']}: {shown} (target {r['target']['text']}): {verdict}")
         elif r.get("target") or r.get("unavailable"):
             lines.append(f"- {r['label']}: {r['note']}")
