@@ -13,16 +13,21 @@ from conftest import REPO, host_mounts, require_root_tools
 
 pytestmark = pytest.mark.root
 
-SCRIPT = r"""
+# Each script runs in a private mount namespace over `root`, a runtime's bind of the rootfs
+# onto itself with a procfs in it (sandbox_in_private_namespace).
+SETUP = r"""
 import json, os, sys, time
 sys.path.insert(0, {repo!r})
 from gpuhook.apply import ldsandbox; from gpuhook.kernel import linux
 root = {root!r}
 linux.mount(root, root, None, linux.MS_BIND)
 linux.mount("proc", root + "/proc", "proc", 0)
-fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+"""
+OPEN = r"""fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
 ld = os.open("/sbin/ldconfig", os.O_RDONLY | os.O_CLOEXEC)
-out = {{}}
+"""
+
+SCRIPT = SETUP + OPEN + r"""out = {{}}
 try:
     data, output = ldsandbox.build_cache(root, fd, ld, ["/usr/lib64"], time.monotonic() + 20, {new_api!r})
     out["magic"] = data[:20].decode()
@@ -76,20 +81,11 @@ def test_a_rootfs_path_through_a_symlink_gets_its_cache(tmp_path):
     assert out.get("magic") == "glibc-ld.so.cache1.1", out
 
 
-STACKED = r"""
-import json, os, sys, time
-sys.path.insert(0, {repo!r})
-from gpuhook.apply import ldsandbox; from gpuhook.kernel import linux
-root = {root!r}
-linux.mount(root, root, None, linux.MS_BIND)
-linux.mount("proc", root + "/proc", "proc", 0)
-for i in range(2):  # two volumes on one mount point, the upper one with a mount inside it
+STACKED = SETUP + r"""for i in range(2):  # two volumes on one mount point, the upper one with a mount inside it
     linux.mount("tmpfs", root + "/data", "tmpfs", 0, "size=1m")
 os.mkdir(root + "/data/inner")
 linux.mount("tmpfs", root + "/data/inner", "tmpfs", 0, "size=1m")
-fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
-ld = os.open("/sbin/ldconfig", os.O_RDONLY | os.O_CLOEXEC)
-try:
+""" + OPEN + r"""try:
     data, output = ldsandbox.build_cache(root, fd, ld, ["/usr/lib64"], time.monotonic() + 20, {new_api!r})
     print(json.dumps({{"magic": data[:20].decode()}}))
 except ldsandbox.SandboxError as err:
@@ -109,16 +105,7 @@ def test_volumes_stacked_on_one_mount_point_are_all_detached(tmp_path, new_api):
     assert sandbox_in_private_namespace(root, new_api, STACKED) == {"magic": "glibc-ld.so.cache1.1"}
 
 
-AHEAD = r"""
-import json, os, sys, time
-sys.path.insert(0, {repo!r})
-from gpuhook.apply import ldsandbox; from gpuhook.kernel import linux
-root = {root!r}
-linux.mount(root, root, None, linux.MS_BIND)
-linux.mount("proc", root + "/proc", "proc", 0)
-fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
-ld = os.open("/sbin/ldconfig", os.O_RDONLY | os.O_CLOEXEC)
-ahead = ldsandbox.prepare(root, fd, ld, ["/usr/lib64"], time.monotonic() + 20)
+AHEAD = SETUP + OPEN + r"""ahead = ldsandbox.prepare(root, fd, ld, ["/usr/lib64"], time.monotonic() + 20)
 # Made after the fork, as the worker makes its mounts while the sandbox sets itself up.
 point = root + "/usr/lib64/libz.so.1"
 open(point, "w").close()
