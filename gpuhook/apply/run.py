@@ -115,33 +115,43 @@ def _no_device_files(params: bytes) -> bytes:
 
 def run(plan, state, config, deadline: float, names: dict, log: dict, stage: str = "prestart") -> Applied:
     """Carry out the whole plan: the container's devices and files and the cgroup grant
-    (`begin`), the health step (check and repair the GPUs) while the worker works, then,
-    once both are fine, commit (`Pending.finish`). What poststop needs is recorded on the
-    way: while the worker works, each taken back if the start fails, the record that `stage`
-    served this start (gpuhook.apply.served; written after the commit it was 0.3 ms of a start)
-    and the health registry entry, with the container's Kubernetes `names`
-    (journal.k8s_names); after the commit, the cgroup grant record (gpuhook.apply.grants). A failed health step undoes the rest: the
-    container never gets a GPU that failed its check. A worker that had to be killed before
-    it undid its work leaves what its journal says: gpuhook.apply.leftovers takes it back (or
-    records it). `log` (the hook's log line) receives the decisions; nothing is read
-    from it."""
+    (`begin`), the health step (check and repair the GPUs: the health daemon asked before
+    the grant, its answer read after it) while the worker works, then, once both are fine,
+    commit (`Pending.finish`). What poststop needs is recorded on the way: while the worker
+    works, each taken back if the start fails, the record that `stage` served this start
+    (gpuhook.apply.served; written after the commit it was 0.3 ms of a start) and the health
+    registry entry, with the container's Kubernetes `names` (journal.k8s_names); after the
+    commit, the cgroup grant record (gpuhook.apply.grants). A failed health step undoes the
+    rest: the container never gets a GPU that failed its check. A worker that had to be
+    killed before it undid its work leaves what its journal says: gpuhook.apply.leftovers
+    takes it back (or records it). `log` (the hook's log line) receives the decisions;
+    nothing is read from it."""
     if plan.empty:
         return Applied("", [], [], 0)
-    health = entry = None
+    health = entry = check = None
     pending = Pending()
     record = None  # the served record written for this start: removed if it fails
     try:
-        begin(plan, deadline, pending)
-        record = served.save(config.state_dir, state.id, state.pid, stage)
         if plan.health is not None:
             # Only now, and only for GPUs: with health off nothing of NVML, threads or
             # gpuhook.health is imported.
             from gpuhook.health import hooks as health
 
+        def ask_health():
+            # The health daemon prepares the GPUs while this process grants the cgroup rules
+            # and writes the served record (about 1.5 ms of a start as installed). Cut off
+            # early enough that undoing the rest still fits in the hook's time.
+            nonlocal check
+            check = health.begin_start(plan, state, config, deadline - CLEANUP_MARGIN, log)
+
+        begin(plan, deadline, pending, ask_health if health is not None else None)
+        record = served.save(config.state_dir, state.id, state.pid, stage)
+        if health is not None:
             try:
-                # Cut off early enough that undoing the rest still fits in the hook's time.
-                health.before_start(plan, state, config, deadline - CLEANUP_MARGIN, log)
+                check.finish()
                 # Registered while the worker still works; taken back if the start fails.
+                # Only after the check: a process the check finds on the GPUs must not count
+                # as this container's.
                 entry = health.register_container(plan, state, config, names, log)
             except BaseException as err:
                 pending.abort(deadline, err)
@@ -162,6 +172,8 @@ def run(plan, state, config, deadline: float, names: dict, log: dict, stage: str
             _record_grant(plan, state, config, outcome.cgroup_mode, outcome.rules_added, outcome.cgroup_directory,
                           log)
     except BaseException as err:
+        if check is not None:
+            check.close()
         if record is not None:
             try:
                 statefiles.remove(record)
@@ -208,11 +220,12 @@ def _record_grant(plan, state, config, mode: str, added: list, directory: str, l
         log["grant_record"] = f"not recorded: {err}"
 
 
-def begin(plan, deadline: float, pending: "Pending") -> "Pending":
+def begin(plan, deadline: float, pending: "Pending", meanwhile=None) -> "Pending":
     """Set both halves of a start going in `pending`: the namespace worker
     (gpuhook.apply.worker, usually forked before the planning began) gets its order and works
-    in the container while this process grants the cgroup rules. Raises after undoing when
-    the grant fails."""
+    in the container while this process grants the cgroup rules; `meanwhile()`, when given,
+    runs between the two (it sets the health step going). Raises after undoing when the
+    grant fails."""
     if plan.pid <= 0:
         raise InputError("state: no container pid; gpuhook runs as a prestart or createRuntime hook")
     # The namespaces stay open until the worker has reported: it opens them again by pid and
@@ -228,6 +241,8 @@ def begin(plan, deadline: float, pending: "Pending") -> "Pending":
         pending.worker.send_order(encode_order(
             plan, _identity(ns_fd), None if pending.user_fd is None else _identity(pending.user_fd), proc_files,
             deadline - CLEANUP_MARGIN))
+        if meanwhile is not None:
+            meanwhile()
         # The cgroup's place only once the worker has its order: the grant needs it, the
         # worker does not (0.3-0.5 ms off a start's critical path).
         pending.place = hierarchy.placement(plan.pid)

@@ -72,16 +72,48 @@ def _trusted_socket(path: str) -> bool:
 def ask(config, uuids: list, container: str, timeout: float) -> tuple:
     """(UUIDs the daemon prepared for this start, why) from the daemon; ([], reason) when it
     cannot help. The whole exchange ends within `timeout` (at most DAEMON_TIMEOUT)."""
+    return ask_start(config, uuids, container, timeout).answer()
+
+
+class Asked:
+    """A prepare request on its way (`ask_start`): the daemon works on it while the asker
+    does something else, then `answer` reads what it did."""
+
+    def __init__(self, uuids: list, sock, until: float, why: str = ""):
+        self.uuids = uuids
+        self.sock = sock  # None when nothing went out (`why` says why)
+        self.until = until
+        self.why = why
+
+    def answer(self) -> tuple:
+        """(UUIDs the daemon prepared, why), as `ask`; closes the connection."""
+        if self.sock is None:
+            return [], self.why
+        answer, why = _receive(self.sock, self.until)
+        self.sock = None
+        if answer is None:
+            return [], why
+        prepared = answer.get("prepared")
+        if not isinstance(prepared, list):
+            return [], "health daemon answered nonsense"
+        prepared = [u for u in self.uuids if u in prepared]
+        return prepared, "prepared by the health daemon" if answer.get("ok") else str(answer.get("error", ""))[:300]
+
+    def close(self) -> None:
+        """Give up on the answer (the start failed meanwhile): the daemon's work is done
+        anyway, and nothing reads it."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+def ask_start(config, uuids: list, container: str, timeout: float) -> Asked:
+    """Send the daemon a prepare request for `uuids` and return at once: the exchange, the
+    answer read by `Asked.answer` included, ends within `timeout` (at most DAEMON_TIMEOUT)."""
     timeout = max(0.05, min(timeout, DAEMON_TIMEOUT))
-    answer, why = _request(config, {"op": "prepare", "gpus": list(uuids), "container": container,
-                                    "seconds": round(timeout, 3)}, timeout)
-    if answer is None:
-        return [], why
-    prepared = answer.get("prepared")
-    if not isinstance(prepared, list):
-        return [], "health daemon answered nonsense"
-    prepared = [u for u in uuids if u in prepared]
-    return prepared, "prepared by the health daemon" if answer.get("ok") else str(answer.get("error", ""))[:300]
+    sock, until, why = _send(config, {"op": "prepare", "gpus": list(uuids), "container": container,
+                                      "seconds": round(timeout, 3)}, timeout)
+    return Asked(list(uuids), sock, until, why)
 
 
 def release(config, entry, timeout: float) -> tuple:
@@ -102,29 +134,52 @@ def release(config, entry, timeout: float) -> tuple:
 def _request(config, message: dict, timeout: float) -> tuple:
     """(answer dict, "") or (None, why) for one request to the daemon; the whole exchange
     ends within `timeout` (at most DAEMON_TIMEOUT)."""
+    sock, until, why = _send(config, message, timeout)
+    return (None, why) if sock is None else _receive(sock, until)
+
+
+def _send(config, message: dict, timeout: float) -> tuple:
+    """(connected socket, monotonic time the exchange must end by, "") once `message` went
+    out, or (None, 0, why)."""
     path = socket_path(config)
     if not _trusted_socket(path):
-        return None, "no health daemon"
+        return None, 0.0, "no health daemon"
     import _socket  # built in: socket.py's wrapper costs milliseconds of imports (module docstring)
 
     timeout = max(0.05, min(timeout, DAEMON_TIMEOUT))
     until = time.monotonic() + timeout
+    sock = None
     try:
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.settimeout(max(until - time.monotonic(), 0.001))
+        sock.sendall((fastjson.dumps(message) + "\n").encode())
+    except OSError as err:
+        if sock is not None:
+            sock.close()
+        return None, 0.0, _no_answer(err)
+    return sock, until, ""
+
+
+def _receive(sock, until: float) -> tuple:
+    """(answer dict, "") or (None, why): the daemon's one line on `sock` (closed here), read
+    before `until`."""
+    try:
         try:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            sock.settimeout(max(until - time.monotonic(), 0.001))
-            sock.sendall((fastjson.dumps(message) + "\n").encode())
             data = _read_line(sock, MAX_ANSWER, until)
         finally:
             sock.close()
         answer = fastjson.loads(data)
     except (OSError, ValueError) as err:
-        return None, f"health daemon did not answer: {getattr(err, 'strerror', None) or err}"[:200]
+        return None, _no_answer(err)
     if not isinstance(answer, dict):
         return None, "health daemon answered nonsense"
     return answer, ""
+
+
+def _no_answer(err: Exception) -> str:
+    return f"health daemon did not answer: {getattr(err, 'strerror', None) or err}"[:200]
 
 
 class nvml_closed:

@@ -26,70 +26,95 @@ def plan_gpus(plan) -> list:
 
 
 def before_start(plan, state, config, hook_deadline: float, log: dict) -> None:
-    """Carry out the plan's health step (plan.HealthStep): check and repair its GPUs (whole
+    """Carry out the plan's health step (plan.HealthStep): `begin_start`, then its `finish`."""
+    begin_start(plan, state, config, hook_deadline, log).finish()
+
+
+def begin_start(plan, state, config, hook_deadline: float, log: dict) -> "StartCheck":
+    """Set the plan's health step going (plan.HealthStep): check and repair its GPUs (whole
     GPUs and the parents of its MIG devices) before the container gets them. In fallback
     mode a GPU is skipped when a fresh stamp made for this container's allocation (a token
     the device plugin's Allocate gave it) is claimed, or when the health daemon, asked on
-    this start's own connection, answers that it prepared the GPU just now. Raises the
-    report's error unless on-failure = warn."""
-    health = plan.health
-    uuids = list(health.gpus)
-    info = {"mode": health.mode}
-    log["health"] = info
-    if not uuids:
-        return
-    todo = list(uuids)
-    if health.mode == FALLBACK:
-        skipped = {}
-        # A stamp serves only the start it was made for: without a token this start can
-        # have none, and other starts' stamps are never looked at (docs/health.md, "Stamps").
-        for uuid in uuids if health.allocations else ():
-            claim = store.claim_stamp(config.state_dir, uuid, config.health.stamp_ttl_seconds, health.allocations)
-            if claim.fresh:
-                skipped[uuid] = claim.why
-                todo.remove(uuid)
-            elif claim.why != "no stamp":
-                info.setdefault("stamps", {})[uuid] = claim.why
-        if todo:
-            # The health daemon (gpuhook plugin) keeps NVML loaded: let it prepare them, so
-            # this process loads no NVML. Its answer comes on this start's own connection and
-            # leaves no stamp another start could claim. Anything short of "prepared": our
-            # own checks.
-            from gpuhook.health import daemon
+    this start's own connection, answers that it prepared the GPU just now. The daemon is
+    asked here and answers while the caller grants the cgroup rules (gpuhook.apply.run);
+    `StartCheck.finish` reads its answer and checks the rest in the hook."""
+    return StartCheck(plan, state, config, hook_deadline, log)
 
-            left = min(time.monotonic() + health.deadline_seconds, hook_deadline) - time.monotonic()
-            prepared, why = daemon.ask(config, todo, state.id, min(daemon.DAEMON_TIMEOUT, left / 2))
+
+class StartCheck:
+    """A start's health step under way (`begin_start`): the stamps claimed and the daemon
+    asked. `finish` raises the report's error unless on-failure = warn; `close` gives up
+    on the daemon's answer (the start failed before `finish`)."""
+
+    def __init__(self, plan, state, config, hook_deadline: float, log: dict):
+        self.health, self.state, self.config, self.hook_deadline = plan.health, state, config, hook_deadline
+        self.info = {"mode": self.health.mode}
+        log["health"] = self.info
+        self.todo = list(self.health.gpus)
+        self.skipped = {}
+        self.asked = None
+        if self.todo and self.health.mode == FALLBACK:
+            # A stamp serves only the start it was made for: without a token this start can
+            # have none, and other starts' stamps are never looked at (docs/health.md, "Stamps").
+            for uuid in list(self.todo) if self.health.allocations else ():
+                claim = store.claim_stamp(config.state_dir, uuid, config.health.stamp_ttl_seconds,
+                                          self.health.allocations)
+                if claim.fresh:
+                    self.skipped[uuid] = claim.why
+                    self.todo.remove(uuid)
+                elif claim.why != "no stamp":
+                    self.info.setdefault("stamps", {})[uuid] = claim.why
+            if self.todo:
+                # The health daemon (gpuhook plugin) keeps NVML loaded: let it prepare them, so
+                # this process loads no NVML. Its answer comes on this start's own connection and
+                # leaves no stamp another start could claim. Anything short of "prepared": our
+                # own checks.
+                from gpuhook.health import daemon
+
+                left = min(time.monotonic() + self.health.deadline_seconds, hook_deadline) - time.monotonic()
+                self.asked = daemon.ask_start(config, self.todo, state.id, min(daemon.DAEMON_TIMEOUT, left / 2))
+
+    def close(self) -> None:
+        if self.asked is not None:
+            self.asked.close()
+            self.asked = None
+
+    def finish(self) -> None:
+        health, info, todo = self.health, self.info, self.todo
+        if self.asked is not None:
+            prepared, why = self.asked.answer()
+            self.asked = None
             info["daemon"] = why
             for uuid in prepared:
-                skipped[uuid] = why
+                self.skipped[uuid] = why
                 todo.remove(uuid)
-        if skipped:
-            info["skipped"] = skipped
-    if not todo:
-        return
-    from gpuhook.health import engine  # NVML and threads: only now that a GPU needs checking
-
-    deadline = min(time.monotonic() + health.deadline_seconds, hook_deadline)
-    policy = engine.Policy(True, health.kill_orphans, None, "needed")
-    started = time.monotonic()
-    try:
-        report = engine.run(todo, config, "prestart", policy, deadline, state.id, state.pid)
-    except GpuhookError as err:
-        info["error"] = err.one_line()
-        if health.on_failure == WARN:
-            info["warning"] = f"GPUs not checked: {err.one_line()}"
+        if self.skipped:
+            info["skipped"] = self.skipped
+        if not todo:
             return
-        raise
-    finally:
-        info["nvml"] = _why_loaded(health.mode, info.get("daemon"), config, time.monotonic() - started)
-    info.update(report.as_dict())
-    error = report.error()
-    if error is None:
-        return
-    if health.on_failure == WARN:
-        info["warning"] = error.one_line()
-        return
-    raise error
+        from gpuhook.health import engine  # NVML and threads: only now that a GPU needs checking
+
+        deadline = min(time.monotonic() + health.deadline_seconds, self.hook_deadline)
+        policy = engine.Policy(True, health.kill_orphans, None, "needed")
+        started = time.monotonic()
+        try:
+            report = engine.run(todo, self.config, "prestart", policy, deadline, self.state.id, self.state.pid)
+        except GpuhookError as err:
+            info["error"] = err.one_line()
+            if health.on_failure == WARN:
+                info["warning"] = f"GPUs not checked: {err.one_line()}"
+                return
+            raise
+        finally:
+            info["nvml"] = _why_loaded(health.mode, info.get("daemon"), self.config, time.monotonic() - started)
+        info.update(report.as_dict())
+        error = report.error()
+        if error is None:
+            return
+        if health.on_failure == WARN:
+            info["warning"] = error.one_line()
+            return
+        raise error
 
 
 def _why_loaded(mode: str, daemon_said, config, seconds: float) -> str:
