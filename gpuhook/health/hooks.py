@@ -75,7 +75,13 @@ class StartCheck:
                 self.asked = daemon.ask_start(config, self.todo, state.id, min(daemon.DAEMON_TIMEOUT, left / 2))
 
     def close(self) -> None:
+        """The start failed before `finish`: the daemon's answer is not read, and the log
+        line says it was asked (it may have checked, cleaned or reset the GPUs meanwhile; its
+        own log line says what it did: attacker pass 25)."""
         if self.asked is not None:
+            if self.asked.sock is not None:
+                self.info["daemon"] = ("asked to prepare the GPUs; the start failed before its answer was read "
+                                       "(the health daemon's own log line says what it did)")
             self.asked.close()
             self.asked = None
 
