@@ -12,6 +12,7 @@ them, but FAIL under CI (GPUHOOK_STRICT=1, set by scripts/test, which .ci/run ru
 into a green run.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -222,6 +223,26 @@ def private_nvml_state(sim: dict, tmp_path, monkeypatch) -> str:
     shutil.copy(sim["nvml_state"], path)
     monkeypatch.setenv(simnvml.ENV_VAR, path)
     return path
+
+
+@contextlib.contextmanager
+def gpus_denied_parent(name: str, child: str):
+    """A parent cgroup `name` (with the test's pid) whose devices controller denies every
+    GPU ("c 195:* rw"; mknod stays: runc grants "c *:* m" itself), for a container whose
+    cgroupsPath puts it there as `child`: gpuhook's grant then fails. Yields the bundle edit
+    that does so; the parent is removed from every hierarchy afterwards."""
+    parent = f"{name}-{os.getpid()}"
+    os.makedirs(f"/sys/fs/cgroup/devices/{parent}", exist_ok=True)
+    try:
+        with open(f"/sys/fs/cgroup/devices/{parent}/devices.deny", "w") as f:
+            f.write("c 195:* rw")
+
+        def under_parent(spec):
+            spec["linux"]["cgroupsPath"] = f"/{parent}/{child}"
+
+        yield under_parent
+    finally:
+        remove_cgroup_everywhere(parent, child)
 
 
 def remove_cgroup_everywhere(name: str, child: str) -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import LIBDIR, assert_rootfs_clean, fake_ldconfig, host_mounts, remove_cgroup_everywhere
+from conftest import LIBDIR, assert_rootfs_clean, fake_ldconfig, gpus_denied_parent, host_mounts
 
 pytestmark = pytest.mark.root
 
@@ -42,15 +42,7 @@ def test_conflicting_device_from_the_spec_is_refused(gpus):
 
 def test_cgroup_write_failure_names_the_rule(gpus, tmp_path):
     """The container's parent cgroup denies major 195, so devices.allow refuses our rule."""
-    parent = f"/sys/fs/cgroup/devices/gpuhook-fault-{os.getpid()}"
-    os.makedirs(parent, exist_ok=True)
-    try:
-        with open(f"{parent}/devices.deny", "w") as f:
-            f.write("c 195:* rw")  # keep mknod (m): runc grants "c *:* m" itself
-
-        def under_parent(spec):
-            spec["linux"]["cgroupsPath"] = f"/gpuhook-fault-{os.getpid()}/fault-cgroup"
-
+    with gpus_denied_parent("gpuhook-fault", "fault-cgroup") as under_parent:
         before = host_mounts()
         result = gpus.run("fault-cgroup", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=under_parent)
         assert result.returncode != 0
@@ -58,24 +50,14 @@ def test_cgroup_write_failure_names_the_rule(gpus, tmp_path):
         assert "cgroup: cannot allow c 195:255 rw" in line and "Operation not permitted" in line
         assert host_mounts() == before
         assert_rootfs_clean(result.rootfs)
-    finally:
-        remove_cgroup_everywhere(os.path.basename(parent), "fault-cgroup")
 
 
 def test_a_failed_grant_puts_the_images_own_ld_cache_back(gpus):
     """The namespace worker runs while the hook grants the cgroup rules (gpuhook.apply.run): when
     the grant fails after the worker finished, even its last step (the image's ld.so.cache,
     replaced) is undone, byte for byte."""
-    parent = f"/sys/fs/cgroup/devices/gpuhook-fault-cache-{os.getpid()}"
-    os.makedirs(parent, exist_ok=True)
     own_cache = b"the image's own ld.so.cache\n"
-    try:
-        with open(f"{parent}/devices.deny", "w") as f:
-            f.write("c 195:* rw")
-
-        def under_parent(spec):
-            spec["linux"]["cgroupsPath"] = f"/gpuhook-fault-cache-{os.getpid()}/fault-cgroup"
-
+    with gpus_denied_parent("gpuhook-fault-cache", "fault-cgroup") as under_parent:
         def image_cache(rootfs):
             with open(f"{rootfs}/etc/ld.so.cache", "wb") as f:
                 f.write(own_cache)
@@ -90,8 +72,6 @@ def test_a_failed_grant_puts_the_images_own_ld_cache_back(gpus):
             assert f.read() == own_cache
         assert sorted(os.listdir(f"{result.rootfs}/etc")) == ["ld.so.cache", "ld.so.conf"]
         assert not os.path.exists(result.rootfs + LIBDIR)
-    finally:
-        remove_cgroup_everywhere(os.path.basename(parent), "fault-cgroup")
 
 
 def test_a_replaced_ld_cache_leaves_no_copy_behind(gpus):

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import pytest
-from conftest import GpuContainers, remove_cgroup_everywhere, require_root_tools
+from conftest import GpuContainers, gpus_denied_parent, require_root_tools
 from gpuhook import config as cfg
 from gpuhook.health import daemon
 from gpuhook.simulate import host as simhost
@@ -241,20 +241,9 @@ def test_a_start_whose_grant_fails_after_it_asked_the_daemon_says_so(bed, pristi
     (the daemon may have cleaned or reset the GPU for it; the daemon's own line says what it
     did) instead of nothing."""
     gpus = GpuContainers(bed, pristine, probe, tmp_path)
-    parent = f"/sys/fs/cgroup/devices/gpuhook-asked-{os.getpid()}"
-    os.makedirs(parent, exist_ok=True)
-    try:
-        with open(f"{parent}/devices.deny", "w") as f:
-            f.write("c 195:* rw")
-
-        def under_parent(spec):
-            spec["linux"]["cgroupsPath"] = f"/gpuhook-asked-{os.getpid()}/asked"
-
-        with standalone_daemon(gpus):
-            result = gpus.run("asked", env=["NVIDIA_VISIBLE_DEVICES=1"], edit=under_parent)
-        assert result.returncode != 0 and "cgroup: cannot allow" in result.stderr
-        record = gpus.log_lines()[-1]
-        assert record["container"] == "asked" and record["decision"] == "failed"
-        assert record["health"]["daemon"].startswith("asked to prepare the GPUs; the start failed"), record
-    finally:
-        remove_cgroup_everywhere(os.path.basename(parent), "asked")
+    with gpus_denied_parent("gpuhook-asked", "asked") as under_parent, standalone_daemon(gpus):
+        result = gpus.run("asked", env=["NVIDIA_VISIBLE_DEVICES=1"], edit=under_parent)
+    assert result.returncode != 0 and "cgroup: cannot allow" in result.stderr
+    record = gpus.log_lines()[-1]
+    assert record["container"] == "asked" and record["decision"] == "failed"
+    assert record["health"]["daemon"].startswith("asked to prepare the GPUs; the start failed"), record

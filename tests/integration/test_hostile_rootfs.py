@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import LIBDIR, host_mounts, remove_cgroup_everywhere
+from conftest import LIBDIR, gpus_denied_parent, host_mounts
 
 from test_bad_input import snapshot
 
@@ -303,15 +303,7 @@ def test_an_aborted_start_puts_back_a_magic_linked_ld_cache_without_following_it
     the same link afterwards."""
     (sentinel / "etc" / "ld.so.cache").write_text(HOST_SECRET)
     link = f"/proc/1/root{sentinel}/etc/ld.so.cache"
-    parent = f"/sys/fs/cgroup/devices/gpuhook-hostile-{os.getpid()}"
-    os.makedirs(parent, exist_ok=True)
-    try:
-        with open(f"{parent}/devices.deny", "w") as f:
-            f.write("c 195:* rw")
-
-        def under_parent(spec):
-            spec["linux"]["cgroupsPath"] = f"/gpuhook-hostile-{os.getpid()}/aborted"
-
+    with gpus_denied_parent("gpuhook-hostile", "aborted") as under_parent:
         before = (host_mounts(), snapshot(str(sentinel)))
         result = gpus.run("ld-link-aborted", env=["NVIDIA_VISIBLE_DEVICES=0"], edit=under_parent,
                           rootfs_setup=lambda rootfs: _link(rootfs, "/etc/ld.so.cache", link))
@@ -320,8 +312,6 @@ def test_an_aborted_start_puts_back_a_magic_linked_ld_cache_without_following_it
         assert os.readlink(result.rootfs + "/etc/ld.so.cache") == link
         assert sorted(os.listdir(result.rootfs + "/etc")) == ["ld.so.cache", "ld.so.conf"]
         assert HOST_SECRET not in result.stderr + json.dumps(gpus.log_lines())
-    finally:
-        remove_cgroup_everywhere(os.path.basename(parent), "aborted")
 
 
 def test_swapping_etc_for_a_magic_link_while_ldconfig_scans_never_reaches_the_host(gpus, sentinel):
