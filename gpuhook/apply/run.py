@@ -169,8 +169,7 @@ def run(plan, state, config, deadline: float, names: dict, log: dict, stage: str
         # start, which then failed, took its record back, and left the GPU allowed in the
         # shared cgroup with nobody to take it back (attacker pass 24).
         if plan.rules and outcome.cgroup_directory:
-            _record_grant(plan, state, config, outcome.cgroup_mode, outcome.rules_added, outcome.cgroup_directory,
-                          log)
+            _record_grant(plan, state, config, outcome, log)
     except BaseException as err:
         if check is not None:
             check.close()
@@ -208,14 +207,15 @@ def _settle_worker(worker, plan, config, log: dict, err: BaseException) -> None:
         worker.settling = False
 
 
-def _record_grant(plan, state, config, mode: str, added: list, directory: str, log: dict) -> None:
+def _record_grant(plan, state, config, outcome, log: dict) -> None:
     """Remember a cgroup grant (v1 rules, or what a v2 device program gained), so poststop
     can take it back from a cgroup that outlives the container (gpuhook.apply.grants). Best
     effort, like the health registry: the log says when it failed."""
     from gpuhook.apply import grants
 
     try:
-        grants.save(config.state_dir, state.id, plan.pid, directory, plan.rules, list(added), mode=mode)
+        grants.save(config.state_dir, state.id, plan.pid, outcome.cgroup_directory, plan.rules,
+                    list(outcome.rules_added), mode=outcome.cgroup_mode)
     except (OSError, LookupError) as err:
         log["grant_record"] = f"not recorded: {err}"
 

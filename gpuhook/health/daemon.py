@@ -28,8 +28,8 @@ gpuhook process about to reset sends {"op": "close-nvml", "seconds": S}; the dae
 its sessions, answers {"ok": true} and opens them again when the asker closes the connection
 (or after S seconds, 60 at most).
 
-The hook's side (`ask`) is on every GPU start with health on, so it imports what a bare
-interpreter already has: the built-in `_socket`, not `socket` (which pulls in `enum` and
+The hook's side (`ask_start`, `Asked.answer`) is on every GPU start with health on, so it
+imports what a bare interpreter already has: the built-in `_socket`, not `socket` (which pulls in `enum` and
 `selectors`), and no `threading`; together about 10 ms per start (benchmarks/, group daemon).
 """
 
@@ -69,12 +69,6 @@ def _trusted_socket(path: str) -> bool:
     return stat.S_ISSOCK(st.st_mode) and files.trusted(st) and stat.S_ISDIR(parent.st_mode) and files.trusted(parent)
 
 
-def ask(config, uuids: list, container: str, timeout: float) -> tuple:
-    """(UUIDs the daemon prepared for this start, why) from the daemon; ([], reason) when it
-    cannot help. The whole exchange ends within `timeout` (at most DAEMON_TIMEOUT)."""
-    return ask_start(config, uuids, container, timeout).answer()
-
-
 class Asked:
     """A prepare request on its way (`ask_start`): the daemon works on it while the asker
     does something else, then `answer` reads what it did."""
@@ -86,7 +80,8 @@ class Asked:
         self.why = why
 
     def answer(self) -> tuple:
-        """(UUIDs the daemon prepared, why), as `ask`; closes the connection."""
+        """(UUIDs the daemon prepared for this start, why); ([], reason) when it cannot help.
+        Closes the connection."""
         if self.sock is None:
             return [], self.why
         answer, why = _receive(self.sock, self.until)

@@ -25,11 +25,6 @@ def plan_gpus(plan) -> list:
     return uuids
 
 
-def before_start(plan, state, config, hook_deadline: float, log: dict) -> None:
-    """Carry out the plan's health step (plan.HealthStep): `begin_start`, then its `finish`."""
-    begin_start(plan, state, config, hook_deadline, log).finish()
-
-
 def begin_start(plan, state, config, hook_deadline: float, log: dict) -> "StartCheck":
     """Set the plan's health step going (plan.HealthStep): check and repair its GPUs (whole
     GPUs and the parents of its MIG devices) before the container gets them. In fallback

@@ -50,7 +50,7 @@ class LdCacheUpdate(record("LdCacheUpdate", "ldconfig directories")):
 class HealthStep(record("HealthStep", "mode gpus on_failure kill_orphans deadline_seconds allocations",
                         defaults=((),))):
     """Check (and repair) `gpus` (UUIDs: whole GPUs and MIG parents) while the rest is
-    applied, before it is committed (gpuhook.health.hooks.before_start); in fallback mode
+    applied, before it is committed (gpuhook.health.hooks.begin_start); in fallback mode
     a GPU with a fresh stamp made for one of `allocations` (the device plugin's tokens the
     container carries, gpuhook.health.store.allocation_tokens) is skipped."""
 

@@ -98,7 +98,7 @@ def test_an_answer_the_hook_stopped_waiting_for_lets_no_later_start_skip_its_che
         # A start asks for GPU 1 and gives up before the daemon is done (checking it takes 0.8 s).
         simnvml.set_gpu(state, 1, handle_latency_ms=800)
         config = cfg.load(gpus.config, {})
-        prepared, why = daemon.ask(config, [uuid], "gave-up", 0.2)
+        prepared, why = daemon.ask_start(config, [uuid], "gave-up", 0.2).answer()
         assert prepared == [], why
         time.sleep(1.5)  # the daemon's work, whatever it is, is over
         # GPU 1 breaks; the next start on it must not ride on the answer nobody took.

@@ -15,18 +15,18 @@ def test_only_a_root_only_socket_is_asked(tmp_path):
     config = cfg.from_mapping({"state-dir": str(tmp_path / "run")})
     os.makedirs(tmp_path / "run", mode=0o700)
     path = daemon.socket_path(config)
-    assert daemon.ask(config, ["GPU-a"], "c", 1.0) == ([], "no health daemon")
+    assert daemon.ask_start(config, ["GPU-a"], "c", 1.0).answer() == ([], "no health daemon")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
     try:
         os.chmod(path, 0o666)  # anyone could connect and, had they made it, answer "clean"
-        assert daemon.ask(config, ["GPU-a"], "c", 1.0) == ([], "no health daemon")
+        assert daemon.ask_start(config, ["GPU-a"], "c", 1.0).answer() == ([], "no health daemon")
         os.chmod(path, 0o600)
         os.chmod(tmp_path / "run", 0o777)
-        assert daemon.ask(config, ["GPU-a"], "c", 1.0) == ([], "no health daemon")
+        assert daemon.ask_start(config, ["GPU-a"], "c", 1.0).answer() == ([], "no health daemon")
         os.chmod(tmp_path / "run", 0o700)
-        stamped, why = daemon.ask(config, ["GPU-a"], "c", 0.2)  # trusted but never answers
+        stamped, why = daemon.ask_start(config, ["GPU-a"], "c", 0.2).answer()  # trusted but never answers
         assert stamped == [] and why.startswith("health daemon did not answer")
     finally:
         listener.close()
