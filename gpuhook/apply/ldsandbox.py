@@ -190,7 +190,11 @@ def build_cache(rootfs: str, root_fd: int, ldconfig_fd: int, directories, deadli
     pid, read_end, out_fd = prepared.pid, prepared.output, -1
     prepared.output = -1
     try:
-        _go(prepared.channel, new_mount_api, own_mounts)
+        try:
+            _go(prepared.channel, new_mount_api, own_mounts)
+        except OSError as err:  # no memfd (EMFILE, ENOMEM): the waiting sandbox is ended, and reaped
+            stuck = not child.kill_group(pid, KILL_GRACE)
+            raise SandboxError(_describe(err), left=[_stuck("the ldconfig sandbox", pid)] if stuck else ()) from None
         out_fd = _ready(prepared.channel, pid, deadline)
         # Stopped a little before the deadline, so that a kill and its grace end by then.
         result = child.wait_for(pid, read_end, deadline - KILL_GRACE, OUTPUT_LIMIT)
