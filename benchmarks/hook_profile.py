@@ -244,10 +244,13 @@ def main() -> None:
     sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.nsworker", patch_worker))
     # Health (only with [health] mode on) is imported where it is used: patched likewise.
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.hooks", lambda m: (
-        patch(m, "before_start", "health.before_start (stamps, daemon or own checks)"),
+        patch(m, "begin_start", "health.begin_start (stamps, the daemon asked)"),
+        patch(m.StartCheck, "finish", "StartCheck.finish (the daemon's answer or own checks)"),
         patch(m, "register_container", "health.register_container"))))
     sys.meta_path.insert(0, PatchOnImport("gpuhook.apply.grants", lambda m: patch(m, "save", "grants.save (cgroup v1)")))
-    sys.meta_path.insert(0, PatchOnImport("gpuhook.health.daemon", lambda m: patch(m, "ask", "health.daemon.ask")))
+    sys.meta_path.insert(0, PatchOnImport("gpuhook.health.daemon", lambda m: (
+        patch(m, "ask_start", "health.daemon.ask_start"),
+        patch(m.Asked, "answer", "health.daemon Asked.answer (waits for the daemon)"))))
     sys.meta_path.insert(0, PatchOnImport("gpuhook.health.store", lambda m: patch(m, "claim_stamp",
                                                                                    "health.store.claim_stamp")))
     patch(journal, "write", "journal.write (decision log)")

@@ -253,6 +253,7 @@ def test_a_start_that_fails_after_a_sibling_stopped_leaves_it_no_gpu(shared, tmp
     shared.start("b-gpu", ["NVIDIA_VISIBLE_DEVICES=0"])  # after runc reset A's cgroup, before A's gpuhook
     time.sleep(3.0)  # A's gpuhook is in its worker now, in the hanging ldconfig
     shared.delete("b-gpu")
+    assert a.is_alive(), "B stopped after A's start had ended: the race this test is about did not happen"
     a.join()
     assert out["a"].returncode != 0, "A's start was to fail at its deadline"
     (b_stop,) = [r for r in shared.log_lines() if r.get("stage") == "poststop"]
