@@ -64,15 +64,8 @@ def unescape(field: bytes) -> str:
 
 
 def open_table(proc: str = "/proc") -> int:
-    """A descriptor of the caller's mount table, for `read` to read again as it changes."""
+    """A descriptor of the caller's mount table, for `read_bytes` to read again as it changes."""
     return os.open(f"{proc}/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
-
-
-def read(fd: int | None = None, proc: str = "/proc") -> list:
-    """The mounts of the caller's namespace; `fd` is an open mountinfo file (`open_table`) to
-    read again from its start (it shows the table as it is at the time of reading). Raises
-    OSError."""
-    return parse(read_bytes(fd, proc))
 
 
 def index(data: bytes) -> dict:
@@ -90,7 +83,7 @@ def index(data: bytes) -> dict:
 
 
 def read_subtree(fd: int, top_id: int) -> list:
-    """`subtree(read(fd), top_id)`, parsing in full only the lines of that subtree: the
+    """`subtree(parse(read_bytes(fd)), top_id)`, parsing in full only the lines of that subtree: the
     ldconfig sandbox reads the table of a container's namespace, which holds every mount of
     the host, three times per start, and a full parse of a few dozen lines cost ~0.5 ms each
     time. The subtree is found from each line's first two fields (mount id, parent id); every
@@ -117,8 +110,9 @@ def read_subtree(fd: int, top_id: int) -> list:
 
 
 def read_bytes(fd: int | None = None, proc: str = "/proc") -> bytes:
-    """The caller's mount table as it is now, unparsed (`index`, `cgroup_mounts_in`); `fd` as
-    for `read`. Raises OSError."""
+    """The caller's mount table as it is now, unparsed (`parse`, `index`, `cgroup_mounts_in`);
+    `fd` is an open mountinfo file (`open_table`) to read again from its start (it shows the
+    table as it is at the time of reading). Raises OSError."""
     own = fd is None
     if own:
         fd = open_table(proc)
